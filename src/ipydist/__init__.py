@@ -1,0 +1,37 @@
+"""ipydist: train PyTorch models on many GPUs (or CPU processes) from a Jupyter notebook.
+
+In a notebook::
+
+    %load_ext ipydist
+    %dist_start --np 4
+
+From Python: ``ipydist.Session(np=4)``. Inside cells: ``import ipydist.torch as hvd``.
+The notebook-side names are imported lazily so that ranks, which import ``ipydist.torch``,
+do not pay for IPython's magics machinery.
+"""
+
+from ipydist._version import __version__
+
+__all__ = ["Session", "__version__", "load_ipython_extension", "unload_ipython_extension"]
+
+
+def __getattr__(name: str):
+    if name == "Session":
+        from ipydist.session import Session
+
+        return Session
+    raise AttributeError(f"module 'ipydist' has no attribute {name!r}")
+
+
+def load_ipython_extension(ipython) -> None:
+    """``%load_ext ipydist``: register the magics."""
+    from ipydist.magics import DistMagics
+
+    ipython.register_magics(DistMagics)
+
+
+def unload_ipython_extension(ipython) -> None:
+    """``%unload_ext ipydist``: stop the cluster if one runs, so nothing is left behind."""
+    magics = ipython.magics_manager.registry.get("DistMagics")
+    if magics is not None and magics.session is not None:
+        magics.session.stop(quiet=True)

@@ -1,0 +1,3 @@
+from ipydist.cli import main
+
+main()

@@ -1,0 +1,144 @@
+"""Bootstrap that runs on every rank at start, before the rank becomes an ipyparallel engine.
+
+mpiexec starts ``python -m ipydist.engine ...`` on each rank. The heavy work (importing torch,
+pinning the GPU, the process-group rendezvous) happens here, while the notebook side is still
+starting the controller, so the first cell can run as soon as the engines register. The
+remaining arguments go to ipyparallel's own engine unchanged.
+
+A rank that cannot start prints one line beginning ``ipydist: rank N`` and every rank exits
+non-zero, so mpiexec ends and ``%dist_start`` shows that line instead of waiting.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from ipydist import launch
+
+#: Prefix of the one-line messages the notebook side picks out of mpiexec's output.
+ERROR_PREFIX = "ipydist: rank"
+
+
+def _fail_all(comm, rank: int, host: str, problem: str | None) -> None:
+    """Collective: if any rank has a problem, each one with a problem says so, and all exit."""
+    problems = comm.allgather(problem)
+    if not any(problems):
+        return
+    if problem:
+        print(f"{ERROR_PREFIX} {rank} on {host}: {problem}", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+def bootstrap(env: dict[str, str] | None = None):
+    """Set up this rank: topology, threads, device, torchrun variables, process group."""
+    env = os.environ if env is None else env
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    cores = os.cpu_count() or 1
+    # Local size decides the thread count, and OMP_NUM_THREADS must be set before torch loads.
+    from mpi4py.MPI import COMM_TYPE_SHARED
+
+    local = comm.Split_type(COMM_TYPE_SHARED, key=comm.rank)
+    threads = launch.threads_per_rank(cores, local.size)
+    local.Free()
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    problem = None
+    try:
+        gpus = launch.parse_gpus(env.get("IPYDIST_GPUS", "auto"))
+    except launch.LaunchError as e:
+        gpus, problem = "none", str(e)
+    if isinstance(gpus, list):
+        os.environ["CUDA_VISIBLE_DEVICES"] = launch.format_gpus(gpus)
+
+    import torch
+
+    from ipydist.torch import runtime
+
+    torch.set_num_threads(threads)
+    rt = runtime.topology_from_mpi(comm)
+    rt.timeout_s = float(env.get("IPYDIST_PG_TIMEOUT", "600"))
+    backend = env.get("IPYDIST_BACKEND", "auto")
+    if problem is None:
+        try:
+            count = torch.cuda.device_count() if gpus != "none" else 0
+            rt.device_index = launch.plan_device(gpus, rt.local_rank, rt.local_size, count, backend)
+            if rt.device_index is not None:
+                torch.cuda.set_device(rt.device_index)
+        except (launch.LaunchError, RuntimeError) as e:
+            problem = str(e)
+    _fail_all(comm, rt.rank, rt.host, problem)
+
+    rt.backend = launch.resolve_backend(backend, rt.device_index)
+    runtime.set_runtime(rt)
+    runtime.install_reuse_shim()
+    if env.get("IPYDIST_INIT", "1") == "1":
+        try:
+            runtime.init_process_group(rt)
+        except Exception as e:  # the backend's own message is the useful part
+            print(
+                f"{ERROR_PREFIX} {rt.rank} on {rt.host}: could not create the {rt.backend} "
+                f"process group: {e}",
+                file=sys.stderr,
+                flush=True,
+            )
+            comm.Abort(1)
+    else:
+        rt.master_port = comm.bcast(_free_port(rt.master_addr) if rt.rank == 0 else 0, root=0)
+        runtime.export_torchrun_env(rt)
+    return rt
+
+
+def _free_port(addr: str) -> int:
+    """A port free now, for ``--no-init`` clusters whose user code rendezvous by itself."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def rank_info() -> dict:
+    """What the notebook shows about this rank; called through ipyparallel after start."""
+    import socket
+
+    import torch.distributed as dist
+
+    from ipydist.torch import runtime
+
+    rt = runtime.get()
+    info = {
+        "rank": rt.rank,
+        "size": rt.size,
+        "local_rank": rt.local_rank,
+        "local_size": rt.local_size,
+        "host": rt.host or socket.gethostname(),
+        "pid": os.getpid(),
+        "device": str(rt.device),
+        "backend": rt.backend if dist.is_initialized() else "(none)",
+        "threads": int(os.environ.get("OMP_NUM_THREADS", "0")),
+        "nanny_pid": None,
+    }
+    try:
+        from ipyparallel.engine.app import IPEngine
+
+        if IPEngine.initialized() and getattr(IPEngine.instance(), "nanny_pipe", None):
+            info["nanny_pid"] = IPEngine.instance().nanny_pipe.pid
+    except Exception:
+        pass
+    return info
+
+
+def main(argv: list[str] | None = None) -> None:
+    bootstrap()
+    from ipyparallel.engine.app import IPEngine
+
+    IPEngine.launch_instance(argv)
+
+
+if __name__ == "__main__":
+    # Run the copy imported as ``ipydist.engine`` so its functions are the ones clients call.
+    from ipydist.engine import main as _main
+
+    _main()

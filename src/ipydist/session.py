@@ -1,0 +1,475 @@
+"""The notebook-side Session: one ipyparallel cluster whose engines are MPI ranks.
+
+``Session`` owns an ipyparallel ``Cluster`` (controller on loopback, engines started by
+``mpiexec`` running :mod:`ipydist.engine`) and its ``Client``. The magics are a thin layer over
+it, and it works the same from plain Python::
+
+    with ipydist.Session(np=4) as s:
+        s.run("import ipydist.torch as hvd; print(hvd.rank())")
+
+The controller and the engines start at the same time: the engines import torch and build the
+process group while the controller comes up, and then read its connection file. That is most
+of why ``start()`` is quicker than a plain ``ipyparallel.Cluster`` followed by ``import torch``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import psutil
+
+from ipydist import launch, report
+from ipydist.errors import CellTimeout, ClusterError, RankError
+from ipydist.output import LineMerger, OutputCollector
+from ipydist.specs import SpecError, describe_ranks, format_ranks, parse_env, parse_ranks
+
+DEFAULT_START_TIMEOUT = 120.0
+#: Controller heartbeat: a rank is declared gone after HEARTBEAT_MS * HEARTBEAT_MISSES ms.
+HEARTBEAT_MS = 200
+HEARTBEAT_MISSES = 50
+#: How long ranks get to finish after an interrupt before the cell gives up on them.
+INTERRUPT_GRACE = 5.0
+
+
+@dataclass
+class RunResult:
+    """What a cell produced, beyond the output already shown."""
+
+    ranks: list[int]
+    execute_results: dict[int, dict] = field(default_factory=dict)
+    elapsed: float = 0.0
+
+
+def _check_np(np) -> int:
+    try:
+        n = int(np)
+    except (TypeError, ValueError):
+        n = None
+    if n is None or isinstance(np, bool) or n < 1 or str(np).strip() not in (str(n), f"+{n}"):
+        raise SpecError(f"--np {np}: the number of ranks must be a whole number of at least 1.")
+    return n
+
+
+class Session:
+    """N long-lived ranks under mpiexec, driven through ipyparallel, torch.distributed ready."""
+
+    def __init__(
+        self,
+        np: int | None = None,
+        gpus: str | list[int] = "auto",
+        backend: str = "auto",
+        mpi: str | None = None,
+        mpi_args: str = "",
+        timeout: float = DEFAULT_START_TIMEOUT,
+        env: dict[str, str] | list[str] | None = None,
+        init: bool = True,
+    ):
+        self.np = _check_np(np if np is not None else (os.cpu_count() or 1))
+        self.gpus = launch.parse_gpus(gpus)
+        if backend not in ("auto", "nccl", "gloo", "mpi"):
+            raise SpecError(f"--backend {backend}: expected auto, nccl or gloo.")
+        self.backend = backend
+        self.mpi = mpi
+        self.mpi_args = mpi_args or ""
+        if not timeout or float(timeout) <= 0:
+            raise SpecError(f"--timeout {timeout}: expected a number of seconds above 0.")
+        self.timeout = float(timeout)
+        self.env = parse_env(env)
+        self.init = init
+        self.ranks: list[dict] = []
+        self.startup_seconds: float | None = None
+        self._cluster = None
+        self._client = None
+        self._profile_dir: str | None = None
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        return self._client is not None
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def start(self) -> Session:
+        """Start the ranks and wait until every one can run a cell; show a table of them."""
+        if self.running:
+            raise ClusterError(
+                f"a cluster of {self.size} ranks is already running; %dist_stop it first "
+                "(or %dist_restart)."
+            )
+        t0 = time.perf_counter()
+        mpiexec = launch.find_mpiexec(self.mpi)
+        rank_env = {
+            "IPYDIST_GPUS": launch.format_gpus(self.gpus),
+            "IPYDIST_BACKEND": self.backend,
+            "IPYDIST_INIT": "1" if self.init else "0",
+            **self.env,
+        }
+        plan = launch.plan_mpiexec(mpiexec, self.np, self.mpi_args, rank_env)
+        for note in plan.notes:
+            print(note, file=sys.stderr)
+        progress = report.Progress()
+        progress.update(f"Starting {self.np} ranks with {plan.flavor} mpiexec...")
+        try:
+            self._launch(plan)
+            self._wait_for_ranks(plan, progress, deadline=t0 + self.timeout)
+        except BaseException:
+            progress.close()
+            self.stop(quiet=True)
+            raise
+        progress.close()
+        self.startup_seconds = time.perf_counter() - t0
+        report.show(self._ranks_table())
+        return self
+
+    def _launch(self, plan: launch.MpiexecPlan) -> None:
+        import ipyparallel as ipp
+
+        ip, location = launch.controller_address(plan.multi_host)
+        self._profile_dir = tempfile.mkdtemp(prefix="ipydist-")
+        cluster = ipp.Cluster(
+            profile_dir=self._profile_dir,
+            n=self.np,
+            engines="mpi",
+            controller_ip=ip,
+            controller_location=location or "",
+            delay=0,
+            send_engines_connection_env=False,
+            log_level=logging.WARNING,
+            engine_timeout=int(self.timeout),
+            controller_args=[
+                # Registration completes on the first heartbeat after an engine connects;
+                # ipyparallel's 3 s period would add up to 6 s to every start.
+                f"--HeartMonitor.period={HEARTBEAT_MS}",
+                f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
+            ],
+        )
+        cfg = cluster.config.MPIEngineSetLauncher
+        cfg.mpi_cmd = [plan.mpiexec]
+        cfg.mpi_args = plan.args
+        cfg.engine_cmd = [sys.executable, "-m", "ipydist.engine"]
+        cfg.engine_args = [
+            f"--IPEngine.wait_for_url_file={self.timeout}",
+            f"--log-level={os.environ.get('IPYDIST_ENGINE_LOG_LEVEL', 'WARN')}",
+            # ipyparallel's nanny (one more Python process per rank) exists to signal engines
+            # on other hosts; on one host the session signals the rank's pid itself.
+            f"--IPEngine.enable_nanny={plan.multi_host}",
+        ]
+        cfg.environment = plan.env
+        self._cluster = cluster
+        cluster.start_controller_sync()
+        cluster.start_engines_sync()
+
+    def _engine_set(self):
+        return next(iter(self._cluster.engines.values()), None) if self._cluster else None
+
+    def _wait_for_ranks(self, plan, progress, deadline: float) -> None:
+        """Wait for registration, watching mpiexec so that a failed launch ends the wait."""
+        engine_set = self._engine_set()
+        client = None
+        while True:
+            if client is None and os.path.exists(self._client_file()):
+                client = self._client = self._cluster.connect_client_sync()
+            registered = len(client.ids) if client is not None else 0
+            if registered >= self.np:
+                break
+            if not _alive(engine_set.process):
+                raise ClusterError(self._launch_failure(plan, "mpiexec exited before the "
+                                                        f"{self.np} ranks started"))
+            if time.perf_counter() > deadline:
+                raise ClusterError(self._launch_failure(
+                    plan, f"only {registered} of {self.np} ranks started within "
+                    f"--timeout {self.timeout:g} s"))
+            progress.update(
+                f"Starting {self.np} ranks with {plan.flavor} mpiexec: "
+                f"{registered}/{self.np} ready"
+            )
+            time.sleep(0.02)
+        from ipydist.engine import rank_info
+
+        infos = client[:].apply_sync(rank_info)
+        self.ranks = sorted(infos, key=lambda i: i["rank"])
+        mismatched = [i["rank"] for i, eid in zip(infos, client.ids) if i["rank"] != eid]
+        if mismatched:
+            raise ClusterError(f"engine ids do not match MPI ranks for {describe_ranks(mismatched)}")
+
+    def _client_file(self) -> str:
+        return os.path.join(
+            self._profile_dir, "security", f"ipcontroller-{self._cluster.cluster_id}-client.json"
+        )
+
+    def _launch_failure(self, plan, what: str) -> str:
+        """The message for a launch that failed: our rank lines first, then MPI's own words."""
+        from ipydist.engine import ERROR_PREFIX
+
+        engine_set = self._engine_set()
+        output = ""
+        try:
+            with open(engine_set.output_file, errors="replace") as f:
+                output = f.read()
+        except OSError:
+            pass
+        ours = [ln for ln in output.splitlines() if ln.startswith(ERROR_PREFIX)]
+        tail = [ln for ln in output.splitlines() if ln.strip() and ln not in ours][-25:]
+        code = getattr(engine_set, "_popen_process", None)
+        code = code.poll() if code is not None else None
+        parts = [what + (f" (exit code {code})." if code not in (None, 0) else ".")]
+        parts += ours
+        if tail:
+            parts += ["", f"{os.path.basename(plan.mpiexec)} said:", *tail]
+        if not ours:
+            parts += ["", "Check the MPI installation (ipydist doctor), --mpi and --mpi-args."]
+        return "\n".join(parts)
+
+    def stop(self, quiet: bool = False) -> None:
+        """Stop engines, mpiexec and the controller, and make sure none of them is left."""
+        pids = self._all_pids()
+        if self._client is not None:
+            try:
+                self._client.close()
+            except Exception:
+                pass
+        if self._cluster is not None:
+            try:
+                self._cluster.stop_cluster_sync()
+            except Exception as e:  # carry on: the pid sweep below still ends the processes
+                if not quiet:
+                    print(f"ipydist: stopping the cluster: {e}", file=sys.stderr)
+        _reap(pids)
+        if self._profile_dir:
+            shutil.rmtree(self._profile_dir, ignore_errors=True)
+        was = len(self.ranks)
+        self._cluster = self._client = self._profile_dir = None
+        self.ranks = []
+        if was and not quiet:
+            print(f"Stopped {was} ranks.")
+
+    def restart(self) -> Session:
+        """Stop, then start a fresh cluster with the same arguments."""
+        self.stop(quiet=True)
+        return self.start()
+
+    def _all_pids(self) -> list[int]:
+        pids = [p for info in self.ranks for p in (info["pid"], info.get("nanny_pid")) if p]
+        if self._cluster is not None:
+            for launcher in [self._cluster.controller, *self._cluster.engines.values()]:
+                if launcher is not None and getattr(launcher, "pid", -1) > 0:
+                    pids.append(launcher.pid)
+        return pids
+
+    def __enter__(self) -> Session:
+        if not self.running:
+            self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop(quiet=True)
+
+    def __del__(self):
+        if getattr(self, "_cluster", None) is not None:
+            self.stop(quiet=True)
+
+    def _require_running(self):
+        if not self.running:
+            raise ClusterError("no cluster is running: start one with %dist_start --np N.")
+
+    # --- cells -------------------------------------------------------------------------------
+
+    def run(
+        self,
+        code: str,
+        ranks: str | list[int] | None = None,
+        timeout: float | None = None,
+        output: str = "all",
+    ) -> RunResult:
+        """Run ``code`` on the ranks (all by default), streaming their output as it comes.
+
+        Raises :class:`RankError` naming the ranks that raised, with the first one's traceback.
+        """
+        self._require_running()
+        targets = parse_ranks(ranks, self.size)
+        if output not in ("all", "rank0"):
+            raise SpecError(f"--output {output}: expected all or rank0.")
+        _check_syntax(code)
+        t0 = time.perf_counter()
+        ar = self._client[targets].execute(code, silent=False, block=False)
+        collector = OutputCollector(self._client, ar, targets)
+        shown = targets if output == "all" else targets[:1]
+        merger = LineMerger(shown)
+        result = RunResult(targets)
+        deadline = None if not timeout else t0 + float(timeout)
+        try:
+            while not ar.ready():
+                ar.wait(0.05)
+                self._show(collector.drain(), merger, shown, result)
+                if deadline is not None and time.perf_counter() > deadline and not ar.ready():
+                    running = self._interrupt(ar, targets)
+                    raise CellTimeout(
+                        f"the cell ran past --timeout {timeout:g} s; interrupted "
+                        f"{describe_ranks(running)}."
+                    )
+            ar.wait_for_output(2)
+        except KeyboardInterrupt:
+            running = self._interrupt(ar, targets)
+            print(f"Interrupted {describe_ranks(running)}.", file=sys.stderr)
+            raise
+        finally:
+            collector.detach()
+            self._show(collector.drain(), merger, shown, result)
+            _print_lines(merger.flush())
+        result.elapsed = time.perf_counter() - t0
+        replies = ar.get(return_exceptions=True)
+        failures = {
+            rank: reply for rank, reply in zip(targets, replies) if isinstance(reply, Exception)
+        }
+        if failures:
+            raise RankError(failures)
+        return result
+
+    def _show(self, events, merger: LineMerger, shown: list[int], result: RunResult) -> None:
+        for ev in events:
+            if ev.kind in ("stdout", "stderr"):
+                if ev.rank in shown:
+                    merger.feed(ev.rank, ev.kind, ev.content)
+            elif ev.kind == "execute_result":
+                result.execute_results[ev.rank] = ev.content
+            elif ev.kind == "display_data" and ev.rank == shown[0]:
+                report.publish(ev.content.get("data", {}), ev.content.get("metadata"))
+        _print_lines(merger.release())
+
+    def _interrupt(self, ar, targets: list[int]) -> list[int]:
+        """SIGINT the ranks still running the cell; wait a little for them to stop."""
+        running = [r for r, child in zip(targets, ar._children) if not child.done()]
+        if running:
+            self.signal(signal.SIGINT, running)
+            ar.wait(INTERRUPT_GRACE)
+        return running
+
+    def signal(self, sig: int, ranks: list[int] | None = None) -> None:
+        """Send ``sig`` to ranks: directly to local pids, through ipyparallel's nanny otherwise."""
+        self._require_running()
+        remote = []
+        for r in parse_ranks(ranks, self.size):
+            proc = _local_process(self.ranks[r])
+            if proc is None:
+                remote.append(r)
+            elif _alive(proc):
+                proc.send_signal(sig)
+        if remote:
+            self._client.send_signal(sig, targets=remote, block=False)
+
+    # --- variables ---------------------------------------------------------------------------
+
+    def pull(self, name: str, rank: int | None = None):
+        """The value of ``name`` on every rank (a list in rank order), or on one rank."""
+        self._require_running()
+        targets = parse_ranks(rank, self.size)
+        replies = self._client[targets].pull(name, block=False).get(return_exceptions=True)
+        failures = {r: v for r, v in zip(targets, replies) if isinstance(v, Exception)}
+        if failures:
+            first = next(iter(failures.values()))
+            if first.ename == "NameError":
+                raise NameError(
+                    f"{name!r} is not defined on {describe_ranks(failures)}: "
+                    "set it in an %%everyrank cell first."
+                )
+            raise RankError(failures, what=f"pull({name!r})")
+        return replies[0] if rank is not None else replies
+
+    def push(self, **values) -> None:
+        """Send notebook values to every rank, under the given names."""
+        self._require_running()
+        self._client[:].push(values, block=True)
+
+    # --- status ------------------------------------------------------------------------------
+
+    def status(self) -> report.Table:
+        """One row per rank: host, pid, device, alive/busy/dead, memory."""
+        self._require_running()
+        queues = self._client.queue_status()
+        registered = set(self._client.ids)
+        rows = []
+        for info in self.ranks:
+            r = info["rank"]
+            proc = _local_process(info)
+            alive = r in registered and (proc is None or _alive(proc))
+            busy = alive and queues.get(r, {}).get("queue", 0) > 0
+            memory = ""
+            if proc is not None and _alive(proc):
+                memory = f"{proc.memory_info().rss / 2**20:.0f} MiB"
+            state = "dead" if not alive else ("busy" if busy else "idle")
+            rows.append([r, info["host"], info["pid"], info["device"], state, memory])
+        dead = [row[0] for row in rows if row[4] == "dead"]
+        caption = f"{self.size} ranks" + (f"; {describe_ranks(dead)} dead" if dead else "")
+        return report.Table(["rank", "host", "pid", "device", "state", "memory"], rows, caption)
+
+    def _ranks_table(self) -> report.Table:
+        rows = [[i["rank"], i["host"], i["pid"], i["device"], i["backend"]] for i in self.ranks]
+        backend = self.ranks[0]["backend"] if self.ranks else "?"
+        caption = (
+            f"{self.size} ranks ready in {self.startup_seconds:.1f} s "
+            f"(backend {backend}, ranks {format_ranks(range(self.size))})"
+        )
+        return report.Table(["rank", "host", "pid", "device", "backend"], rows, caption)
+
+
+def _check_syntax(code: str) -> None:
+    """Raise SyntaxError here, before the cell reaches any rank."""
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    compile(TransformerManager().transform_cell(code), "<everyrank cell>", "exec")
+
+
+def _print_lines(lines) -> None:
+    for tag, stream, line in lines:
+        print(f"[{tag}] {line}", end="", file=sys.stderr if stream == "stderr" else sys.stdout)
+
+
+def _alive(proc) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _local_process(info: dict):
+    """The psutil process of a rank on this host (None for a rank on another host)."""
+    import socket
+
+    if info["host"] != socket.gethostname():
+        return None
+    try:
+        return psutil.Process(info["pid"])
+    except psutil.Error:
+        return _Gone()
+
+
+class _Gone:
+    def is_running(self) -> bool:
+        return False
+
+
+def _reap(pids: list[int], grace: float = 5.0) -> None:
+    """Wait for ``pids`` to exit; SIGKILL any still there after ``grace`` seconds."""
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=grace)

@@ -1,0 +1,76 @@
+"""Parsing and formatting of the small specs users type: rank lists and K=V pairs."""
+
+from __future__ import annotations
+
+import re
+
+_RANGE = re.compile(r"^(\d+)-(\d+)$")
+
+
+class SpecError(ValueError):
+    """A spec the user typed is malformed or out of range; the message says how to fix it."""
+
+
+def parse_ranks(spec: str | int | list[int] | None, size: int) -> list[int]:
+    """Ranks named by ``--ranks``: ``0``, ``0,2``, ``1-3`` or a mix; None means all ranks."""
+    if spec is None:
+        return list(range(size))
+    if isinstance(spec, int):
+        parts: list[str] = [str(spec)]
+    elif isinstance(spec, list | tuple | range):
+        parts = [str(int(r)) for r in spec]
+    else:
+        parts = [p.strip() for p in str(spec).split(",")]
+    ranks: list[int] = []
+    for part in parts:
+        m = _RANGE.match(part)
+        if part.isdigit():
+            ranks.append(int(part))
+        elif m and int(m.group(1)) <= int(m.group(2)):
+            ranks.extend(range(int(m.group(1)), int(m.group(2)) + 1))
+        else:
+            raise SpecError(
+                f"--ranks {spec}: expected a rank (0), a list (0,2) or a range (1-3)."
+            )
+    outside = [r for r in ranks if r >= size]
+    if outside:
+        raise SpecError(
+            f"--ranks {spec}: this cluster has ranks 0-{size - 1}; "
+            f"{format_ranks(outside)} {'does' if len(outside) == 1 else 'do'} not exist."
+        )
+    return sorted(set(ranks))
+
+
+def format_ranks(ranks) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``: short, and the inverse of :func:`parse_ranks`."""
+    ranks = sorted(set(ranks))
+    runs: list[str] = []
+    i = 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        runs.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ",".join(runs)
+
+
+def describe_ranks(ranks) -> str:
+    """``"rank 1"`` or ``"ranks 0-2,5"``, for messages."""
+    ranks = sorted(set(ranks))
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)}"
+
+
+def parse_env(pairs: list[str] | dict[str, str] | None) -> dict[str, str]:
+    """``["K=V", ...]`` from ``--env`` into a dict, rejecting anything that is not K=V."""
+    if not pairs:
+        return {}
+    if isinstance(pairs, dict):
+        return {str(k): str(v) for k, v in pairs.items()}
+    env = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", name):
+            raise SpecError(f"--env {pair}: expected NAME=VALUE, for example --env NCCL_DEBUG=INFO.")
+        env[name] = value
+    return env

@@ -1,0 +1,41 @@
+"""The API used inside ``%%everyrank`` cells, with Horovod's names.
+
+``import ipydist.torch as hvd`` lets Horovod PyTorch code run as it is::
+
+    hvd.init()
+    torch.manual_seed(hvd.rank())
+    total = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum)   # == hvd.size()
+"""
+
+from ipydist.torch.collectives import (
+    Average,
+    Max,
+    Min,
+    ReduceOp,
+    Sum,
+    allgather,
+    allreduce,
+    allreduce_,
+    barrier,
+    broadcast,
+    broadcast_,
+    device,
+    init,
+    local_rank,
+    local_size,
+    rank,
+    size,
+)
+from ipydist.torch.functions import (
+    allgather_object,
+    broadcast_object,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+)
+
+__all__ = [
+    "Average", "Max", "Min", "ReduceOp", "Sum",
+    "allgather", "allgather_object", "allreduce", "allreduce_", "barrier",
+    "broadcast", "broadcast_", "broadcast_object", "broadcast_optimizer_state",
+    "broadcast_parameters", "device", "init", "local_rank", "local_size", "rank", "size",
+]

@@ -1,0 +1,98 @@
+"""Broadcasting Python objects, parameters and optimizer state, as Horovod's functions do.
+
+Parameters travel flattened, one buffer per dtype and device, so a model with hundreds of
+small tensors costs a handful of broadcasts rather than hundreds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ipydist.torch.collectives import _check_root, _rt, rank, size
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
+    """Return ``root_rank``'s ``obj`` on every rank (any picklable object)."""
+    _check_root(root_rank)
+    box = [obj if rank() == root_rank else None]
+    dist.broadcast_object_list(box, src=root_rank, device=_object_device())
+    return box[0]
+
+
+def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
+    """Every rank's ``obj``, as a list in rank order."""
+    _rt()
+    out: list[Any] = [None] * size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _object_device() -> torch.device | None:
+    rt = _rt()
+    return rt.device if rt.backend == "nccl" else None
+
+
+def _named_tensors(params) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(params, Mapping):
+        items = list(params.items())
+    elif isinstance(params, Iterable):
+        items = []
+        for i, p in enumerate(params):
+            items.append(p if isinstance(p, tuple) else (str(i), p))
+    else:
+        raise TypeError(
+            "broadcast_parameters takes a state_dict or a list of (name, tensor) pairs, "
+            f"not {type(params).__name__}"
+        )
+    bad = [n for n, t in items if not isinstance(t, torch.Tensor)]
+    if bad:
+        raise TypeError(f"broadcast_parameters: not tensors: {', '.join(bad[:5])}")
+    return items
+
+
+@torch.no_grad()
+def broadcast_parameters(params, root_rank: int = 0) -> None:
+    """Overwrite parameters on every rank with ``root_rank``'s, in place.
+
+    ``params``: ``model.state_dict()``, ``model.named_parameters()``, or a list of pairs.
+    """
+    _check_root(root_rank)
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for _, t in _named_tensors(params):
+        t = t.data if isinstance(t, torch.nn.Parameter) else t
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    for tensors in groups.values():
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        dist.broadcast(flat, src=root_rank)
+        offset = 0
+        for t in tensors:
+            n = t.numel()
+            t.copy_(flat[offset:offset + n].view_as(t))
+            offset += n
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
+    """Give every rank ``root_rank``'s optimizer state and hyper-parameters (lr, momentum...).
+
+    The state travels as one pickled object with its tensors on the CPU; ``load_state_dict``
+    moves them to each rank's parameter devices.
+    """
+    state = None
+    if rank() == root_rank:
+        state = _to_cpu(optimizer.state_dict())
+    state = broadcast_object(state, root_rank)
+    optimizer.load_state_dict(state)
+
+
+def _to_cpu(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_to_cpu(v) for v in value)
+    return value

@@ -1,0 +1,228 @@
+"""This rank's place in the cluster, and the default process group ipydist keeps ready.
+
+MPI is the rendezvous: ranks learn rank, size and local rank from ``MPI.COMM_WORLD``, and
+rank 0 opens a TCPStore on a free port and broadcasts the port over MPI, so no port is ever
+guessed or raced for. The same path rebuilds the group when user code destroyed it (the PyTorch
+DDP tutorial's ``cleanup()`` does), so ipydist's collectives keep working in the next cell.
+
+Outside an ipydist cluster (a script under ``torchrun``) the torchrun variables are used.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import inspect
+import os
+import socket
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Runtime:
+    """Where this rank stands; filled once by the bootstrap or the first ``init()``."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    host: str
+    device_index: int | None = None
+    backend: str = "gloo"
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    timeout_s: float = 600.0
+    comm: Any = None  # mpi4py communicator, when launched by mpiexec
+    store: Any = None
+    group: Any = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def device(self) -> torch.device:
+        if self.device_index is None:
+            return torch.device("cpu")
+        return torch.device("cuda", self.device_index)
+
+
+_runtime: Runtime | None = None
+_original_init_process_group = dist.init_process_group
+_reuse_announced = False
+
+
+def get() -> Runtime | None:
+    """The runtime if this process has one, without creating it."""
+    return _runtime
+
+
+def set_runtime(rt: Runtime) -> None:
+    global _runtime
+    _runtime = rt
+
+
+def mpi_world():
+    """COMM_WORLD when this process was started by mpiexec with more than one rank, else None."""
+    launched_by_mpi = any(
+        k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "PMI_RANK")
+    )
+    if not launched_by_mpi:
+        return None
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def topology_from_mpi(comm) -> Runtime:
+    """rank, size, local rank and local size from MPI; master address from where rank 0 is."""
+    from mpi4py import MPI
+
+    host = socket.gethostname()
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+    local_rank, local_size = local.rank, local.size
+    local.Free()
+    hosts = comm.allgather(host)
+    if len(set(hosts)) == 1:
+        master_addr = "127.0.0.1"
+    else:
+        master_addr = comm.bcast(socket.getfqdn() if comm.rank == 0 else None, root=0)
+    master_addr = os.environ.get("IPYDIST_MASTER_ADDR") or master_addr
+    return Runtime(
+        rank=comm.rank, size=comm.size, local_rank=local_rank, local_size=local_size,
+        host=host, master_addr=master_addr, comm=comm,
+    )
+
+
+def topology_from_env() -> Runtime:
+    """The torchrun variables, or a world of one when there are none."""
+    env = os.environ
+    size = int(env.get("WORLD_SIZE", "1"))
+    return Runtime(
+        rank=int(env.get("RANK", "0")),
+        size=size,
+        local_rank=int(env.get("LOCAL_RANK", "0")),
+        local_size=int(env.get("LOCAL_WORLD_SIZE", str(size))),
+        host=socket.gethostname(),
+        master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+        master_port=int(env.get("MASTER_PORT", "0")),
+    )
+
+
+def export_torchrun_env(rt: Runtime) -> None:
+    """Set what ``torchrun`` would set, so code written for it finds its variables."""
+    os.environ.update(
+        RANK=str(rt.rank),
+        WORLD_SIZE=str(rt.size),
+        LOCAL_RANK=str(rt.local_rank),
+        LOCAL_WORLD_SIZE=str(rt.local_size),
+        MASTER_ADDR=rt.master_addr,
+        MASTER_PORT=str(rt.master_port),
+    )
+
+
+def _make_store(rt: Runtime):
+    """A TCPStore: rank 0 listens on a free port and tells the others over MPI."""
+    timeout = datetime.timedelta(seconds=rt.timeout_s)
+    if rt.comm is None:
+        if rt.size == 1 and not rt.master_port:
+            return dist.TCPStore(rt.master_addr, 0, 1, True, timeout=timeout)
+        return dist.TCPStore(
+            rt.master_addr, rt.master_port, rt.size, rt.rank == 0, timeout=timeout
+        )
+    store = None
+    port = 0
+    if rt.rank == 0:
+        store = dist.TCPStore(
+            rt.master_addr, 0, rt.size, True, timeout=timeout, wait_for_workers=False
+        )
+        port = store.port
+    port = rt.comm.bcast(port, root=0)
+    if rt.rank != 0:
+        store = dist.TCPStore(rt.master_addr, port, rt.size, False, timeout=timeout)
+    rt.master_port = port
+    return store
+
+
+def init_process_group(rt: Runtime) -> None:
+    """Create the default process group for ``rt`` (collective: every rank calls it)."""
+    rt.store = _make_store(rt)
+    export_torchrun_env(rt)
+    _original_init_process_group(
+        backend=rt.backend,
+        store=rt.store,
+        rank=rt.rank,
+        world_size=rt.size,
+        timeout=datetime.timedelta(seconds=rt.timeout_s),
+    )
+    rt.group = dist.group.WORLD
+
+
+def owns_default_group(rt: Runtime | None) -> bool:
+    """Whether the default group is the one ipydist made (not one user code made)."""
+    return (
+        rt is not None and rt.group is not None and dist.is_initialized()
+        and dist.group.WORLD is rt.group
+    )
+
+
+def ensure_process_group() -> Runtime:
+    """The runtime with a live default group, creating either as needed (collective)."""
+    global _runtime
+    if _runtime is None:
+        comm = mpi_world()
+        _runtime = topology_from_mpi(comm) if comm is not None else topology_from_env()
+        _runtime.device_index = _default_device_index(_runtime)
+        _runtime.backend = "nccl" if _runtime.device_index is not None else "gloo"
+    if not dist.is_initialized():
+        init_process_group(_runtime)
+    return _runtime
+
+
+def _default_device_index(rt: Runtime) -> int | None:
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        index = rt.local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return index
+    return None
+
+
+@functools.wraps(_original_init_process_group)
+def _reusing_init_process_group(*args, **kwargs):
+    """``torch.distributed.init_process_group`` that reuses ipydist's group when it matches.
+
+    Code written for ``torchrun`` or the DDP tutorial calls ``init_process_group`` itself.
+    When the group ``%dist_start`` made has the same backend, rank and world size, the call
+    keeps it (no second rendezvous); otherwise ipydist's group is replaced by the one asked for.
+    """
+    global _reuse_announced
+    rt = _runtime
+    if owns_default_group(rt):
+        bound = inspect.signature(_original_init_process_group).bind_partial(*args, **kwargs)
+        asked = bound.arguments
+        backend = str(asked.get("backend") or rt.backend).lower()
+        same = (
+            backend in (rt.backend, "cpu:gloo,cuda:nccl" if rt.backend == "nccl" else rt.backend)
+            and int(asked.get("world_size", -1)) in (-1, rt.size)
+            and int(asked.get("rank", -1)) in (-1, rt.rank)
+        )
+        if same:
+            if not _reuse_announced and rt.rank == 0:
+                print(
+                    f"ipydist: init_process_group() keeps the {rt.backend} group of "
+                    f"{rt.size} ranks that %dist_start made.",
+                    file=sys.stderr,
+                )
+            _reuse_announced = True
+            return None
+        dist.destroy_process_group()
+        rt.group = None
+        rt.store = None
+    return _original_init_process_group(*args, **kwargs)
+
+
+def install_reuse_shim() -> None:
+    """Route user calls of ``init_process_group`` through :func:`_reusing_init_process_group`."""
+    dist.init_process_group = _reusing_init_process_group
