@@ -64,7 +64,7 @@ def mpi_flavor(mpiexec: str) -> str:
     """``"openmpi"``, ``"mpich"`` or ``"unknown"``, read from ``mpiexec --version``."""
     try:
         out = subprocess.run(
-            [mpiexec, "--version"], capture_output=True, text=True, timeout=20
+            [mpiexec, "--version"], capture_output=True, text=True, timeout=5
         )
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"

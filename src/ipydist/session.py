@@ -144,7 +144,7 @@ class Session:
             controller_location=location or "",
             delay=0,
             send_engines_connection_env=False,
-            log_level=logging.WARNING,
+            log_level=logging.ERROR,  # failures are reported by us, with MPI's output
             engine_timeout=int(self.timeout),
             controller_args=[
                 # Registration completes on the first heartbeat after an engine connects;
@@ -200,7 +200,9 @@ class Session:
         self.ranks = sorted(infos, key=lambda i: i["rank"])
         mismatched = [i["rank"] for i, eid in zip(infos, client.ids) if i["rank"] != eid]
         if mismatched:
-            raise ClusterError(f"engine ids do not match MPI ranks for {describe_ranks(mismatched)}")
+            raise ClusterError(
+                f"engine ids do not match MPI ranks for {describe_ranks(mismatched)}"
+            )
 
     def _client_file(self) -> str:
         return os.path.join(
@@ -212,16 +214,17 @@ class Session:
         from ipydist.engine import ERROR_PREFIX
 
         engine_set = self._engine_set()
-        output = ""
-        try:
-            with open(engine_set.output_file, errors="replace") as f:
-                output = f.read()
-        except OSError:
-            pass
+        if not _alive(engine_set.process):
+            # ipyparallel reads (and deletes) the output file when it notices the exit.
+            deadline = time.monotonic() + 2
+            while not engine_set.stop_data and time.monotonic() < deadline:
+                time.sleep(0.02)
+        output = engine_set.get_output(remove=False) if engine_set.stop_data else _read(
+            engine_set.output_file
+        )
         ours = [ln for ln in output.splitlines() if ln.startswith(ERROR_PREFIX)]
         tail = [ln for ln in output.splitlines() if ln.strip() and ln not in ours][-25:]
-        code = getattr(engine_set, "_popen_process", None)
-        code = code.poll() if code is not None else None
+        code = _exit_code(engine_set.process)
         parts = [what + (f" (exit code {code})." if code not in (None, 0) else ".")]
         parts += ours
         if tail:
@@ -427,6 +430,22 @@ def _check_syntax(code: str) -> None:
     from IPython.core.inputtransformer2 import TransformerManager
 
     compile(TransformerManager().transform_cell(code), "<everyrank cell>", "exec")
+
+
+def _exit_code(proc) -> int | None:
+    """mpiexec's exit code once it has exited (psutil remembers it after the reaping wait)."""
+    try:
+        return proc.wait(0)
+    except (psutil.Error, psutil.TimeoutExpired):
+        return None
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def _print_lines(lines) -> None:

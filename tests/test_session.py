@@ -1,0 +1,92 @@
+"""The Session API from plain Python, and the process lifecycle: stop and restart leave nothing."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+from conftest import run_cell, wait_gone
+
+import ipydist
+from ipydist.errors import ClusterError, RankError
+
+
+def cluster_pids(session) -> dict[str, list[int]]:
+    """Every process the session started: engines, mpiexec, controller."""
+    cluster = session._cluster
+    return {
+        "engines": [i["pid"] for i in session.ranks],
+        "mpiexec": [es.pid for es in cluster.engines.values()],
+        "controller": [cluster.controller.pid],
+    }
+
+
+def test_session_context_manager_runs_and_cleans_up(capsys):
+    with ipydist.Session(np=2) as s:
+        assert s.running and s.size == 2 and s.startup_seconds > 0
+        pids = cluster_pids(s)
+        assert all(psutil.pid_exists(p) for group in pids.values() for p in group)
+        result = s.run("import ipydist.torch as hvd\nvalue = hvd.rank() + 1\nvalue * 100")
+        assert result.ranks == [0, 1]
+        assert result.execute_results[1]["data"]["text/plain"] == "200"
+        assert s.pull("value") == [1, 2]
+        assert s.pull("value", rank=1) == 2
+        s.push(weights=[0.5, 0.25])
+        s.run("total = sum(weights) * hvd.size()")
+        assert s.pull("total") == [1.5, 1.5]
+        assert "idle" in str(s.status())
+        with pytest.raises(RankError) as info:
+            s.run("assert hvd.rank() == 0, 'only rank 0 passes'")
+        assert info.value.ranks == [1]
+        with pytest.raises(NameError, match="'nope' is not defined on ranks 0-1"):
+            s.pull("nope")
+    out = capsys.readouterr().out
+    assert "2 ranks ready in" in out
+    assert not s.running
+    left = wait_gone([p for group in pids.values() for p in group])
+    assert left == [], f"left running after the with block: {left}"
+    with pytest.raises(ClusterError, match="no cluster is running"):
+        s.run("pass")
+
+
+def test_dist_stop_ends_every_process(shell, capsys, no_cluster, magics):
+    result, out, _ = run_cell(shell, capsys, "%dist_start --np 2")
+    assert result.error_in_exec is None
+    assert "rank  host  pid   device  backend" in out
+    pids = cluster_pids(magics.session)
+    result, out, _ = run_cell(shell, capsys, "%dist_stop")
+    assert "Stopped 2 ranks." in out
+    for group, group_pids in pids.items():
+        assert wait_gone(group_pids) == [], f"{group} still running"
+    _, out, _ = run_cell(shell, capsys, "%dist_stop")
+    assert "No cluster is running." in out
+
+
+def test_dist_restart_replaces_every_process(shell, capsys, no_cluster, magics):
+    run_cell(shell, capsys, "%dist_start --np 2")[0].raise_error()
+    old = cluster_pids(magics.session)
+    try:
+        result, out, _ = run_cell(shell, capsys, "%dist_restart")
+        assert result.error_in_exec is None
+        assert "2 ranks ready in" in out
+        new = cluster_pids(magics.session)
+        assert not set(new["engines"]) & set(old["engines"])
+        assert wait_gone([p for group in old.values() for p in group]) == []
+        _, out, _ = run_cell(
+            shell, capsys, "%everyrank import ipydist.torch as hvd; print(hvd.size())"
+        )
+        assert "[all ranks] 2" in out
+    finally:
+        shell.run_cell("%dist_stop")
+
+
+def test_no_init_leaves_the_process_group_to_user_code():
+    with ipydist.Session(np=2, init=False) as s:
+        s.run(
+            "import os, torch, torch.distributed as dist\n"
+            "before = dist.is_initialized()\n"
+            "dist.init_process_group('gloo')  # env:// from the torchrun variables\n"
+            "t = torch.ones(1); dist.all_reduce(t)\n"
+            "got = (before, t.item(), os.environ['RANK'], os.environ['WORLD_SIZE'])"
+        )
+        assert s.pull("got") == [(False, 2.0, "0", "2"), (False, 2.0, "1", "2")]
+        assert [r["backend"] for r in s.ranks] == ["(none)", "(none)"]
