@@ -76,6 +76,23 @@ def mpi_flavor(mpiexec: str) -> str:
     return "unknown"
 
 
+def default_np() -> int:
+    """One rank per GPU when ``nvidia-smi`` lists GPUs, else one per CPU core.
+
+    ``nvidia-smi`` is asked rather than torch so that the notebook kernel never touches CUDA.
+    """
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10)
+            gpus = [ln for ln in out.stdout.splitlines() if ln.startswith("GPU ")]
+            if gpus:
+                return len(gpus)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    return os.cpu_count() or 1
+
+
 def is_multi_host(mpi_args: list[str]) -> bool:
     """Whether the user's mpiexec arguments name other hosts."""
     return any(a.split("=", 1)[0] in _HOST_OPTIONS for a in mpi_args)

@@ -40,7 +40,9 @@ class DistMagics(Magics):
         return self.session
 
     @magic_arguments()
-    @argument("--np", default=None, help="number of ranks (default: one per CPU core)")
+    @argument(
+        "--np", default=None, help="number of ranks (default: one per GPU, else one per CPU core)"
+    )
     @argument(
         "--gpus", default="auto",
         help="auto (one GPU per rank when GPUs are present), none, or a list such as 0,1",

@@ -1,10 +1,9 @@
 """What the ranks print, brought into the notebook live and tagged by rank.
 
 Two parts. :class:`OutputCollector` hooks into ipyparallel's IOPub dispatch for one cell and
-turns each rank's messages into events on a queue; it attaches on the client's IO thread, so
-no message is lost or seen twice between submitting the cell and attaching. :class:`LineMerger`
-is pure logic: it buffers each rank's lines for a moment so that a line every rank prints
-(``epoch 3 done``) is shown once as ``[all ranks]`` instead of N times.
+turns each rank's messages into events on a queue, losing none and showing none twice.
+:class:`LineMerger` is pure logic: it buffers each rank's lines for a moment so that a line
+every rank prints (``epoch 3 done``) is shown once as ``[all ranks]`` instead of N times.
 """
 
 from __future__ import annotations
@@ -27,34 +26,47 @@ class Event:
 
 
 class OutputCollector:
-    """Collects one cell's IOPub output from every rank into a thread-safe queue."""
+    """Collects one cell's IOPub output from every rank into a thread-safe queue.
 
-    def __init__(self, client, async_result, ranks: list[int]):
+    Output can reach the client's IO thread before our callbacks are attached (the request is
+    sent from that thread as soon as ``execute`` returns). ipyparallel keeps everything that
+    arrived in the request's metadata, so each rank starts with a snapshot of it: taken on the
+    first callback (the metadata then already includes that message), or at :meth:`finish` if
+    no message came after attaching. A lock makes sure exactly one of the two takes it, so no
+    output is lost or shown twice, and no extra wake-up of the IO thread is needed.
+    """
+
+    def __init__(self, async_result, ranks: list[int]):
         self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
-        self._attached = threading.Event()
-        self._pairs = list(zip(ranks, async_result._children))
+        self._lock = threading.Lock()
+        self._started: set[int] = set()
+        self._futures = dict(zip(ranks, async_result._children))
         self._callbacks = []
-        client._io_loop.add_callback(self._attach)
-
-    def _attach(self) -> None:
-        # Runs on the IO thread, between message dispatches: what already arrived is in the
-        # metadata, everything later reaches the callback; nothing falls in between.
-        for rank, future in self._pairs:
-            md = future.output.metadata
-            for name in ("stdout", "stderr"):
-                if md[name]:
-                    self.events.put(Event(rank, name, md[name]))
-            for output in md["outputs"]:
-                self.events.put(Event(rank, "display_data", output))
-            if md["execute_result"]:
-                self.events.put(Event(rank, "execute_result", md["execute_result"]))
-            callback = self._make_callback(rank)
+        for rank, future in self._futures.items():
+            callback = self._make_callback(rank, future)
             future.iopub_callbacks.append(callback)
             self._callbacks.append((future, callback))
-        self._attached.set()
 
-    def _make_callback(self, rank: int):
+    def _snapshot(self, rank: int, future) -> bool:
+        """Queue what arrived so far for ``rank``, once; False if that was already done."""
+        with self._lock:
+            if rank in self._started:
+                return False
+            self._started.add(rank)
+        md = future.output.metadata
+        for name in ("stdout", "stderr"):
+            if md[name]:
+                self.events.put(Event(rank, name, md[name]))
+        for output in list(md["outputs"]):
+            self.events.put(Event(rank, "display_data", output))
+        if md["execute_result"]:
+            self.events.put(Event(rank, "execute_result", md["execute_result"]))
+        return True
+
+    def _make_callback(self, rank: int, future):
         def on_iopub(msg):
+            if self._snapshot(rank, future):
+                return  # the snapshot already holds this message
             kind = msg["header"]["msg_type"]
             content = msg["content"]
             if kind == "stream":
@@ -72,13 +84,15 @@ class OutputCollector:
             except queue.Empty:
                 return out
 
-    def detach(self, timeout: float = 5.0) -> None:
-        self._attached.wait(timeout)
+    def finish(self) -> None:
+        """Detach; call once every rank's output is complete (or the cell was abandoned)."""
         for future, callback in self._callbacks:
             try:
                 future.iopub_callbacks.remove(callback)
             except ValueError:
                 pass
+        for rank, future in self._futures.items():
+            self._snapshot(rank, future)
 
 
 class LineMerger:

@@ -14,6 +14,7 @@ of why ``start()`` is quicker than a plain ``ipyparallel.Cluster`` followed by `
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -71,7 +72,7 @@ class Session:
         env: dict[str, str] | list[str] | None = None,
         init: bool = True,
     ):
-        self.np = _check_np(np if np is not None else (os.cpu_count() or 1))
+        self.np = _check_np(np if np is not None else launch.default_np())
         self.gpus = launch.parse_gpus(gpus)
         if backend not in ("auto", "nccl", "gloo", "mpi"):
             raise SpecError(f"--backend {backend}: expected auto, nccl or gloo.")
@@ -87,6 +88,7 @@ class Session:
         self.startup_seconds: float | None = None
         self._cluster = None
         self._client = None
+        self._views: dict[tuple[int, ...], object] = {}
         self._profile_dir: str | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -252,6 +254,7 @@ class Session:
             shutil.rmtree(self._profile_dir, ignore_errors=True)
         was = len(self.ranks)
         self._cluster = self._client = self._profile_dir = None
+        self._views = {}
         self.ranks = []
         if was and not quiet:
             print(f"Stopped {was} ranks.")
@@ -304,8 +307,8 @@ class Session:
             raise SpecError(f"--output {output}: expected all or rank0.")
         _check_syntax(code)
         t0 = time.perf_counter()
-        ar = self._client[targets].execute(code, silent=False, block=False)
-        collector = OutputCollector(self._client, ar, targets)
+        ar = self._view(targets).execute(code, silent=False, block=False)
+        collector = OutputCollector(ar, targets)
         shown = targets if output == "all" else targets[:1]
         merger = LineMerger(shown)
         result = RunResult(targets)
@@ -326,7 +329,7 @@ class Session:
             print(f"Interrupted {describe_ranks(running)}.", file=sys.stderr)
             raise
         finally:
-            collector.detach()
+            collector.finish()
             self._show(collector.drain(), merger, shown, result)
             _print_lines(merger.flush())
         result.elapsed = time.perf_counter() - t0
@@ -337,6 +340,14 @@ class Session:
         if failures:
             raise RankError(failures)
         return result
+
+    def _view(self, targets: list[int]):
+        """One DirectView per set of targets, reused: making one costs more than a small cell."""
+        key = tuple(targets)
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = self._client[list(targets)]
+        return view
 
     def _show(self, events, merger: LineMerger, shown: list[int], result: RunResult) -> None:
         for ev in events:
@@ -376,7 +387,7 @@ class Session:
         """The value of ``name`` on every rank (a list in rank order), or on one rank."""
         self._require_running()
         targets = parse_ranks(rank, self.size)
-        replies = self._client[targets].pull(name, block=False).get(return_exceptions=True)
+        replies = self._view(targets).pull(name, block=False).get(return_exceptions=True)
         failures = {r: v for r, v in zip(targets, replies) if isinstance(v, Exception)}
         if failures:
             first = next(iter(failures.values()))
@@ -391,7 +402,7 @@ class Session:
     def push(self, **values) -> None:
         """Send notebook values to every rank, under the given names."""
         self._require_running()
-        self._client[:].push(values, block=True)
+        self._view(list(range(self.size))).push(values, block=True)
 
     # --- status ------------------------------------------------------------------------------
 
@@ -425,11 +436,16 @@ class Session:
         return report.Table(["rank", "host", "pid", "device", "backend"], rows, caption)
 
 
-def _check_syntax(code: str) -> None:
-    """Raise SyntaxError here, before the cell reaches any rank."""
+@functools.cache
+def _transformer():
     from IPython.core.inputtransformer2 import TransformerManager
 
-    compile(TransformerManager().transform_cell(code), "<everyrank cell>", "exec")
+    return TransformerManager()
+
+
+def _check_syntax(code: str) -> None:
+    """Raise SyntaxError here, before the cell reaches any rank (IPython syntax allowed)."""
+    compile(_transformer().transform_cell(code), "<everyrank cell>", "exec")
 
 
 def _exit_code(proc) -> int | None:
