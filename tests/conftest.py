@@ -3,7 +3,6 @@ tests that only need *a* cluster (starting one costs seconds; most tests share i
 
 from __future__ import annotations
 
-import os
 import re
 import time
 
@@ -50,7 +49,6 @@ def _running(pid: int) -> bool:
 @pytest.fixture(scope="session")
 def shell():
     """The real IPython InteractiveShell that IPython's own tests use, with ipydist loaded."""
-    os.environ.setdefault("MPLBACKEND", "Agg")
     from IPython.testing.globalipapp import start_ipython
 
     ip = start_ipython()
