@@ -25,6 +25,9 @@ def test_find_mpiexec_prefers_explicit_then_env_then_venv(tmp_path, monkeypatch)
 def test_find_mpiexec_explains_what_to_do(tmp_path, monkeypatch):
     with pytest.raises(LaunchError, match="--mpi /no/such: no such executable"):
         launch.find_mpiexec("/no/such")
+    monkeypatch.setenv("IPYDIST_MPIEXEC", "/no/such")
+    with pytest.raises(LaunchError, match=r"\$IPYDIST_MPIEXEC = /no/such: no such executable"):
+        launch.find_mpiexec()
     monkeypatch.setattr(launch, "EXTRA_MPIEXEC_DIRS", [str(tmp_path)])
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv("IPYDIST_MPIEXEC", raising=False)

@@ -36,28 +36,25 @@ def bootstrap(env: dict[str, str] | None = None):
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    cores = os.cpu_count() or 1
-    # Local size decides the thread count, and OMP_NUM_THREADS must be set before torch loads.
-    from mpi4py.MPI import COMM_TYPE_SHARED
-
-    local = comm.Split_type(COMM_TYPE_SHARED, key=comm.rank)
-    threads = launch.threads_per_rank(cores, local.size)
-    local.Free()
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     problem = None
     try:
         gpus = launch.parse_gpus(env.get("IPYDIST_GPUS", "auto"))
     except launch.LaunchError as e:
         gpus, problem = "none", str(e)
-    if isinstance(gpus, list):
+    if isinstance(gpus, list):  # before torch touches CUDA
         os.environ["CUDA_VISIBLE_DEVICES"] = launch.format_gpus(gpus)
 
     import torch
 
     from ipydist.torch import runtime
 
-    torch.set_num_threads(threads)
     rt = runtime.topology_from_mpi(comm)
+    # OMP_NUM_THREADS from the user (--env) wins; otherwise share the host's cores.
+    threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or launch.threads_per_rank(
+        os.cpu_count() or 1, rt.local_size
+    )
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # for processes the rank starts
     rt.timeout_s = float(env.get("IPYDIST_PG_TIMEOUT", "600"))
     backend = env.get("IPYDIST_BACKEND", "auto")
     if problem is None:

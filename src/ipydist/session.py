@@ -314,8 +314,7 @@ class Session:
         result = RunResult(targets)
         deadline = None if not timeout else t0 + float(timeout)
         try:
-            while not ar.ready():
-                ar.wait(0.05)
+            while not ar.wait(0.05):
                 self._show(collector.drain(), merger, shown, result)
                 if deadline is not None and time.perf_counter() > deadline and not ar.ready():
                     running = self._interrupt(ar, targets)
@@ -443,8 +442,13 @@ def _transformer():
     return TransformerManager()
 
 
+@functools.lru_cache(maxsize=256)
 def _check_syntax(code: str) -> None:
-    """Raise SyntaxError here, before the cell reaches any rank (IPython syntax allowed)."""
+    """Raise SyntaxError here, before the cell reaches any rank (IPython syntax allowed).
+
+    Cached by source: a cell run again (a training loop re-run after a change elsewhere) is
+    not parsed again. A cell that raised is not cached, so it is reported every time.
+    """
     compile(_transformer().transform_cell(code), "<everyrank cell>", "exec")
 
 
