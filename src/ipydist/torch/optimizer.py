@@ -1,0 +1,269 @@
+"""``DistributedOptimizer``: any torch optimizer, with gradients averaged over ranks.
+
+Algorithm (data-parallel SGD, as in Horovod, Sergeev & Del Balso 2018, and PyTorch DDP, Li et
+al. 2020): parameters are packed into fused buckets, in reverse order of registration (roughly
+the order backward produces their gradients). When every gradient of a bucket has been
+accumulated, a hook starts an asynchronous allreduce of the whole bucket, so communication
+overlaps the rest of backward; ``step()`` waits for what is still in flight, writes the averaged
+gradients back, and runs the wrapped optimizer. Buckets are always launched in index order, so
+every rank issues the same collectives in the same order. A model whose gradients fit in one
+bucket gets no hooks at all: its single allreduce runs in ``step()``.
+
+Each bucket carries one extra number per parameter, "this rank had a gradient", summed with the
+gradients. A parameter that got no gradient on some ranks therefore never blocks the others
+(its bucket is sent with zeros by ``step()``), and one that got no gradient anywhere keeps
+``grad = None``, as it would in a single process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ipydist.torch.collectives import Average, ReduceOp, Sum, _rt, size
+from ipydist.torch.compression import Compression, Compressor
+
+#: Default bucket size. Measured with benchmarks/train_step.py (see the README).
+DEFAULT_BUCKET_CAP_MB = 25.0
+
+#: Attribute on each parameter holding the hook of the DistributedOptimizer that owns it. A
+#: notebook re-runs cells, so a second DistributedOptimizer over the same model must take the
+#: hooks over, or the first one's hooks would start collectives nobody waits for.
+_HOOK_ATTR = "_ipydist_grad_hook"
+
+
+@dataclass
+class _Bucket:
+    params: list[torch.nn.Parameter]
+    numel: int
+    ready: set[int] = field(default_factory=set)
+    work: object = None
+    wire: torch.Tensor | None = None
+    ctx: object = None
+
+
+class _DistributedMixin:
+    """Methods mixed into a subclass of the wrapped optimizer's own class."""
+
+    def _ipydist_setup(
+        self, named_parameters, compression, backward_passes_per_step, op,
+        gradient_predivide_factor, bucket_cap_mb,
+    ) -> None:
+        if op not in (Average, Sum):
+            raise ValueError(f"DistributedOptimizer op must be Average or Sum, not {op}")
+        if backward_passes_per_step < 1:
+            raise ValueError("backward_passes_per_step must be at least 1")
+        if not (isinstance(compression, type) and issubclass(compression, Compressor)):
+            raise TypeError("compression must be Compression.none, .fp16 or .bf16")
+        params = [
+            p for group in self.param_groups for p in group["params"] if p.requires_grad
+        ]
+        self._names = _names_for(params, named_parameters)
+        self._compression = compression
+        self._passes = backward_passes_per_step
+        self._op = op
+        self._predivide = float(gradient_predivide_factor)
+        self._buckets = _plan_buckets(params, bucket_cap_mb * 2**20)
+        self._slot = {id(p): (b, i) for b, bucket in enumerate(self._buckets)
+                      for i, p in enumerate(bucket.params)}
+        self._passes_left = {id(p): self._passes for p in params}
+        self._next_launch = 0
+        self._grad_marks: list | None = None  # gradients as the last synchronize() left them
+        self._skip_sync = False
+        self._use_hooks = len(self._buckets) > 1
+        for p in params:
+            old = getattr(p, _HOOK_ATTR, None)
+            if old is not None:
+                old.remove()
+            handle = p.register_post_accumulate_grad_hook(self._make_hook()) \
+                if self._use_hooks else None
+            setattr(p, _HOOK_ATTR, handle)
+
+    def _make_hook(self):
+        me = weakref.ref(self)
+
+        def hook(p: torch.Tensor) -> None:
+            opt = me()
+            if opt is not None:
+                opt._gradient_ready(p)
+
+        return hook
+
+    # --- during backward ----------------------------------------------------------------------
+
+    def _gradient_ready(self, p: torch.Tensor) -> None:
+        key = id(p)
+        self._passes_left[key] -= 1
+        if self._passes_left[key] > 0:
+            return
+        b, i = self._slot[key]
+        bucket = self._buckets[b]
+        if i in bucket.ready or bucket.work is not None:
+            raise RuntimeError(
+                f"the gradient of {self._names[key]} was computed again before step(): call "
+                "optimizer.step() (or synchronize()) after each backward, or pass "
+                "backward_passes_per_step=k to accumulate k backward passes."
+            )
+        bucket.ready.add(i)
+        while (
+            self._next_launch < len(self._buckets)
+            and len(self._buckets[self._next_launch].ready)
+            == len(self._buckets[self._next_launch].params)
+        ):
+            self._launch(self._buckets[self._next_launch])
+            self._next_launch += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        """Pack the bucket (gradients, then one had-gradient flag per parameter) and send it."""
+        first = bucket.params[0]
+        parts = [
+            p.grad.reshape(-1) if p.grad is not None
+            else torch.zeros(p.numel(), dtype=first.dtype, device=first.device)
+            for p in bucket.params
+        ]
+        parts.append(torch.tensor(
+            [p.grad is not None for p in bucket.params], dtype=first.dtype, device=first.device
+        ))
+        flat = torch.cat(parts)
+        if self._op is Average and self._predivide != 1.0:
+            flat[:bucket.numel].div_(self._predivide)
+        bucket.wire, bucket.ctx = self._compression.compress(flat)
+        bucket.work = dist.all_reduce(bucket.wire, op=dist.ReduceOp.SUM, async_op=True)
+
+    # --- at step ------------------------------------------------------------------------------
+
+    def synchronize(self) -> None:
+        """Finish averaging every gradient over the ranks (collective: every rank calls it).
+
+        A second call with no backward in between does nothing, so ``synchronize()`` followed
+        by ``step()`` averages once.
+        """
+        if self._grad_marks == self._current_marks():
+            return
+        _rt()
+        while self._next_launch < len(self._buckets):
+            self._launch(self._buckets[self._next_launch])
+            self._next_launch += 1
+        scale = self._predivide / size() if self._op is Average else 1.0
+        for bucket in self._buckets:
+            bucket.work.wait()
+            flat = self._compression.decompress(bucket.wire, bucket.ctx)
+            if scale != 1.0:
+                flat[:bucket.numel].mul_(scale)
+            had_grad = flat[bucket.numel:].tolist()
+            views = flat[:bucket.numel].split([p.numel() for p in bucket.params])
+            for p, view, had in zip(bucket.params, views, had_grad):
+                if had > 0:
+                    if p.grad is None:
+                        p.grad = view.view_as(p).clone()
+                    else:
+                        p.grad.copy_(view.view_as(p))
+            bucket.work = bucket.wire = bucket.ctx = None
+            bucket.ready.clear()
+        self._next_launch = 0
+        self._passes_left = dict.fromkeys(self._passes_left, self._passes)
+        self._grad_marks = self._current_marks()
+
+    def _current_marks(self) -> list:
+        """Identity and version of every gradient: they change whenever backward writes one."""
+        return [
+            None if p.grad is None else (id(p.grad), p.grad._version)
+            for bucket in self._buckets for p in bucket.params
+        ]
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """``step()`` inside this block does not synchronize (you called synchronize())."""
+        self._skip_sync = True
+        try:
+            yield
+        finally:
+            self._skip_sync = False
+
+    def step(self, closure=None):
+        if not self._skip_sync:
+            self.synchronize()
+        return super().step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if any(b.work is not None for b in self._buckets):
+            raise RuntimeError(
+                "optimizer.zero_grad() was called after loss.backward() but before "
+                "optimizer.step() or optimizer.synchronize(); call zero_grad() before backward."
+            )
+        super().zero_grad(set_to_none=set_to_none)
+
+
+def _names_for(params, named_parameters) -> dict[int, str]:
+    if named_parameters is None:
+        return {id(p): f"parameter {i}" for i, p in enumerate(params)}
+    pairs = list(named_parameters)
+    if any(not isinstance(x, tuple) or len(x) != 2 for x in pairs):
+        raise ValueError("named_parameters should be model.named_parameters(): (name, param) pairs")
+    names = [n for n, _ in pairs]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"named_parameters has duplicate names: {', '.join(duplicates)}")
+    by_id = {id(p): n for n, p in pairs}
+    unnamed = [i for i, p in enumerate(params) if id(p) not in by_id]
+    if unnamed:
+        raise ValueError(
+            f"{len(unnamed)} of the optimizer's parameters are not in named_parameters; "
+            "pass the named_parameters() of the model the optimizer was built on."
+        )
+    return {id(p): by_id[id(p)] for p in params}
+
+
+def _plan_buckets(params, cap_bytes: float) -> list[_Bucket]:
+    """Fused buckets of one dtype and device, in reverse order, each up to ``cap_bytes``."""
+    buckets: list[_Bucket] = []
+    open_by_kind: dict[tuple, _Bucket] = {}
+    for p in reversed(params):
+        kind = (p.dtype, p.device)
+        bucket = open_by_kind.get(kind)
+        nbytes = p.numel() * p.element_size()
+        if bucket is None or (bucket.numel * p.element_size() + nbytes > cap_bytes):
+            bucket = open_by_kind[kind] = _Bucket([], 0)
+            buckets.append(bucket)
+        bucket.params.append(p)
+        bucket.numel += p.numel()
+    return buckets
+
+
+def DistributedOptimizer(  # noqa: N802 - Horovod's name, a factory like Horovod's
+    optimizer: torch.optim.Optimizer,
+    named_parameters=None,
+    compression: type[Compressor] = Compression.none,
+    backward_passes_per_step: int = 1,
+    op: ReduceOp = Average,
+    gradient_predivide_factor: float = 1.0,
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that ``step()`` uses gradients averaged over all ranks.
+
+    The result is an instance of the optimizer's own class (LR schedulers accept it) sharing the
+    original's state. ``backward_passes_per_step=k`` sums k local backward passes before one
+    allreduce (scale the loss by 1/k for the mean, as with any gradient accumulation).
+    Call ``synchronize()`` then step inside ``skip_synchronize()`` to clip averaged gradients.
+    """
+    if isinstance(optimizer, _DistributedMixin):
+        raise ValueError("this optimizer is already a DistributedOptimizer")
+    base = type(optimizer)
+    cls = type(base.__name__, (_DistributedMixin, base), {"__module__": base.__module__})
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__ = optimizer.__dict__  # the same state, param_groups and hooks
+    if "step" in wrapped.__dict__:  # an LR scheduler patched the instance's step
+        warnings.warn(
+            "wrap the optimizer in DistributedOptimizer before creating its LR scheduler",
+            stacklevel=2,
+        )
+    wrapped._ipydist_setup(
+        named_parameters, compression, backward_passes_per_step, op,
+        gradient_predivide_factor, bucket_cap_mb,
+    )
+    return wrapped

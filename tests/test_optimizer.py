@@ -1,0 +1,175 @@
+"""DistributedOptimizer on a real 4-rank cluster: identical ranks, and the same parameters as one
+process training on the union of the ranks' batches."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import NP, run_cell
+
+from ipydist.errors import RankError
+
+EQUIVALENCE = """%%everyrank
+import torch, ipydist.torch as hvd
+torch.manual_seed(0)
+K, b, N, r = {passes}, 8, hvd.size(), hvd.rank()
+X, Y = torch.randn(6 * N * b * K, 10), torch.randn(6 * N * b * K, 1)
+def make():
+    torch.manual_seed(1)
+    return torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+model, ref = make(), make()
+opt = hvd.DistributedOptimizer(({make_opt})(model.parameters()),
+                               named_parameters=model.named_parameters(),
+                               backward_passes_per_step=K, bucket_cap_mb={cap},
+                               compression=hvd.Compression.{compression})
+ref_opt = ({make_opt})(ref.parameters())
+identical = []
+for step in range(6):
+    base = step * N * b * K
+    opt.zero_grad()
+    for k in range(K):
+        lo = base + k * N * b + r * b
+        (((model(X[lo:lo + b]) - Y[lo:lo + b]) ** 2).mean() / K).backward()
+    opt.step()
+    ref_opt.zero_grad()
+    ((ref(X[base:base + N * b * K]) - Y[base:base + N * b * K]) ** 2).mean().backward()
+    ref_opt.step()
+    sums = torch.stack([p.detach().double().sum() for p in model.parameters()])
+    every = hvd.allgather(sums.unsqueeze(0))
+    identical.append(bool((every == every[0]).all()))
+maxdiff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+outcome = (all(identical), maxdiff, len(opt._buckets))
+"""
+
+SGD = "lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)"
+ADAM = "lambda ps: torch.optim.Adam(ps, lr=0.01)"
+
+
+def run_ok(shell, capsys, code):
+    result, out, err = run_cell(shell, capsys, code)
+    if result.error_in_exec is not None:
+        raise AssertionError(f"{result.error_in_exec!r}\n{out}\n{err}")
+    return out, err
+
+
+@pytest.mark.parametrize(
+    "make_opt, passes, cap, buckets",
+    [
+        (SGD, 1, 25, 1),      # one bucket: no hooks, one allreduce in step()
+        (ADAM, 1, 25, 1),
+        (SGD, 1, 1e-5, 4),  # a bucket per parameter: allreduce starts during backward
+        (ADAM, 1, 1e-5, 4),
+        (SGD, 2, 25, 1),      # two backward passes per step
+        (ADAM, 2, 1e-5, 4),
+    ],
+)
+def test_matches_one_process_on_the_union_of_batches(
+    shell, capsys, cluster, make_opt, passes, cap, buckets
+):
+    run_ok(shell, capsys, EQUIVALENCE.format(
+        make_opt=make_opt, passes=passes, cap=cap, compression="none"))
+    for same, maxdiff, nbuckets in shell.run_line_magic("dist_pull", "outcome"):
+        assert same, "parameters differ between ranks after a step"
+        assert maxdiff < 1e-5
+        assert nbuckets == buckets
+
+
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+def test_compressed_gradients_keep_ranks_identical(shell, capsys, cluster, compression):
+    run_ok(shell, capsys, EQUIVALENCE.format(
+        make_opt=SGD, passes=1, cap=1e-5, compression=compression))
+    for same, maxdiff, _ in shell.run_line_magic("dist_pull", "outcome"):
+        assert same
+        assert maxdiff < 5e-2  # close to fp32 training, not equal
+
+
+def test_parameter_without_gradient_on_some_ranks(shell, capsys, cluster):
+    """A branch used on odd ranks only: no deadlock; the used branch still gets averaged."""
+    run_ok(shell, capsys, """%%everyrank
+import torch, ipydist.torch as hvd
+torch.manual_seed(3)
+trunk, branch, unused = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+params = list(trunk.parameters()) + list(branch.parameters()) + list(unused.parameters())
+opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), bucket_cap_mb=0.00001)
+for step in range(3):
+    opt.zero_grad()
+    h = trunk(torch.randn(5, 4))
+    loss = h.sum() + (branch(h).sum() if hvd.rank() % 2 else 0.0)
+    loss.backward()
+    opt.step()
+branch_grad = branch.weight.grad.clone()
+state = (unused.weight.grad is None, hvd.allgather(branch.weight.detach().unsqueeze(0)))
+""")
+    grads = shell.run_line_magic("dist_pull", "branch_grad")
+    assert all(g.equal(grads[0]) for g in grads), "ranks without the branch got the average"
+    for unused_has_no_grad, weights in shell.run_line_magic("dist_pull", "state"):
+        assert unused_has_no_grad
+        assert all(w.equal(weights[0]) for w in weights)
+
+
+def test_clipping_with_synchronize_and_skip_synchronize(shell, capsys, cluster):
+    run_ok(shell, capsys, """%%everyrank
+import torch, ipydist.torch as hvd
+torch.manual_seed(hvd.rank())
+m = torch.nn.Linear(3, 1)
+hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=1.0))
+opt.zero_grad()
+(m(torch.randn(4, 3) * (hvd.rank() + 1) * 100).sum()).backward()
+opt.synchronize()
+averaged = m.weight.grad.clone()
+norm = torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+with opt.skip_synchronize():
+    opt.step()
+opt.synchronize()  # nothing new since: no second average
+clipped = (averaged, float(norm), m.weight.detach().clone())
+""")
+    results = shell.run_line_magic("dist_pull", "clipped")
+    for averaged, norm, weight in results:
+        assert averaged.equal(results[0][0]) and weight.equal(results[0][2])
+        assert norm == results[0][1] and norm > 1.0
+
+
+def test_misuse_gives_clear_errors(shell, capsys, cluster):
+    result, _, _ = run_cell(shell, capsys, """%%everyrank
+import torch, ipydist.torch as hvd
+m = torch.nn.Linear(2, 2)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), op=hvd.Max)
+""")
+    assert isinstance(result.error_in_exec, RankError)
+    assert "op must be Average or Sum" in str(result.error_in_exec)
+    result, _, _ = run_cell(shell, capsys, """%%everyrank
+m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), bucket_cap_mb=1e-6)
+m(torch.ones(1, 2)).sum().backward()
+m(torch.ones(1, 2)).sum().backward()
+""")
+    assert isinstance(result.error_in_exec, RankError)
+    assert "computed again before step()" in str(result.error_in_exec)
+    assert result.error_in_exec.ranks == list(range(NP))
+
+
+def test_rewrapping_in_a_later_cell_takes_the_hooks_over(shell, capsys, cluster):
+    """Re-running the cell that builds the optimizer must not leave the old hooks firing."""
+    out, _ = run_ok(shell, capsys, """%%everyrank
+import torch, ipydist.torch as hvd
+m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+for attempt in range(2):
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), bucket_cap_mb=1e-6)
+for step in range(2):
+    opt.zero_grad()
+    m(torch.ones(1, 2) * hvd.rank()).sum().backward()
+    opt.step()
+print("still in step", isinstance(opt, torch.optim.SGD))
+""")
+    assert "[all ranks] still in step True" in out
+
+
+def test_lr_scheduler_accepts_it(shell, capsys, cluster):
+    out, _ = run_ok(shell, capsys, """%%everyrank
+m = torch.nn.Linear(2, 1)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=1.0))
+sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+m(torch.ones(1, 2)).sum().backward(); opt.step(); sched.step()
+print("lr", opt.param_groups[0]["lr"])
+""")
+    assert "[all ranks] lr 0.5" in out
