@@ -7,6 +7,7 @@
     total = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum)   # == hvd.size()
 """
 
+from ipydist.torch.checkpoint import load_checkpoint, save_checkpoint
 from ipydist.torch.collectives import (
     Average,
     Max,
@@ -26,16 +27,20 @@ from ipydist.torch.collectives import (
     rank,
     size,
 )
+from ipydist.torch.compression import Compression
+from ipydist.torch.data import ShardSampler, scale_lr, shard
 from ipydist.torch.functions import (
     allgather_object,
     broadcast_object,
     broadcast_optimizer_state,
     broadcast_parameters,
 )
+from ipydist.torch.optimizer import DistributedOptimizer
 
 __all__ = [
-    "Average", "Max", "Min", "ReduceOp", "Sum",
-    "allgather", "allgather_object", "allreduce", "allreduce_", "barrier",
+    "Average", "Compression", "DistributedOptimizer", "Max", "Min", "ReduceOp", "ShardSampler",
+    "Sum", "allgather", "allgather_object", "allreduce", "allreduce_", "barrier",
     "broadcast", "broadcast_", "broadcast_object", "broadcast_optimizer_state",
-    "broadcast_parameters", "device", "init", "local_rank", "local_size", "rank", "size",
+    "broadcast_parameters", "device", "init", "load_checkpoint", "local_rank", "local_size",
+    "rank", "save_checkpoint", "scale_lr", "shard", "size",
 ]
