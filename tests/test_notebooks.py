@@ -176,3 +176,24 @@ def test_demo_without_quickstart(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         cli.main(["demo"])
     assert "cannot find notebooks/01-quickstart.ipynb" in capsys.readouterr().err
+
+
+CNN = QUICKSTART.parent / "02-train-cnn.ipynb"
+
+
+@pytest.fixture(scope="module")
+def cnn(tmp_path_factory):
+    out = tmp_path_factory.mktemp("executed") / CNN.name
+    assert cli.main(["run", str(CNN), "--output", str(out)]) == 0
+    return nbformat.read(out, as_version=4)
+
+
+def test_cnn_notebook_restarts_from_its_checkpoint_and_reaches_the_bar(cnn):
+    errors = [o for c in cnn.cells for o in c.get("outputs", []) if o.output_type == "error"]
+    assert errors == []
+    text = "".join(_text(c) for c in cnn.cells if c.cell_type == "code")
+    assert len(re.findall(r"\[rank 0\] epoch\s+\d+\s+loss", text)) == 10
+    assert "identical to before the restart on every rank: True" in text
+    assert "resumed at epoch 5" in text
+    match = re.search(r"^\[rank 0\] final test accuracy: (\d\.\d{4})$", text, re.MULTILINE)
+    assert match and float(match.group(1)) >= 0.95, text
