@@ -39,12 +39,25 @@ _HOOK_ATTR = "_ipydist_grad_hook"
 
 @dataclass
 class _Bucket:
+    """Parameters sent together, and the buffer they travel in (kept between steps: a fresh
+    allocation of many megabytes each step costs more than the copy into it)."""
+
     params: list[torch.nn.Parameter]
     numel: int
     ready: set[int] = field(default_factory=set)
     work: object = None
     wire: torch.Tensor | None = None
     ctx: object = None
+    buffer: torch.Tensor | None = None  # gradients, then one had-gradient flag per parameter
+    views: list[torch.Tensor] = field(default_factory=list)
+
+    def allocate(self) -> None:
+        first = self.params[0]
+        self.buffer = torch.empty(
+            self.numel + len(self.params), dtype=first.dtype, device=first.device
+        )
+        grads = self.buffer[:self.numel].split([p.numel() for p in self.params])
+        self.views = [v.view_as(p) for v, p in zip(grads, self.params)]
 
 
 class _DistributedMixin:
@@ -67,7 +80,11 @@ class _DistributedMixin:
         self._compression = compression
         self._passes = backward_passes_per_step
         self._op = op
-        self._predivide = float(gradient_predivide_factor)
+        # Average divides by the world size before the sum (fewer overflows in 16 bits), or
+        # with gradient_predivide_factor f, by f before and by size/f after, as Horovod does.
+        f = float(gradient_predivide_factor)
+        self._prescale = 1.0 if op is Sum else (1.0 / f if f != 1.0 else 1.0 / size())
+        self._postscale = f / size() if op is Average and f != 1.0 else 1.0
         self._buckets = _plan_buckets(params, bucket_cap_mb * 2**20)
         self._slot = {id(p): (b, i) for b, bucket in enumerate(self._buckets)
                       for i, p in enumerate(bucket.params)}
@@ -120,18 +137,18 @@ class _DistributedMixin:
 
     def _launch(self, bucket: _Bucket) -> None:
         """Pack the bucket (gradients, then one had-gradient flag per parameter) and send it."""
-        first = bucket.params[0]
-        parts = [
-            p.grad.reshape(-1) if p.grad is not None
-            else torch.zeros(p.numel(), dtype=first.dtype, device=first.device)
-            for p in bucket.params
-        ]
-        parts.append(torch.tensor(
-            [p.grad is not None for p in bucket.params], dtype=first.dtype, device=first.device
-        ))
-        flat = torch.cat(parts)
-        if self._op is Average and self._predivide != 1.0:
-            flat[:bucket.numel].div_(self._predivide)
+        if bucket.buffer is None:
+            bucket.allocate()
+        flat = bucket.buffer
+        grads = [p.grad for p in bucket.params]
+        torch.cat(
+            [g.reshape(-1) if g is not None else v.new_zeros(v.numel())
+             for g, v in zip(grads, bucket.views)],
+            out=flat[:bucket.numel],
+        )
+        flat[bucket.numel:].copy_(torch.tensor([g is not None for g in grads]))
+        if self._prescale != 1.0:
+            flat[:bucket.numel].mul_(self._prescale)
         bucket.wire, bucket.ctx = self._compression.compress(flat)
         bucket.work = dist.all_reduce(bucket.wire, op=dist.ReduceOp.SUM, async_op=True)
 
@@ -149,20 +166,30 @@ class _DistributedMixin:
         while self._next_launch < len(self._buckets):
             self._launch(self._buckets[self._next_launch])
             self._next_launch += 1
-        scale = self._predivide / size() if self._op is Average else 1.0
         for bucket in self._buckets:
             bucket.work.wait()
             flat = self._compression.decompress(bucket.wire, bucket.ctx)
-            if scale != 1.0:
-                flat[:bucket.numel].mul_(scale)
             had_grad = flat[bucket.numel:].tolist()
-            views = flat[:bucket.numel].split([p.numel() for p in bucket.params])
+            views = bucket.views if flat is bucket.buffer else [
+                v.view_as(p) for v, p in zip(
+                    flat[:bucket.numel].split([p.numel() for p in bucket.params]),
+                    bucket.params)
+            ]
+            grads, sources = [], []
             for p, view, had in zip(bucket.params, views, had_grad):
                 if had > 0:
                     if p.grad is None:
-                        p.grad = view.view_as(p).clone()
+                        p.grad = view.clone()
                     else:
-                        p.grad.copy_(view.view_as(p))
+                        grads.append(p.grad)
+                        sources.append(view)
+            if grads:
+                torch._foreach_copy_(grads, sources)  # one dispatch for the whole bucket
+            if self._postscale != 1.0:
+                torch._foreach_mul_(
+                    [p.grad for p, had in zip(bucket.params, had_grad) if had > 0],
+                    self._postscale,
+                )
             bucket.work = bucket.wire = bucket.ctx = None
             bucket.ready.clear()
         self._next_launch = 0
