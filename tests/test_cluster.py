@@ -283,7 +283,7 @@ def test_second_start_changes_nothing(shell, capsys, cluster):
 def test_user_code_may_init_and_destroy_the_process_group(shell, capsys, cluster):
     """DDP-tutorial style code calls init_process_group itself, and destroys it at the end."""
     _, out, err = ok(shell, capsys, """%%everyrank
-import os, torch, torch.distributed as dist
+import os, torch, torch.distributed as dist, ipydist.torch as hvd
 os.environ["MASTER_ADDR"] = "localhost"
 dist.init_process_group("gloo", rank=int(os.environ["RANK"]),
                         world_size=int(os.environ["WORLD_SIZE"]))
@@ -293,5 +293,22 @@ dist.destroy_process_group()
 """)
     assert f"[all ranks] reused {float(NP)}" in out
     assert "keeps the gloo group of 4 ranks that %dist_start made" in err
+    _, out, _ = ok(shell, capsys, "%everyrank print(hvd.allreduce(torch.ones(1), op=hvd.Sum))")
+    assert f"[all ranks] tensor([{float(NP):g}.])" in out
+
+
+def test_init_after_destroy_gets_a_fresh_group_without_a_fixed_port(shell, capsys, cluster):
+    """The DDP tutorial's second setup(): its MASTER_PORT need not be free, or even usable."""
+    _, out, _ = ok(shell, capsys, """%%everyrank
+import os, torch, torch.distributed as dist, ipydist.torch as hvd
+dist.destroy_process_group()
+os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "localhost", "1"
+dist.init_process_group("gloo", rank=int(os.environ["RANK"]),
+                        world_size=int(os.environ["WORLD_SIZE"]))
+t = torch.ones(1); dist.all_reduce(t)
+print("fresh", t.item(), dist.get_world_size())
+dist.destroy_process_group()
+""")
+    assert f"[all ranks] fresh {float(NP)} {NP}" in out
     _, out, _ = ok(shell, capsys, "%everyrank print(hvd.allreduce(torch.ones(1), op=hvd.Sum))")
     assert f"[all ranks] tensor([{float(NP):g}.])" in out

@@ -146,8 +146,11 @@ def _make_store(rt: Runtime):
     return store
 
 
-def init_process_group(rt: Runtime) -> None:
+def init_process_group(rt: Runtime, backend: str | None = None) -> None:
     """Create the default process group for ``rt`` (collective: every rank calls it)."""
+    if rt.group is not None:
+        _retire(rt.group)
+    rt.backend = backend or rt.backend
     rt.store = _make_store(rt)
     export_torchrun_env(rt)
     _original_init_process_group(
@@ -158,6 +161,20 @@ def init_process_group(rt: Runtime) -> None:
         timeout=datetime.timedelta(seconds=rt.timeout_s),
     )
     rt.group = dist.group.WORLD
+
+
+#: Groups that were destroyed or replaced, kept referenced for the life of the rank. Freeing a
+#: gloo group joins its worker thread with the GIL held; if that thread is just finishing work
+#: that holds a Python object (every allreduce started during backward does), the rank
+#: deadlocks (pytorch/pytorch#56297). DDP's Reducer can hold the last reference to a group, so
+#: the DDP tutorial's cleanup() followed by returning from the demo hangs now and then unless
+#: someone else keeps the group alive. A destroyed group holds no sockets worth reclaiming.
+_retired_groups: list = []
+
+
+def _retire(group) -> None:
+    if group is not None and not any(g is group for g in _retired_groups):
+        _retired_groups.append(group)
 
 
 def owns_default_group(rt: Runtime | None) -> bool:
@@ -191,24 +208,27 @@ def _default_device_index(rt: Runtime) -> int | None:
 
 @functools.wraps(_original_init_process_group)
 def _reusing_init_process_group(*args, **kwargs):
-    """``torch.distributed.init_process_group`` that reuses ipydist's group when it matches.
+    """``torch.distributed.init_process_group`` that keeps or remakes ipydist's group.
 
-    Code written for ``torchrun`` or the DDP tutorial calls ``init_process_group`` itself.
-    When the group ``%dist_start`` made has the same backend, rank and world size, the call
-    keeps it (no second rendezvous); otherwise ipydist's group is replaced by the one asked for.
+    Code written for ``torchrun`` or the DDP tutorial calls ``init_process_group`` itself, often
+    after an earlier ``destroy_process_group()``. When the call asks for what ipydist provides
+    (its rank and world size, any backend, no ``init_method`` or ``store`` of its own), it keeps
+    the group ``%dist_start`` made, or makes a new one through ipydist's own rendezvous, so no
+    fixed port is needed. Anything else goes to torch as asked.
     """
     global _reuse_announced
     rt = _runtime
-    if owns_default_group(rt):
-        bound = inspect.signature(_original_init_process_group).bind_partial(*args, **kwargs)
-        asked = bound.arguments
-        backend = str(asked.get("backend") or rt.backend).lower()
-        same = (
-            backend in (rt.backend, "cpu:gloo,cuda:nccl" if rt.backend == "nccl" else rt.backend)
-            and int(asked.get("world_size", -1)) in (-1, rt.size)
-            and int(asked.get("rank", -1)) in (-1, rt.rank)
-        )
-        if same:
+    asked = inspect.signature(_original_init_process_group).bind_partial(*args, **kwargs)
+    asked = asked.arguments
+    ours = rt is not None and (
+        int(asked.get("world_size", -1)) in (-1, rt.size)
+        and int(asked.get("rank", -1)) in (-1, rt.rank)
+        and asked.get("init_method") in (None, "env://")
+        and asked.get("store") is None
+    )
+    backend = _plain_backend(asked.get("backend"), rt)
+    if ours and backend is not None:
+        if owns_default_group(rt) and backend == rt.backend:
             if not _reuse_announced and rt.rank == 0:
                 print(
                     f"ipydist: init_process_group() keeps the {rt.backend} group of "
@@ -217,10 +237,29 @@ def _reusing_init_process_group(*args, **kwargs):
                 )
             _reuse_announced = True
             return None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        init_process_group(rt, backend)
+        return None
+    if owns_default_group(rt):
         dist.destroy_process_group()
-        rt.group = None
-        rt.store = None
-    return _original_init_process_group(*args, **kwargs)
+    result = _original_init_process_group(*args, **kwargs)
+    _retire(dist.group.WORLD)
+    return result
+
+
+def _plain_backend(asked, rt: Runtime | None) -> str | None:
+    """"gloo" or "nccl" for a backend ipydist can make itself; None for anything else."""
+    if rt is None:
+        return None
+    if asked is None:
+        return rt.backend
+    name = str(asked).lower()
+    if name in ("gloo", "nccl"):
+        return name
+    if name == "cpu:gloo,cuda:nccl" and rt.device_index is not None:
+        return "nccl"
+    return None
 
 
 def install_reuse_shim() -> None:
