@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import psutil
 import pytest
 from conftest import run_cell, wait_gone
@@ -33,7 +36,13 @@ def test_session_context_manager_runs_and_cleans_up(capsys):
         s.push(weights=[0.5, 0.25])
         s.run("total = sum(weights) * hvd.size()")
         assert s.pull("total") == [1.5, 1.5]
-        assert "idle" in str(s.status())
+        assert [row[4] for row in s.status().rows] == ["idle", "idle"]
+        running = threading.Thread(target=s.run, args=("import time; time.sleep(1.5)",))
+        running.start()
+        time.sleep(0.5)
+        assert [row[4] for row in s.status().rows] == ["busy", "busy"]
+        running.join()
+        assert [row[4] for row in s.status().rows] == ["idle", "idle"]
         with pytest.raises(RankError) as info:
             s.run("assert hvd.rank() == 0, 'only rank 0 passes'")
         assert info.value.ranks == [1]

@@ -408,14 +408,13 @@ class Session:
     def status(self) -> report.Table:
         """One row per rank: host, pid, device, alive/busy/dead, memory."""
         self._require_running()
-        queues = self._client.queue_status()
         registered = set(self._client.ids)
         rows = []
         for info in self.ranks:
             r = info["rank"]
             proc = _local_process(info)
             alive = r in registered and (proc is None or _alive(proc))
-            busy = alive and queues.get(r, {}).get("queue", 0) > 0
+            busy = alive and self._has_pending_requests(r)
             memory = ""
             if proc is not None and _alive(proc):
                 memory = f"{proc.memory_info().rss / 2**20:.0f} MiB"
@@ -424,6 +423,15 @@ class Session:
         dead = [row[0] for row in rows if row[4] == "dead"]
         caption = f"{self.size} ranks" + (f"; {describe_ranks(dead)} dead" if dead else "")
         return report.Table(["rank", "host", "pid", "device", "state", "memory"], rows, caption)
+
+    def _has_pending_requests(self, rank: int) -> bool:
+        """Whether a request of ours is still running or queued on ``rank``.
+
+        Asked of our own client, which knows the moment a reply arrives; the controller's
+        queue_status() learns it a little later, so right after a cell it can still say busy.
+        """
+        uuid = self._client._engines.get(rank)
+        return bool(uuid and self._client._outstanding_dict.get(uuid))
 
     def _ranks_table(self) -> report.Table:
         rows = [[i["rank"], i["host"], i["pid"], i["device"], i["backend"]] for i in self.ranks]
