@@ -28,8 +28,10 @@ import torch.distributed as dist
 from ipydist.torch.collectives import Average, ReduceOp, Sum, _rt, size
 from ipydist.torch.compression import Compression, Compressor
 
-#: Default bucket size. Measured with benchmarks/train_step.py (see the README).
+#: Default bucket size, DDP's; benchmarks/train_step.py sweeps it (see the README).
 DEFAULT_BUCKET_CAP_MB = 25.0
+#: Cap of the first bucket (DDP's too): small, so communication starts early in backward.
+FIRST_BUCKET_MB = 1.0
 
 #: Attribute on each parameter holding the hook of the DistributedOptimizer that owns it. A
 #: notebook re-runs cells, so a second DistributedOptimizer over the same model must take the
@@ -141,14 +143,25 @@ class _DistributedMixin:
             bucket.allocate()
         flat = bucket.buffer
         grads = [p.grad for p in bucket.params]
-        torch.cat(
-            [g.reshape(-1) if g is not None else v.new_zeros(v.numel())
-             for g, v in zip(grads, bucket.views)],
-            out=flat[:bucket.numel],
-        )
+        if len(grads) > 8 and bucket.numel < 65536 * len(grads):
+            # many small tensors: one cat and one scale beat a dispatch per tensor
+            torch.cat(
+                [g.reshape(-1) if g is not None else v.new_zeros(v.numel())
+                 for g, v in zip(grads, bucket.views)],
+                out=flat[:bucket.numel],
+            )
+            if self._prescale != 1.0:
+                flat[:bucket.numel].mul_(self._prescale)
+        else:
+            # few large tensors: copy and scale in one pass each, as DDP does
+            for g, view in zip(grads, bucket.views):
+                if g is None:
+                    view.zero_()
+                elif self._prescale != 1.0:
+                    torch.mul(g, self._prescale, out=view)
+                else:
+                    view.copy_(g)
         flat[bucket.numel:].copy_(torch.tensor([g is not None for g in grads]))
-        if self._prescale != 1.0:
-            flat[:bucket.numel].mul_(self._prescale)
         bucket.wire, bucket.ctx = self._compression.compress(flat)
         bucket.work = dist.all_reduce(bucket.wire, op=dist.ReduceOp.SUM, async_op=True)
 
@@ -247,18 +260,25 @@ def _names_for(params, named_parameters) -> dict[int, str]:
 
 
 def _plan_buckets(params, cap_bytes: float) -> list[_Bucket]:
-    """Fused buckets of one dtype and device, in reverse order, each up to ``cap_bytes``."""
+    """Fused buckets of one dtype and device, in reverse order of the parameters.
+
+    As in DDP, a bucket closes once it holds at least its cap, and the first bucket's cap is
+    small (FIRST_BUCKET_MB), so that the first allreduce starts early in backward and overlaps
+    the rest of it.
+    """
     buckets: list[_Bucket] = []
-    open_by_kind: dict[tuple, _Bucket] = {}
+    open_by_kind: dict[tuple, tuple[_Bucket, float]] = {}
     for p in reversed(params):
         kind = (p.dtype, p.device)
-        bucket = open_by_kind.get(kind)
-        nbytes = p.numel() * p.element_size()
-        if bucket is None or (bucket.numel * p.element_size() + nbytes > cap_bytes):
-            bucket = open_by_kind[kind] = _Bucket([], 0)
-            buckets.append(bucket)
+        if kind not in open_by_kind:
+            limit = min(cap_bytes, FIRST_BUCKET_MB * 2**20) if not buckets else cap_bytes
+            open_by_kind[kind] = (_Bucket([], 0), limit)
+            buckets.append(open_by_kind[kind][0])
+        bucket, limit = open_by_kind[kind]
         bucket.params.append(p)
         bucket.numel += p.numel()
+        if bucket.numel * p.element_size() >= limit:
+            del open_by_kind[kind]
     return buckets
 
 

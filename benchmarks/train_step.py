@@ -1,0 +1,154 @@
+"""Step time of DistributedOptimizer against DDP and against no synchronisation at all.
+
+Same model, data and ranks in one run, variants interleaved round by round so that machine
+load hits them alike:
+
+- ``floor``: each rank trains alone, no gradient exchange (what communication costs nothing);
+- ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` on the same process group (gloo on CPU);
+- ``hvd``: ``ipydist.torch.DistributedOptimizer`` (default buckets), plus a sweep of bucket
+  sizes that chose the default.
+
+Two models: a small MLP of many small tensors (latency-bound) and a model of a few large tensors
+(bandwidth-bound). On a machine with a GPU, it also measures DistributedOptimizer at np=1
+against plain single-GPU training. Targets: hvd <= 1.0x ddp on CPU; <= 1.03x plain on one GPU.
+
+    .venv/bin/python benchmarks/train_step.py [--np 2] [--steps 30] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import textwrap
+
+import ipydist
+
+RANK_CODE = textwrap.dedent('''
+    import time, torch, torch.distributed as dist
+    import ipydist.torch as hvd
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def make_model(kind):
+        torch.manual_seed(0)
+        if kind == "small-mlp":   # 40 tensors of 64x64 or 64: many small allreduces
+            layers = []
+            for _ in range(20):
+                layers += [torch.nn.Linear(64, 64), torch.nn.ReLU()]
+            return torch.nn.Sequential(*layers, torch.nn.Linear(64, 10)), (32, 64)
+        # 3 tensors of 1536x1536 (~28 MB of gradients): bandwidth-bound
+        return torch.nn.Sequential(
+            torch.nn.Linear(512, 1536), torch.nn.ReLU(), torch.nn.Linear(1536, 1536),
+            torch.nn.ReLU(), torch.nn.Linear(1536, 1536), torch.nn.ReLU(),
+            torch.nn.Linear(1536, 10)), (16, 512)
+
+    def time_variant(kind, variant, steps, bucket_mb=None):
+        model, (batch, width) = make_model(kind)
+        model = model.to(hvd.device())
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        if variant == "ddp":
+            model = DDP(model)
+        elif variant == "hvd":
+            kwargs = {} if bucket_mb is None else {"bucket_cap_mb": bucket_mb}
+            opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                           **kwargs)
+        x = torch.randn(batch, width, device=hvd.device())
+        y = torch.randint(0, 10, (batch,), device=hvd.device())
+        loss_fn = torch.nn.CrossEntropyLoss()
+
+        def step():
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+
+        for _ in range(3):
+            step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        hvd.barrier()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        elapsed = (time.perf_counter() - t0) / steps
+        # the slowest rank sets the pace of synchronous training
+        return hvd.allreduce(torch.tensor([elapsed]), op=hvd.Max).item()
+''')
+
+VARIANTS = [("floor", None), ("ddp", None), ("hvd", None)]
+#: The small model's steps are ten times quicker; more of them keep its medians as steady.
+STEPS_FACTOR = {"small-mlp": 8, "large-tensors": 1}
+BUCKET_SWEEP = [1, 4, 25, 100]
+
+
+def measure(session, kinds, variants, steps: int, rounds: int) -> dict:
+    """Median seconds per step for each (kind, variant, bucket), over rounds in rotating order."""
+    times: dict = {}
+    for r in range(rounds):
+        order = variants[r % len(variants):] + variants[:r % len(variants)]
+        for kind in kinds:
+            for variant, bucket in order:
+                n = steps * STEPS_FACTOR[kind]
+                session.run(
+                    f"t = time_variant({kind!r}, {variant!r}, {n}, {bucket!r})",
+                    output="rank0",
+                )
+                times.setdefault((kind, variant, bucket), []).append(session.pull("t", rank=0))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--np", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args(argv)
+    kinds = ["small-mlp", "large-tensors"]
+
+    with ipydist.Session(np=args.np, gpus="none") as s:
+        s.run(RANK_CODE)
+        variants = VARIANTS + [("hvd", mb) for mb in BUCKET_SWEEP]
+        med = measure(s, kinds, variants, args.steps, args.rounds)
+
+    print(f"\nCPU, np={args.np}, gloo, median of {args.rounds} rounds of {args.steps} steps "
+          f"({args.steps * STEPS_FACTOR['small-mlp']} for small-mlp); ms per step, slowest rank")
+    print(f"{'model':<14} {'floor':>8} {'ddp':>8} {'hvd':>8} {'hvd/ddp':>8} {'hvd/floor':>10}")
+    ok = True
+    for kind in kinds:
+        floor, ddp, hvd = (med[(kind, v, None)] * 1e3 for v in ("floor", "ddp", "hvd"))
+        ok &= hvd <= ddp
+        print(f"{kind:<14} {floor:>8.2f} {ddp:>8.2f} {hvd:>8.2f} {hvd / ddp:>7.2f}x "
+              f"{hvd / floor:>9.2f}x")
+    print("\nbucket_cap_mb sweep (hvd ms per step):")
+    print(f"{'model':<14}" + "".join(f"{mb:>8} MB" for mb in BUCKET_SWEEP))
+    for kind in kinds:
+        print(f"{kind:<14}" + "".join(f"{med[(kind, 'hvd', mb)] * 1e3:>11.2f}"
+                                      for mb in BUCKET_SWEEP))
+    print(f"\nCPU target (hvd <= 1.0x ddp): {'met' if ok else 'not met'}")
+    gpu_ok = gpu_overhead(args.steps, args.rounds)
+    return 0 if ok and gpu_ok is not False else 1
+
+
+def gpu_overhead(steps: int, rounds: int) -> bool | None:
+    """np=1 on one GPU: DistributedOptimizer against plain training (None: no GPU here)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        print("GPU target (hvd <= 1.03x plain, np=1): not measured, no CUDA GPU here")
+        return None
+    with ipydist.Session(np=1, gpus="auto") as s:
+        s.run(RANK_CODE)
+        med = measure(s, ["large-tensors", "small-mlp"], VARIANTS[::2], steps, rounds)
+    ok = True
+    for kind in ("small-mlp", "large-tensors"):
+        plain, hvd = med[(kind, "floor", None)], med[(kind, "hvd", None)]
+        ok &= hvd <= 1.03 * plain
+        print(f"GPU np=1 {kind}: plain {plain * 1e3:.2f} ms, hvd {hvd * 1e3:.2f} ms, "
+              f"{hvd / plain:.3f}x")
+    print(f"GPU target (hvd <= 1.03x plain, np=1): {'met' if ok else 'not met'}")
+    return ok
+
+
+if __name__ == "__main__":
+    sys.exit(main())
