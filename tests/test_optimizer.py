@@ -173,3 +173,33 @@ m(torch.ones(1, 2)).sum().backward(); opt.step(); sched.step()
 print("lr", opt.param_groups[0]["lr"])
 """)
     assert "[all ranks] lr 0.5" in out
+
+
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+def test_compressed_training_reaches_the_accuracy_bar(shell, capsys, cluster, compression):
+    run_ok(shell, capsys, f"""%%everyrank
+import torch, ipydist.torch as hvd
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+d = load_digits()
+X, y = torch.tensor(d.data, dtype=torch.float32) / 16, torch.tensor(d.target)
+Xtr, Xte, ytr, yte = train_test_split(X, y, test_size=0.25, random_state=0)
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
+                               compression=hvd.Compression.{compression}, bucket_cap_mb=0.001)
+loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(Xtr, ytr), batch_size=32,
+                                     sampler=hvd.shard(range(len(Xtr))))
+for epoch in range(15):
+    loader.sampler.set_epoch(epoch)
+    for xb, yb in loader:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(xb), yb).backward()
+        opt.step()
+acc = (net(Xte).argmax(1) == yte).float().mean().item()
+sums = hvd.allgather(torch.stack([p.detach().double().sum() for p in net.parameters()])[None])
+result = (acc, bool((sums == sums[0]).all()), len(opt._buckets))
+""")
+    for acc, identical, buckets in shell.run_line_magic("dist_pull", "result"):
+        assert identical and buckets > 1
+        assert acc >= 0.93
