@@ -104,3 +104,18 @@ def test_threads_per_rank():
     assert launch.threads_per_rank(16, 4) == 4
     assert launch.threads_per_rank(2, 4) == 1
     assert launch.threads_per_rank(os.cpu_count() or 1, 1) >= 1
+
+
+def test_describe_failure_puts_the_ranks_lines_first():
+    output = (
+        "ipydist: rank 1 on gpu7: --gpus 0,1 asks for 2 GPU(s), but this host has 1\n"
+        "--------\nprterun detected that one or more processes exited\n"
+    )
+    message = launch.describe_failure("mpiexec exited", output, 1, "/opt/mpi/bin/mpiexec")
+    lines = message.splitlines()
+    assert lines[0] == "mpiexec exited (exit code 1)."
+    assert lines[1].startswith("ipydist: rank 1 on gpu7:")
+    assert "mpiexec said:" in lines and lines[-1].startswith("prterun detected")
+    bare = launch.describe_failure("mpiexec exited", "", None, "mpiexec")
+    assert bare.splitlines()[0] == "mpiexec exited."
+    assert "Check the MPI installation" in bare

@@ -16,8 +16,7 @@ import sys
 
 from ipydist import launch
 
-#: Prefix of the one-line messages the notebook side picks out of mpiexec's output.
-ERROR_PREFIX = "ipydist: rank"
+ERROR_PREFIX = launch.ERROR_PREFIX
 
 
 def _fail_all(comm, rank: int, host: str, problem: str | None) -> None:

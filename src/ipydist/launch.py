@@ -28,8 +28,9 @@ _HOST_OPTIONS = {
     "--host", "-host", "-H", "--hosts", "-hosts",
 }
 
-#: Environment variables that carry the launch plan to each rank's bootstrap.
-RANK_ENV_PREFIX = "IPYDIST_"
+#: Start of the one-line messages a rank prints when it cannot start; the notebook side picks
+#: them out of mpiexec's output and shows them first.
+ERROR_PREFIX = "ipydist: rank"
 
 
 class LaunchError(ValueError):
@@ -154,6 +155,19 @@ def plan_mpiexec(
             notes.append(f"{np} ranks on {cores} cores: ranks share cores.")
     env.update(rank_env)
     return MpiexecPlan(mpiexec, flavor, args + user_args, env, multi_host, notes)
+
+
+def describe_failure(what: str, output: str, code: int | None, mpiexec: str) -> str:
+    """The message for a launch that failed: the ranks' own lines, then mpiexec's last words."""
+    ours = [ln for ln in output.splitlines() if ln.startswith(ERROR_PREFIX)]
+    tail = [ln for ln in output.splitlines() if ln.strip() and ln not in ours][-25:]
+    parts = [what + (f" (exit code {code})." if code not in (None, 0) else ".")]
+    parts += ours
+    if tail:
+        parts += ["", f"{os.path.basename(mpiexec)} said:", *tail]
+    if not ours:
+        parts += ["", "Check the MPI installation (mpiexec --version), --mpi and --mpi-args."]
+    return "\n".join(parts)
 
 
 def _mca_set(user_args: list[str], name: str) -> bool:

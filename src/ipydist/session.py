@@ -24,9 +24,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-import psutil
-
-from ipydist import launch, report
+from ipydist import launch, processes, report
 from ipydist.errors import CellTimeout, ClusterError, RankError
 from ipydist.output import LineMerger, OutputCollector
 from ipydist.specs import SpecError, describe_ranks, format_ranks, parse_env, parse_ranks
@@ -184,7 +182,7 @@ class Session:
             registered = len(client.ids) if client is not None else 0
             if registered >= self.np:
                 break
-            if not _alive(engine_set.process):
+            if not processes.alive(engine_set.process):
                 raise ClusterError(self._launch_failure(plan, "mpiexec exited before the "
                                                         f"{self.np} ranks started"))
             if time.perf_counter() > deadline:
@@ -212,28 +210,20 @@ class Session:
         )
 
     def _launch_failure(self, plan, what: str) -> str:
-        """The message for a launch that failed: our rank lines first, then MPI's own words."""
-        from ipydist.engine import ERROR_PREFIX
-
+        """The message for a launch that failed, from what mpiexec and the ranks printed."""
         engine_set = self._engine_set()
-        if not _alive(engine_set.process):
+        if not processes.alive(engine_set.process):
             # ipyparallel reads (and deletes) the output file when it notices the exit.
             deadline = time.monotonic() + 2
             while not engine_set.stop_data and time.monotonic() < deadline:
                 time.sleep(0.02)
-        output = engine_set.get_output(remove=False) if engine_set.stop_data else _read(
-            engine_set.output_file
+        if engine_set.stop_data:
+            output = engine_set.get_output(remove=False)
+        else:
+            output = processes.read_text(engine_set.output_file)
+        return launch.describe_failure(
+            what, output, processes.exit_code(engine_set.process), plan.mpiexec
         )
-        ours = [ln for ln in output.splitlines() if ln.startswith(ERROR_PREFIX)]
-        tail = [ln for ln in output.splitlines() if ln.strip() and ln not in ours][-25:]
-        code = _exit_code(engine_set.process)
-        parts = [what + (f" (exit code {code})." if code not in (None, 0) else ".")]
-        parts += ours
-        if tail:
-            parts += ["", f"{os.path.basename(plan.mpiexec)} said:", *tail]
-        if not ours:
-            parts += ["", "Check the MPI installation (ipydist doctor), --mpi and --mpi-args."]
-        return "\n".join(parts)
 
     def stop(self, quiet: bool = False) -> None:
         """Stop engines, mpiexec and the controller, and make sure none of them is left."""
@@ -249,7 +239,7 @@ class Session:
             except Exception as e:  # carry on: the pid sweep below still ends the processes
                 if not quiet:
                     print(f"ipydist: stopping the cluster: {e}", file=sys.stderr)
-        _reap(pids)
+        processes.reap(pids)
         if self._profile_dir:
             shutil.rmtree(self._profile_dir, ignore_errors=True)
         was = len(self.ranks)
@@ -372,10 +362,10 @@ class Session:
         self._require_running()
         remote = []
         for r in parse_ranks(ranks, self.size):
-            proc = _local_process(self.ranks[r])
+            proc = processes.local_process(self.ranks[r])
             if proc is None:
                 remote.append(r)
-            elif _alive(proc):
+            elif processes.alive(proc):
                 proc.send_signal(sig)
         if remote:
             self._client.send_signal(sig, targets=remote, block=False)
@@ -412,11 +402,11 @@ class Session:
         rows = []
         for info in self.ranks:
             r = info["rank"]
-            proc = _local_process(info)
-            alive = r in registered and (proc is None or _alive(proc))
+            proc = processes.local_process(info)
+            alive = r in registered and (proc is None or processes.alive(proc))
             busy = alive and self._has_pending_requests(r)
             memory = ""
-            if proc is not None and _alive(proc):
+            if proc is not None and processes.alive(proc):
                 memory = f"{proc.memory_info().rss / 2**20:.0f} MiB"
             state = "dead" if not alive else ("busy" if busy else "idle")
             rows.append([r, info["host"], info["pid"], info["device"], state, memory])
@@ -460,63 +450,6 @@ def _check_syntax(code: str) -> None:
     compile(_transformer().transform_cell(code), "<everyrank cell>", "exec")
 
 
-def _exit_code(proc) -> int | None:
-    """mpiexec's exit code once it has exited (psutil remembers it after the reaping wait)."""
-    try:
-        return proc.wait(0)
-    except (psutil.Error, psutil.TimeoutExpired):
-        return None
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return f.read()
-    except OSError:
-        return ""
-
-
 def _print_lines(lines) -> None:
     for tag, stream, line in lines:
         print(f"[{tag}] {line}", end="", file=sys.stderr if stream == "stderr" else sys.stdout)
-
-
-def _alive(proc) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def _local_process(info: dict):
-    """The psutil process of a rank on this host (None for a rank on another host)."""
-    import socket
-
-    if info["host"] != socket.gethostname():
-        return None
-    try:
-        return psutil.Process(info["pid"])
-    except psutil.Error:
-        return _Gone()
-
-
-class _Gone:
-    def is_running(self) -> bool:
-        return False
-
-
-def _reap(pids: list[int], grace: float = 5.0) -> None:
-    """Wait for ``pids`` to exit; SIGKILL any still there after ``grace`` seconds."""
-    procs = []
-    for pid in pids:
-        try:
-            procs.append(psutil.Process(pid))
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=grace)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(alive, timeout=grace)

@@ -1,0 +1,69 @@
+"""Watching and ending the processes of a cluster (mpiexec, ranks, controller) with psutil.
+
+The notebook side never trusts that a process ended because it was asked to: it checks pids,
+and kills what is still there, so that nothing of a cluster is left running.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import psutil
+
+
+def alive(proc) -> bool:
+    """Running and not a zombie (a child that exited but was not reaped yet)."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def local_process(info: dict):
+    """The psutil process of a rank on this host; None for a rank on another host."""
+    if info["host"] != socket.gethostname():
+        return None
+    try:
+        return psutil.Process(info["pid"])
+    except psutil.Error:
+        return _Gone()
+
+
+class _Gone:
+    """Stands for a local rank whose pid no longer exists."""
+
+    def is_running(self) -> bool:
+        return False
+
+
+def exit_code(proc) -> int | None:
+    """A process's exit code once it has exited (psutil remembers it after the reaping wait)."""
+    try:
+        return proc.wait(0)
+    except (psutil.Error, psutil.TimeoutExpired):
+        return None
+
+
+def read_text(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def reap(pids: list[int], grace: float = 5.0) -> None:
+    """Wait for ``pids`` to exit; SIGKILL any still there after ``grace`` seconds."""
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.Error:
+            pass
+    _, still = psutil.wait_procs(procs, timeout=grace)
+    for p in still:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(still, timeout=grace)
