@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from ipydist.metrics import MetricBatcher, MetricHistory, downsample
+from ipydist.live import MetricBatcher, MetricHistory, downsample
 
 
 class Clock:

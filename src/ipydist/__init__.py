@@ -12,7 +12,9 @@ do not pay for IPython's magics machinery.
 
 from ipydist._version import __version__
 
-__all__ = ["Session", "__version__", "load_ipython_extension", "unload_ipython_extension"]
+__all__ = [
+    "Session", "__version__", "load_ipython_extension", "metrics", "unload_ipython_extension",
+]
 
 
 def __getattr__(name: str):
@@ -21,6 +23,25 @@ def __getattr__(name: str):
 
         return Session
     raise AttributeError(f"module 'ipydist' has no attribute {name!r}")
+
+
+def metrics():
+    """Every point the ranks logged with ``hvd.log()`` in this notebook's cluster, in order.
+
+    A list of dicts (``step``, ``time``, ``gap`` -- seconds since that rank's previous log --,
+    ``rank``, and rank 0's metrics), or a pandas DataFrame when pandas is installed.
+    """
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    magics = shell.magics_manager.registry.get("DistMagics") if shell is not None else None
+    session = getattr(magics, "session", None)
+    points = list(session.metrics.points) if session is not None else []
+    try:
+        import pandas
+    except ImportError:
+        return points
+    return pandas.DataFrame(points)
 
 
 def load_ipython_extension(ipython) -> None:

@@ -15,13 +15,17 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from ipyparallel.serialize import deserialize_object
+
+from ipydist.live.rank import DATA_KEY
+
 ALL = "all ranks"
 
 
 @dataclass
 class Event:
     rank: int
-    kind: str  # "stdout" | "stderr" | "display_data" | "execute_result"
+    kind: str  # "stdout" | "stderr" | "display_data" | "execute_result" | "metrics"
     content: Any
 
 
@@ -73,6 +77,9 @@ class OutputCollector:
                 self.events.put(Event(rank, content["name"], content["text"]))
             elif kind in ("display_data", "execute_result"):
                 self.events.put(Event(rank, kind, content))
+            elif kind == "data_message" and DATA_KEY in content.get("keys", ()):
+                data, _ = deserialize_object(msg["buffers"])
+                self.events.put(Event(rank, "metrics", data[DATA_KEY]))
 
         return on_iopub
 

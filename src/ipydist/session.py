@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from ipydist import launch, processes, report
 from ipydist.errors import CellTimeout, ClusterError, RankError
+from ipydist.live.history import MetricHistory
 from ipydist.output import LineMerger, OutputCollector
 from ipydist.specs import SpecError, describe_ranks, format_ranks, parse_env, parse_ranks
 
@@ -83,6 +84,8 @@ class Session:
         self.env = parse_env(env)
         self.init = init
         self.ranks: list[dict] = []
+        #: Every point the ranks sent with ``hvd.log()``, in order (kept across restarts).
+        self.metrics = MetricHistory()
         self.startup_seconds: float | None = None
         self._cluster = None
         self._client = None
@@ -345,6 +348,8 @@ class Session:
                     merger.feed(ev.rank, ev.kind, ev.content)
             elif ev.kind == "execute_result":
                 result.execute_results[ev.rank] = ev.content
+            elif ev.kind == "metrics":
+                self.metrics.accept(ev.rank, ev.content)
             elif ev.kind == "display_data" and ev.rank == shown[0]:
                 report.publish(ev.content.get("data", {}), ev.content.get("metadata"))
         _print_lines(merger.release())

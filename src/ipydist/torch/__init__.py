@@ -7,6 +7,7 @@
     total = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum)   # == hvd.size()
 """
 
+from ipydist.live.rank import log
 from ipydist.torch.checkpoint import load_checkpoint, save_checkpoint
 from ipydist.torch.collectives import (
     Average,
@@ -41,6 +42,6 @@ __all__ = [
     "Average", "Compression", "DistributedOptimizer", "Max", "Min", "ReduceOp", "ShardSampler",
     "Sum", "allgather", "allgather_object", "allreduce", "allreduce_", "barrier",
     "broadcast", "broadcast_", "broadcast_object", "broadcast_optimizer_state",
-    "broadcast_parameters", "device", "init", "load_checkpoint", "local_rank", "local_size",
+    "broadcast_parameters", "device", "init", "load_checkpoint", "local_rank", "local_size", "log",
     "rank", "save_checkpoint", "scale_lr", "shard", "size",
 ]
