@@ -16,8 +16,6 @@ import sys
 
 from ipydist import launch
 
-ERROR_PREFIX = launch.ERROR_PREFIX
-
 
 def _fail_all(comm, rank: int, host: str, problem: str | None) -> None:
     """Collective: if any rank has a problem, each one with a problem says so, and all exit."""
@@ -25,7 +23,7 @@ def _fail_all(comm, rank: int, host: str, problem: str | None) -> None:
     if not any(problems):
         return
     if problem:
-        print(f"{ERROR_PREFIX} {rank} on {host}: {problem}", file=sys.stderr, flush=True)
+        print(f"{launch.ERROR_PREFIX} {rank} on {host}: {problem}", file=sys.stderr, flush=True)
     sys.exit(1)
 
 
@@ -74,7 +72,7 @@ def bootstrap(env: dict[str, str] | None = None):
             runtime.init_process_group(rt)
         except Exception as e:  # the backend's own message is the useful part
             print(
-                f"{ERROR_PREFIX} {rt.rank} on {rt.host}: could not create the {rt.backend} "
+                f"{launch.ERROR_PREFIX} {rt.rank} on {rt.host}: could not create the {rt.backend} "
                 f"process group: {e}",
                 file=sys.stderr,
                 flush=True,

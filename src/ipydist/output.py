@@ -17,7 +17,7 @@ from typing import Any
 
 from ipyparallel.serialize import deserialize_object
 
-from ipydist.live.rank import DATA_KEY
+from ipydist.live.batching import DATA_KEY
 
 ALL = "all ranks"
 

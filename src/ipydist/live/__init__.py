@@ -5,7 +5,7 @@ order on the notebook side, and :func:`downsample` keeps long series small for d
 package is not called ``metrics`` because ``ipydist.metrics()`` is the user's function.)
 """
 
-from ipydist.live.batching import MetricBatcher
+from ipydist.live.batching import DATA_KEY, MetricBatcher
 from ipydist.live.history import MetricHistory, downsample
 
-__all__ = ["MetricBatcher", "MetricHistory", "downsample"]
+__all__ = ["DATA_KEY", "MetricBatcher", "MetricHistory", "downsample"]

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import time
 
+#: Key under which batches travel in an ipyparallel data_message.
+DATA_KEY = "ipydist.metrics"
+
 
 class MetricBatcher:
     """Buffers points; hands out ``{"seq": n, "points": [...]}`` batches when it is time."""

@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import time
 
-from ipydist.live.batching import MetricBatcher
-
-#: Key under which batches travel in a data_message.
-DATA_KEY = "ipydist.metrics"
+from ipydist.live.batching import DATA_KEY, MetricBatcher
 
 _batcher = MetricBatcher()
 _last_call: float | None = None

@@ -23,7 +23,9 @@ class ShardSampler(Sampler[int]):
     by a permutation seeded with ``seed + epoch`` (the same on every rank, so the parts are
     disjoint), as ``torch.utils.data.DistributedSampler`` does. Unless ``drop_last``, the
     permutation is padded by repeating its first indices so that every rank gets the same count;
-    with ``drop_last`` the tail that does not divide evenly is left out instead.
+    with ``drop_last`` the tail that does not divide evenly is left out instead. Use it as
+    ``DataLoader(ds, batch_size=b, sampler=hvd.shard(ds))`` and call ``set_epoch(epoch)`` each
+    epoch; ``num_replicas`` and ``rank`` default to ``size()`` and ``rank()``.
     """
 
     def __init__(
@@ -86,21 +88,8 @@ class ShardSampler(Sampler[int]):
         return self.num_samples
 
 
-def shard(
-    dataset: Sized,
-    shuffle: bool = True,
-    seed: int = 0,
-    drop_last: bool = False,
-    num_replicas: int | None = None,
-    rank: int | None = None,
-) -> ShardSampler:
-    """A sampler that gives this rank its disjoint part of ``dataset``.
-
-    Use it as ``DataLoader(ds, batch_size=b, sampler=hvd.shard(ds))`` and call
-    ``sampler.set_epoch(epoch)`` each epoch for a new shuffle. ``num_replicas`` and ``rank``
-    default to ``size()`` and ``rank()``.
-    """
-    return ShardSampler(dataset, shuffle, seed, drop_last, num_replicas, rank)
+#: ``hvd.shard(dataset, shuffle=True, seed=0, drop_last=False)``: the name users type.
+shard = ShardSampler
 
 
 def scale_lr(lr: float) -> float:

@@ -94,14 +94,12 @@ class _DistributedMixin:
         self._next_launch = 0
         self._grad_marks: list | None = None  # gradients as the last synchronize() left them
         self._skip_sync = False
-        self._use_hooks = len(self._buckets) > 1
+        hook = self._make_hook() if len(self._buckets) > 1 else None
         for p in params:
             old = getattr(p, _HOOK_ATTR, None)
             if old is not None:
                 old.remove()
-            handle = p.register_post_accumulate_grad_hook(self._make_hook()) \
-                if self._use_hooks else None
-            setattr(p, _HOOK_ATTR, handle)
+            setattr(p, _HOOK_ATTR, hook and p.register_post_accumulate_grad_hook(hook))
 
     def _make_hook(self):
         me = weakref.ref(self)
