@@ -1,4 +1,5 @@
-"""Pure logic of metrics: throttled numbered batches, in-order history, downsampling."""
+"""Pure logic of metrics: throttled numbered batches, in-order history, rates, stragglers,
+downsampling, and the static copy of the chart."""
 
 import math
 import random
@@ -6,6 +7,8 @@ import random
 import pytest
 
 from ipydist.live import MetricBatcher, MetricHistory, downsample
+from ipydist.live.static import chart_svg, fallback_html, summary_line
+from ipydist.live.summary import rank_strip, summarize
 
 
 class Clock:
@@ -16,41 +19,112 @@ class Clock:
         return self.now
 
 
+def batch(seq, steps, rank_timing=(0, 0.0, 0.0, 0.0), sent=0.0, **extra):
+    return {"seq": seq, "points": [(s, float(s), {"loss": 1.0 / (s + 1)}) for s in steps],
+            "timing": rank_timing, "sent": sent, **extra}
+
+
 def test_batches_are_throttled_and_numbered():
     clock = Clock()
     b = MetricBatcher(interval=0.1, clock=clock)
     sent = []
     for step in range(100):  # 100 points over 0.5 s
         clock.now = step * 0.005
-        batch = b.add({"step": step})
-        if batch:
-            sent.append(batch)
+        out = b.add((step, clock.now, {"loss": 1.0}), step_seconds=0.005, wait_seconds=0.001)
+        if out:
+            sent.append(out)
     sent.append(b.flush())
-    assert b.flush() is None
+    assert b.flush() is None, "nothing left: no empty batch"
     assert len(sent) <= 6, "about ten batches a second at most"
     assert [s["seq"] for s in sent] == list(range(len(sent)))
-    assert [p["step"] for s in sent for p in s["points"]] == list(range(100))
+    assert [p[0] for s in sent for p in s["points"]] == list(range(100))
+    assert sum(s["timing"][0] for s in sent) == 100
+    assert math.isclose(sum(s["timing"][3] for s in sent), 0.1)
+
+
+def test_other_ranks_send_timing_only_and_nothing_when_idle():
+    clock = Clock()
+    b = MetricBatcher(interval=0.1, clock=clock)
+    assert b.add(None, step_seconds=None) is None  # first call of a cell: no step time yet
+    clock.now = 1.0
+    assert b.add(None, step_seconds=None) is None, "nothing to send: no batch, no number used"
+    out = b.add(None, step_seconds=0.02)
+    assert out is None  # throttled: the previous call set the clock
+    clock.now = 2.0
+    out = b.add(None, step_seconds=0.03)
+    assert out["seq"] == 0 and out["points"] == [] and out["timing"][:3] == (2, 0.05, 0.03)
 
 
 def test_history_orders_batches_and_counts_each_once():
     history = MetricHistory()
-    batches = [{"seq": i, "points": [{"step": 2 * i}, {"step": 2 * i + 1}]} for i in range(50)]
+    batches = [batch(i, [2 * i, 2 * i + 1]) for i in range(50)]
     shuffled = batches + random.Random(0).sample(batches, 20)  # with repeats
     random.Random(1).shuffle(shuffled)
-    for batch in shuffled:
-        history.accept(0, batch)
-    assert [p["step"] for p in history.points] == list(range(100))
-    assert {p["rank"] for p in history.points} == {0}
+    for b in shuffled:
+        history.accept(0, b)
+    assert list(history.steps) == list(range(100))
+    assert [r["step"] for r in history.rows()] == list(range(100))
     assert history.missing == {}
 
 
 def test_history_reports_a_gap_and_holds_later_batches():
     history = MetricHistory()
-    assert history.accept(3, {"seq": 0, "points": [{"x": 0}]}) == [{"x": 0, "rank": 3}]
-    assert history.accept(3, {"seq": 2, "points": [{"x": 2}]}) == []
+    assert history.accept(3, batch(0, [0])) == 1
+    assert history.accept(3, batch(2, [2])) == 0
     assert history.missing == {3: [1]}
-    released = history.accept(3, {"seq": 1, "points": [{"x": 1}]})
-    assert [p["x"] for p in released] == [1, 2]
+    assert history.accept(3, batch(1, [1])) == 2
+    assert list(history.steps) == [0, 1, 2]
+
+
+def test_history_keeps_metrics_logged_at_some_steps_only():
+    history = MetricHistory()
+    history.accept(0, {"seq": 0, "sent": 0.0, "timing": (0, 0, 0, 0), "points": [
+        (0, 0.0, {"loss": 2.0}), (1, 1.0, {"loss": 1.0, "val_acc": 0.5}), (2, 2.0, {"loss": 0.5}),
+        (3, 3.0, {"loss": float("inf")}),
+    ]})
+    assert history.rows()[1] == {"step": 1, "time": 1.0, "loss": 1.0, "val_acc": 0.5}
+    assert "val_acc" not in history.rows()[0]
+    assert history.series("val_acc") == ([1], [0.5])
+    assert history.series("loss") == ([0, 1, 2], [2.0, 1.0, 0.5]), "no infinity for JSON"
+    frame = pytest.importorskip("pandas") and history.to_dataframe()
+    assert list(frame.columns) == ["step", "time", "loss", "val_acc"]
+    assert frame["step"].dtype == "int64" and math.isnan(frame["val_acc"][0])
+
+
+def test_summary_rates_progress_and_eta():
+    history = MetricHistory()
+    # 100 steps, 10 a second, of a 200-step run, 32 samples per rank per step, 4 ranks
+    for i in range(10):
+        history.accept(0, {"seq": i, "sent": i, "total": 200, "batch_size": 32,
+                           "timing": (10, 1.0, 0.15, 0.4),
+                           "points": [(s, s / 10, {"loss": 1.0})
+                                      for s in range(10 * i, 10 * i + 10)]})
+    stats = summarize(history, 0, world_size=4)
+    assert stats["points"] == 100 and stats["step"] == 99 and stats["latest"] == {"loss": 1.0}
+    assert stats["steps_per_s"] == pytest.approx(10.0)
+    assert stats["samples_per_s"] == pytest.approx(10 * 32 * 4)
+    assert stats["progress"] == pytest.approx(0.5) and stats["eta"] == pytest.approx(10.0)
+    assert stats["elapsed"] == pytest.approx(9.9)
+    empty = summarize(history, len(history), world_size=4)
+    assert empty["points"] == 0 and empty["steps_per_s"] is None and empty["latest"] == {}
+
+
+def test_straggler_is_the_rank_that_waits_least():
+    history = MetricHistory()
+    for rank in range(4):
+        # every step lasts 50 ms everywhere (synchronous training); rank 2 waits only 5 ms of it
+        wait = 0.005 if rank == 2 else 0.030
+        history.accept(rank, {"seq": 0, "sent": 0.0, "points": [],
+                              "timing": (10, 0.5, 0.06, 10 * wait)})
+    strip = rank_strip(history, 4)
+    assert [r["straggler"] for r in strip] == [False, False, True, False]
+    assert strip[2]["compute_s"] == pytest.approx(0.045)
+    assert strip[0]["step_s"] == pytest.approx(0.05)
+    even = MetricHistory()
+    for rank in range(4):
+        even.accept(rank, {"seq": 0, "sent": 0.0, "points": [], "timing": (10, 0.5, 0.06, 0.3)})
+    assert not any(r["straggler"] for r in rank_strip(even, 4))
+    assert rank_strip(MetricHistory(), 2)[1]["step_s"] is None, "a rank that never logged"
 
 
 def test_downsample_keeps_ends_and_extremes_within_budget():
@@ -70,3 +144,19 @@ def test_downsample_leaves_short_series_alone_and_rejects_bad_input():
         downsample([1, 2], [3], 10)
     with pytest.raises(ValueError):
         downsample(list(range(10)), list(range(10)), 3)
+
+
+def test_static_copy_has_a_chart_per_metric_and_the_summary():
+    stats = {"points": 3, "latest": {"loss": 0.25}, "steps_per_s": 12.5, "elapsed": 2.0,
+             "ranks": [{"rank": 0, "step_s": 0.08, "compute_s": 0.05, "straggler": False},
+                       {"rank": 1, "step_s": 0.08, "compute_s": 0.07, "straggler": True}]}
+    series = {"loss": ([0, 1, 2], [1.0, 0.5, 0.25]), "<acc>": ([2], [0.9])}
+    page = fallback_html("abc123", series, stats)
+    assert 'class="ipydist-fallback ipydist-fallback-abc123"' in page
+    assert page.count("<svg") == 2 and page.count("<polyline") == 2
+    assert "&lt;acc&gt;" in page and "<acc>" not in page, "names are escaped"
+    assert "straggler" in page
+    assert summary_line(stats) == (
+        "loss 0.25 · 12.5 steps/s · 3 points · 2.0 s · straggler: rank 1"
+    )
+    assert "<polyline" not in chart_svg("empty", [], [], "#000")

@@ -1,4 +1,5 @@
-"""hvd.log() on real ranks reaches the notebook: every point once, in order, per rank."""
+"""hvd.log() on real ranks reaches the notebook: every point once, in order; every rank's step
+times; the cross-rank mean; stragglers."""
 
 from __future__ import annotations
 
@@ -7,35 +8,62 @@ from conftest import NP, run_cell
 import ipydist
 
 
-def test_log_streams_rank0_metrics_and_every_ranks_step_gaps(shell, capsys, cluster):
-    before = len(cluster.metrics.points)
-    result, _, err = run_cell(shell, capsys, """%%everyrank
+def test_log_streams_rank0_metrics_and_every_ranks_step_times(shell, capsys, cluster):
+    before = len(cluster.metrics)
+    result, out, err = run_cell(shell, capsys, """%%everyrank
 import time, ipydist.torch as hvd
 for i in range(1000):
-    hvd.log(step=i, total=1000, loss=1.0 / (i + 1))
+    hvd.log(step=i, total=1000, batch_size=8, loss=1.0 / (i + 1))
     if i % 100 == 0:
         time.sleep(0.05)
 """)
     assert result.error_in_exec is None, err
-    points = cluster.metrics.points[before:]
-    for r in range(NP):
-        steps = [p["step"] for p in points if p["rank"] == r]
-        assert steps == list(range(1000)), f"rank {r}: lost, repeated or reordered points"
-    rank0 = [p for p in points if p["rank"] == 0]
-    assert rank0[-1]["loss"] == 1.0 / 1000 and rank0[0]["total"] == 1000
-    assert all("loss" not in p for p in points if p["rank"] != 0)
-    assert all(p["gap"] is None or p["gap"] >= 0 for p in points)
+    assert list(cluster.metrics.steps[before:]) == list(range(1000)), "lost or repeated points"
+    assert cluster.metrics.series("loss", before)[1][-1] == 1.0 / 1000
+    assert cluster.metrics.total == 1000 and cluster.metrics.batch_size == 8
     assert cluster.metrics.missing == {}
-    history = ipydist.metrics()
-    rows = history.to_dict("records") if hasattr(history, "to_dict") else history
-    assert len(rows) == len(cluster.metrics.points)
+    for r in range(NP):
+        assert cluster.metrics.timing[r].steps >= 999, f"rank {r}: step times missing"
+    assert "[metrics] loss 0.001" in out and "1,000 points" in out, "summary without a kernel"
+    rows = ipydist.metrics()
+    rows = rows.to_dict("records") if hasattr(rows, "to_dict") else rows
+    assert len(rows) == len(cluster.metrics)
+    assert rows[-1]["step"] == 999 and rows[-1]["loss"] == 1.0 / 1000
 
 
-def test_log_mean_reduces_over_ranks(shell, capsys, cluster):
-    before = len(cluster.metrics.points)
-    result, _, err = run_cell(
-        shell, capsys, "%everyrank hvd.log(step=0, reduce='mean', acc=float(hvd.rank()))"
-    )
+def test_log_without_step_counts_on_and_mean_reduces_over_ranks(shell, capsys, cluster):
+    before = len(cluster.metrics)
+    result, _, err = run_cell(shell, capsys, """%%everyrank
+hvd.log(step=41, reduce='mean', acc=float(hvd.rank()))
+hvd.log(acc=0.0)
+""")
     assert result.error_in_exec is None, err
-    rank0 = [p for p in cluster.metrics.points[before:] if p["rank"] == 0]
-    assert rank0[-1]["acc"] == sum(range(NP)) / NP
+    assert list(cluster.metrics.steps[before:]) == [41, 42]
+    assert cluster.metrics.series("acc", before)[1][0] == sum(range(NP)) / NP
+
+
+def test_log_rejects_a_value_that_is_not_a_number(shell, capsys, cluster):
+    result, _, _ = run_cell(shell, capsys, "%everyrank import torch; hvd.log(loss=torch.ones(3))")
+    error = str(result.error_in_exec)
+    assert "hvd.log(loss=...): metric values must be single numbers" in error
+    assert "loss.item()" in error
+
+
+def test_a_rank_slower_than_the_others_is_marked_a_straggler(shell, capsys, cluster):
+    from ipydist.live.summary import rank_strip
+
+    result, _, err = run_cell(shell, capsys, """%%everyrank
+import time, torch
+model = torch.nn.Linear(4, 1)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                               named_parameters=model.named_parameters())
+for i in range(60):
+    opt.zero_grad()
+    model(torch.ones(2, 4)).sum().backward()
+    time.sleep(0.03 if hvd.rank() == 2 else 0.005)
+    opt.step()
+    hvd.log(loss=0.0)
+""")
+    assert result.error_in_exec is None, err
+    strip = rank_strip(cluster.metrics, NP)
+    assert [r["rank"] for r in strip if r["straggler"]] == [2], strip

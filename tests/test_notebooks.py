@@ -197,3 +197,42 @@ def test_cnn_notebook_restarts_from_its_checkpoint_and_reaches_the_bar(cnn):
     assert "resumed at epoch 5" in text
     match = re.search(r"^\[rank 0\] final test accuracy: (\d\.\d{4})$", text, re.MULTILINE)
     assert match and float(match.group(1)) >= 0.95, text
+
+
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+
+
+def _metrics_outputs(nb):
+    """The training cell's outputs, the index of its widget, and the widget's saved state."""
+    outputs = _cell(nb, "hvd.allreduce_(p.grad").outputs
+    i = next(k for k, o in enumerate(outputs) if WIDGET_VIEW in o.get("data", {}))
+    model_id = outputs[i].data[WIDGET_VIEW]["model_id"]
+    return outputs, i, nb.metadata["widgets"][WIDGET_STATE]["state"][model_id]["state"]
+
+
+def test_training_chart_is_saved_as_widget_state_with_every_point(executed):
+    outputs, i, state = _metrics_outputs(executed[0])
+    final = next(k for k, o in enumerate(outputs) if "final test accuracy" in o.get("text", ""))
+    assert i < final, "the widget appears while the cell runs, above its last output"
+    assert state["done"] is True
+    stats = state["stats"]
+    assert stats["points"] == 200 and stats["progress"] == 1.0 and stats["step"] == 199
+    steps, losses = state["series"]["loss"]
+    assert steps == list(range(200)) and len(losses) == 200, "200 points: none dropped"
+    assert losses[-1] < losses[0]
+    assert stats["steps_per_s"] > 0 and stats["samples_per_s"] > stats["steps_per_s"]
+    assert [r["rank"] for r in stats["ranks"]] == [0, 1, 2, 3]
+    assert all(r["step_s"] > 0 for r in stats["ranks"])
+
+
+def test_training_chart_has_a_static_copy_for_nbconvert_and_github(executed):
+    from nbconvert import HTMLExporter
+
+    outputs, i, state = _metrics_outputs(executed[0])
+    static = outputs[i + 1].data["text/html"]
+    assert f'class="ipydist-fallback ipydist-fallback-{state["key"]}"' in static
+    assert static.count("<polyline") == 1 and "200 points" in static
+    assert outputs[i + 1].data["text/plain"].startswith("[metrics] loss ")
+    page, _ = HTMLExporter().from_notebook_node(executed[0])
+    assert "ipydist-fallback" in page and "<polyline" in page, "the curve is in nbconvert's HTML"

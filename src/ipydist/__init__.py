@@ -26,22 +26,25 @@ def __getattr__(name: str):
 
 
 def metrics():
-    """Every point the ranks logged with ``hvd.log()`` in this notebook's cluster, in order.
+    """Every point rank 0 logged with ``hvd.log()`` in this notebook's cluster, in order.
 
-    A list of dicts (``step``, ``time``, ``gap`` -- seconds since that rank's previous log --,
-    ``rank``, and rank 0's metrics), or a pandas DataFrame when pandas is installed.
+    A pandas DataFrame when pandas is installed (columns ``step``, ``time`` -- seconds since
+    the epoch --, then one per metric, NaN where a step did not log it); otherwise a list of
+    dicts, each with only the metrics logged at that step.
     """
     from IPython import get_ipython
+
+    from ipydist.live.history import MetricHistory
 
     shell = get_ipython()
     magics = shell.magics_manager.registry.get("DistMagics") if shell is not None else None
     session = getattr(magics, "session", None)
-    points = list(session.metrics.points) if session is not None else []
+    history = session.metrics if session is not None else MetricHistory()
     try:
-        import pandas
+        import pandas  # noqa: F401
     except ImportError:
-        return points
-    return pandas.DataFrame(points)
+        return history.rows()
+    return history.to_dataframe()
 
 
 def load_ipython_extension(ipython) -> None:

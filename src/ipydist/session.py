@@ -22,12 +22,11 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 
 from ipydist import launch, processes, report
-from ipydist.errors import CellTimeout, ClusterError, RankError
+from ipydist.cell import CellRun, RunResult
+from ipydist.errors import ClusterError, RankError
 from ipydist.live.history import MetricHistory
-from ipydist.output import LineMerger, OutputCollector
 from ipydist.specs import SpecError, describe_ranks, format_ranks, parse_env, parse_ranks
 
 DEFAULT_START_TIMEOUT = 120.0
@@ -36,15 +35,6 @@ HEARTBEAT_MS = 200
 HEARTBEAT_MISSES = 50
 #: How long ranks get to finish after an interrupt before the cell gives up on them.
 INTERRUPT_GRACE = 5.0
-
-
-@dataclass
-class RunResult:
-    """What a cell produced, beyond the output already shown."""
-
-    ranks: list[int]
-    execute_results: dict[int, dict] = field(default_factory=dict)
-    elapsed: float = 0.0
 
 
 def _check_np(np) -> int:
@@ -299,39 +289,9 @@ class Session:
         if output not in ("all", "rank0"):
             raise SpecError(f"--output {output}: expected all or rank0.")
         _check_syntax(code)
-        t0 = time.perf_counter()
+        started = time.perf_counter()
         ar = self._view(targets).execute(code, silent=False, block=False)
-        collector = OutputCollector(ar, targets)
-        shown = targets if output == "all" else targets[:1]
-        merger = LineMerger(shown)
-        result = RunResult(targets)
-        deadline = None if not timeout else t0 + float(timeout)
-        try:
-            while not ar.wait(0.05):
-                self._show(collector.drain(), merger, shown, result)
-                if deadline is not None and time.perf_counter() > deadline and not ar.ready():
-                    running = self._interrupt(ar, targets)
-                    raise CellTimeout(
-                        f"the cell ran past --timeout {timeout:g} s; interrupted "
-                        f"{describe_ranks(running)}."
-                    )
-            ar.wait_for_output(2)
-        except KeyboardInterrupt:
-            running = self._interrupt(ar, targets)
-            print(f"Interrupted {describe_ranks(running)}.", file=sys.stderr)
-            raise
-        finally:
-            collector.finish()
-            self._show(collector.drain(), merger, shown, result)
-            _print_lines(merger.flush())
-        result.elapsed = time.perf_counter() - t0
-        replies = ar.get(return_exceptions=True)
-        failures = {
-            rank: reply for rank, reply in zip(targets, replies) if isinstance(reply, Exception)
-        }
-        if failures:
-            raise RankError(failures)
-        return result
+        return CellRun(self, ar, targets, output, timeout, started).wait()
 
     def _view(self, targets: list[int]):
         """One DirectView per set of targets, reused: making one costs more than a small cell."""
@@ -340,19 +300,6 @@ class Session:
         if view is None:
             view = self._views[key] = self._client[list(targets)]
         return view
-
-    def _show(self, events, merger: LineMerger, shown: list[int], result: RunResult) -> None:
-        for ev in events:
-            if ev.kind in ("stdout", "stderr"):
-                if ev.rank in shown:
-                    merger.feed(ev.rank, ev.kind, ev.content)
-            elif ev.kind == "execute_result":
-                result.execute_results[ev.rank] = ev.content
-            elif ev.kind == "metrics":
-                self.metrics.accept(ev.rank, ev.content)
-            elif ev.kind == "display_data" and ev.rank == shown[0]:
-                report.publish(ev.content.get("data", {}), ev.content.get("metadata"))
-        _print_lines(merger.release())
 
     def _interrupt(self, ar, targets: list[int]) -> list[int]:
         """SIGINT the ranks still running the cell; wait a little for them to stop."""
@@ -454,7 +401,3 @@ def _check_syntax(code: str) -> None:
     """
     compile(_transformer().transform_cell(code), "<everyrank cell>", "exec")
 
-
-def _print_lines(lines) -> None:
-    for tag, stream, line in lines:
-        print(f"[{tag}] {line}", end="", file=sys.stderr if stream == "stderr" else sys.stdout)

@@ -1,38 +1,104 @@
-"""Notebook side: metric batches put back in order, and series kept small for display."""
+"""Notebook side: metric batches put back in order, stored compactly, and kept small for display.
+
+A long run logs millions of points, so the history is kept in columns of doubles (8 bytes a
+value) rather than a dict per point, and rows are made only when asked for.
+"""
 
 from __future__ import annotations
 
+import bisect
 import math
+from array import array
+from collections import deque
 from collections.abc import Sequence
+
+NAN = float("nan")
+
+
+class RankTiming:
+    """One rank's step times: totals, and the batches of the last ``window`` seconds."""
+
+    def __init__(self, window: float = 5.0):
+        self.window = window
+        self.steps = 0
+        self._recent: deque[tuple[float, int, float, float, float]] = deque()
+
+    def add(self, sent: float, steps: int, step_sum: float, step_max: float, wait_sum: float):
+        self.steps += steps
+        self._recent.append((sent, steps, step_sum, step_max, wait_sum))
+        while self._recent and self._recent[0][0] < sent - self.window:
+            self._recent.popleft()
+
+    def recent(self) -> tuple[float, float, float] | None:
+        """(mean step seconds, mean seconds not waiting in collectives, longest step), recently."""
+        steps = sum(r[1] for r in self._recent)
+        if not steps:
+            return None
+        step_sum = sum(r[2] for r in self._recent)
+        wait_sum = sum(r[4] for r in self._recent)
+        return step_sum / steps, (step_sum - wait_sum) / steps, max(r[3] for r in self._recent)
 
 
 class MetricHistory:
-    """Every point the ranks logged, in order, each batch counted exactly once.
+    """Every point rank 0 logged, in order, each batch counted exactly once.
 
     Batches from one rank are numbered 0, 1, 2, ...; a batch that arrives early waits until the
-    ones before it are in, and a batch seen before is ignored.
+    ones before it are in, and a batch seen before is ignored. Rows are ``step``, ``time`` and
+    one column per metric name (NaN where a row did not log that metric).
     """
 
     def __init__(self):
-        self.points: list[dict] = []
+        self.steps = array("d")
+        self.times = array("d")
+        self.columns: dict[str, array] = {}
+        #: Per rank: the time between its ``log()`` calls.
+        self.timing: dict[int, RankTiming] = {}
+        self.total: int | None = None
+        self.batch_size: int | None = None
         self._next: dict[int, int] = {}
-        self._waiting: dict[int, dict[int, list[dict]]] = {}
+        self._waiting: dict[int, dict[int, dict]] = {}
 
-    def accept(self, rank: int, batch: dict) -> list[dict]:
-        """Take one batch from ``rank``; return the points that became available, in order."""
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def accept(self, rank: int, batch: dict) -> int:
+        """Take one batch from ``rank``; return how many rows became available (at the end)."""
         seq = batch["seq"]
         expected = self._next.get(rank, 0)
         waiting = self._waiting.setdefault(rank, {})
         if seq < expected or seq in waiting:
-            return []
-        waiting[seq] = [dict(p, rank=rank) for p in batch["points"]]
-        released: list[dict] = []
+            return 0
+        waiting[seq] = batch
+        before = len(self)
         while expected in waiting:
-            released += waiting.pop(expected)
+            self._apply(rank, waiting.pop(expected))
             expected += 1
         self._next[rank] = expected
-        self.points += released
-        return released
+        return len(self) - before
+
+    def _apply(self, rank: int, batch: dict) -> None:
+        for step, t, values in batch["points"]:
+            self._append(step, t, values)
+        steps, step_sum, step_max, wait_sum = batch["timing"]
+        if steps:
+            timing = self.timing.setdefault(rank, RankTiming())
+            timing.add(batch["sent"], steps, step_sum, step_max, wait_sum)
+        if rank == 0 or self.total is None:
+            self.total = batch.get("total", self.total)
+            self.batch_size = batch.get("batch_size", self.batch_size)
+
+    def _append(self, step: float, t: float, values: dict[str, float]) -> None:
+        n = len(self.steps)
+        self.steps.append(step)
+        self.times.append(t)
+        for name, value in values.items():
+            column = self.columns.get(name)
+            if column is None:
+                column = self.columns[name] = array("d", [NAN]) * n
+            column.append(value)
+        for column in self.columns.values():
+            if len(column) == n:
+                column.append(NAN)
 
     @property
     def missing(self) -> dict[int, list[int]]:
@@ -41,6 +107,49 @@ class MetricHistory:
             rank: sorted(set(range(self._next.get(rank, 0), max(w))) - set(w))
             for rank, w in self._waiting.items() if w
         }
+
+    def rows(self, start: int = 0, stop: int | None = None) -> list[dict]:
+        """Rows ``start:stop`` as dicts, each with only the metrics logged at that step."""
+        out = []
+        for i in range(start, len(self) if stop is None else stop):
+            row = {"step": _number(self.steps[i]), "time": self.times[i]}
+            for name, column in self.columns.items():
+                if not math.isnan(column[i]):
+                    row[name] = column[i]
+            out.append(row)
+        return out
+
+    def series(self, name: str, start: int = 0, stop: int | None = None):
+        """``(steps, values)`` of one metric over rows ``start:stop``, finite values only."""
+        column = self.columns.get(name)
+        stop = len(self) if stop is None else stop
+        if column is None:
+            return [], []
+        xs, ys = [], []
+        for i in range(start, stop):
+            y = column[i]
+            if math.isfinite(y):  # NaN: not logged at this step; JSON has no infinities
+                xs.append(_number(self.steps[i]))
+                ys.append(y)
+        return xs, ys
+
+    def first_row_after(self, t: float, start: int = 0) -> int:
+        """Index of the first row (from ``start``) logged at or after time ``t``."""
+        return max(start, bisect.bisect_left(self.times, t, lo=start))
+
+    def to_dataframe(self):
+        import pandas
+
+        data = {"step": self.steps, "time": self.times, **self.columns}
+        frame = pandas.DataFrame({k: pandas.Series(v, dtype="float64") for k, v in data.items()})
+        if len(frame) and (frame["step"] % 1 == 0).all():
+            frame["step"] = frame["step"].astype("int64")
+        return frame
+
+
+def _number(x: float):
+    """Steps are stored as doubles; give whole ones back as ints."""
+    return int(x) if x.is_integer() else x
 
 
 def downsample(xs: Sequence[float], ys: Sequence[float], max_points: int):

@@ -1,9 +1,13 @@
 """``log()``: what a rank calls inside a training loop to stream metrics to the notebook.
 
-Rank 0's values are the ones shown; every rank also reports the time between its own
-successive ``log()`` calls, so a straggler shows. Points are buffered and sent at most about
-ten times a second as an ipyparallel ``data_message`` on the rank's IOPub channel (signed with
-the cluster's key; no new port), and whatever is left is sent when the cell ends.
+Rank 0's values are the ones shown. Every rank also reports the time between its own
+successive ``log()`` calls and how much of it was spent waiting in ipydist's collectives
+(:func:`note_wait`), so a straggler shows: in synchronous training every rank's step takes as
+long as the slowest one's, but the slowest rank is the one that waits least.
+
+Points are buffered and sent at most about ten times a second as an ipyparallel
+``data_message`` on the rank's IOPub channel (signed with the cluster's key; no new port), and
+whatever is left is sent when the cell ends.
 """
 
 from __future__ import annotations
@@ -14,41 +18,75 @@ from ipydist.live.batching import DATA_KEY, MetricBatcher
 
 _batcher = MetricBatcher()
 _last_call: float | None = None
+_next_step = 0
+_waited = 0.0
 _hooked = False
 
 
 def log(step: int | None = None, total: int | None = None, reduce: str | None = None,
-        **metrics: float) -> None:
-    """Record metrics for the live view, e.g. ``hvd.log(step=i, loss=loss.item(), acc=acc)``.
+        batch_size: int | None = None, **metrics: float) -> None:
+    """Record metrics for the live view, e.g. ``hvd.log(step=i, loss=loss.item())``.
 
-    ``total``: the number of steps expected, for progress and ETA. ``reduce="mean"``
-    averages every value over the ranks first (a collective: every rank must call it).
+    ``step``: the x coordinate (default: one more than the previous call's).
+    ``total``: the number of steps expected, for the progress bar and ETA (steps count from 0,
+    as ``range`` does). ``batch_size``: samples per step on each rank, for samples/s.
+    ``reduce="mean"`` averages every value over the ranks first (a collective: every rank
+    must call it). Values must be plain numbers: pass ``loss.item()``, not ``loss``.
     """
-    global _last_call
+    global _last_call, _next_step, _waited
     now = time.monotonic()
-    gap, _last_call = (None if _last_call is None else now - _last_call), now
-    from ipydist.torch.collectives import rank
-
+    since_last = None if _last_call is None else now - _last_call
+    _last_call = now
     if reduce == "mean":
         metrics = _mean_over_ranks(metrics)
     elif reduce is not None:
-        raise ValueError(f"reduce={reduce!r}: expected None or 'mean'")
-    point = {"step": step, "time": time.time(), "gap": gap}
+        raise ValueError(f"hvd.log(reduce={reduce!r}): expected None or 'mean'.")
+    try:
+        values = {name: float(v) for name, v in metrics.items()}
+    except (TypeError, ValueError, RuntimeError):
+        bad = [n for n, v in metrics.items() if not _is_number(v)]
+        raise TypeError(
+            f"hvd.log({', '.join(f'{n}=...' for n in bad)}): metric values must be single "
+            "numbers (for a tensor, pass loss.item())."
+        ) from None
+    if step is None:
+        step = _next_step
+    _next_step = step + 1
     if total is not None:
-        point["total"] = total
-    if rank() == 0:
-        point.update(metrics)
+        _batcher.total = total
+    if batch_size is not None:
+        _batcher.batch_size = batch_size
+    from ipydist.torch.collectives import rank
+
+    point = (step, time.time(), values) if rank() == 0 else None
+    waited, _waited = _waited, 0.0
     _ensure_flush_at_cell_end()
-    batch = _batcher.add(point)
+    batch = _batcher.add(point, since_last, waited)
     if batch is not None:
         _publish(batch)
+
+
+def note_wait(seconds: float) -> None:
+    """Count ``seconds`` spent blocked in a collective (called by ipydist's own collectives)."""
+    global _waited
+    _waited += seconds
 
 
 def flush() -> None:
-    """Send the points not sent yet (runs by itself when a cell ends)."""
+    """Send what was not sent yet; the next step's time starts with the next cell."""
+    global _last_call, _waited
+    _last_call, _waited = None, 0.0
     batch = _batcher.flush()
     if batch is not None:
         _publish(batch)
+
+
+def _is_number(v) -> bool:
+    try:
+        float(v)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+    return True
 
 
 def _mean_over_ranks(metrics: dict) -> dict:

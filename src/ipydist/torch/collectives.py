@@ -8,10 +8,12 @@ rank's GPU; the backend ``%dist_start`` chose (gloo or NCCL) handles both.
 from __future__ import annotations
 
 import enum
+import time
 
 import torch
 import torch.distributed as dist
 
+from ipydist.live.rank import note_wait
 from ipydist.torch import runtime
 
 
@@ -102,7 +104,9 @@ def allreduce_(
     _rt()
     if prescale_factor != 1.0:
         tensor.mul_(prescale_factor)
+    t0 = time.perf_counter()
     dist.all_reduce(tensor, op=_TORCH_OPS[op])
+    note_wait(time.perf_counter() - t0)
     if op is Average:
         if tensor.is_floating_point() or tensor.is_complex():
             tensor.div_(size())

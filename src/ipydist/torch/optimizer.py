@@ -18,6 +18,7 @@ gradients. A parameter that got no gradient on some ranks therefore never blocks
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ipydist.live.rank import note_wait
 from ipydist.torch.collectives import Average, ReduceOp, Sum, _rt, size
 from ipydist.torch.compression import Compression, Compressor
 
@@ -178,7 +180,9 @@ class _DistributedMixin:
             self._launch(self._buckets[self._next_launch])
             self._next_launch += 1
         for bucket in self._buckets:
+            t0 = time.perf_counter()
             bucket.work.wait()
+            note_wait(time.perf_counter() - t0)  # for the live view's straggler strip
             flat = self._compression.decompress(bucket.wire, bucket.ctx)
             had_grad = flat[bucket.numel:].tolist()
             views = bucket.views if flat is bucket.buffer else [

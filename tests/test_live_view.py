@@ -1,0 +1,58 @@
+"""The notebook-side live view on its own: what it sends to the widget, what it keeps, and how
+small a long run stays. (The widget's comm has no front end here; the browser test and the
+executed notebooks cover the front end.)"""
+
+from __future__ import annotations
+
+import json
+
+from ipydist.live.history import MetricHistory
+from ipydist.live.view import APPEND_MAX_POINTS, FINAL_MAX_POINTS, LiveView
+
+
+def feed(history, first_seq, steps, per_batch=1000):
+    for b in range(steps // per_batch):
+        start = (first_seq + b) * per_batch
+        history.accept(0, {
+            "seq": first_seq + b, "sent": float(b), "timing": (per_batch, 1.0, 0.002, 0.2),
+            "total": 200_000, "batch_size": 16,
+            "points": [(s, s * 1e-3, {"loss": 1.0 / (s + 1)}) for s in range(start, start + 1000)],
+        })
+
+
+def test_view_sends_only_new_points_and_saves_a_small_final_state(shell):
+    history = MetricHistory()
+    feed(history, 0, 5000)  # an earlier cell's points: not this cell's chart
+    view = LiveView(history, world_size=2, interval=0.0, widgets=True)
+    view.update()
+    assert view.widget is None, "no widget before the cell's first point"
+    sent = []
+    for b in range(200):
+        feed(history, 5 + b, 1000)
+        view.update()
+        if b == 0:
+            view.widget.send = lambda content, buffers=None: sent.append(content)
+    assert len(sent) == 199
+    assert all(m["type"] == "append" for m in sent)
+    assert all(len(m["series"]["loss"][0]) <= APPEND_MAX_POINTS for m in sent)
+    firsts = [m["series"]["loss"][0][0] for m in sent]
+    assert firsts == [5000 + 1000 * b for b in range(1, 200)], "each point range sent once"
+    assert sent[-1]["count"] == 200_000
+    view.finish()
+    widget = view.widget
+    steps, losses = widget.series["loss"]
+    assert len(steps) <= FINAL_MAX_POINTS and steps[0] == 5000 and steps[-1] == 204_999
+    assert widget.done and widget.stats["points"] == 200_000 and widget.stats["progress"] == 1.0
+    state = json.dumps({"series": widget.series, "stats": widget.stats})
+    assert len(state) < 100_000, "200,000 points keep the saved state small"
+
+
+def test_without_a_kernel_the_cell_ends_with_a_summary_line(shell, capsys):
+    history = MetricHistory()
+    view = LiveView(history, world_size=1, interval=0.0)
+    assert not view.widgets
+    feed(history, 0, 1000)
+    view.update()
+    view.finish()
+    assert view.widget is None
+    assert capsys.readouterr().out.startswith("[metrics] loss 0.001 · ")
