@@ -20,7 +20,7 @@ _batcher = MetricBatcher()
 _last_call: float | None = None
 _next_step = 0
 _waited = 0.0
-_hooked = False
+_is_rank0: bool | None = None  # a process's MPI rank never changes: asked once
 
 
 def log(step: int | None = None, total: int | None = None, reduce: str | None = None,
@@ -56,11 +56,10 @@ def log(step: int | None = None, total: int | None = None, reduce: str | None = 
         _batcher.total = total
     if batch_size is not None:
         _batcher.batch_size = batch_size
-    from ipydist.torch.collectives import rank
-
-    point = (step, time.time(), values) if rank() == 0 else None
+    if _is_rank0 is None:
+        _first_call_setup()
+    point = (step, time.time(), values) if _is_rank0 else None
     waited, _waited = _waited, 0.0
-    _ensure_flush_at_cell_end()
     batch = _batcher.add(point, since_last, waited)
     if batch is not None:
         _publish(batch)
@@ -110,11 +109,12 @@ def _publish(batch: dict) -> None:
         pass
 
 
-def _ensure_flush_at_cell_end() -> None:
-    global _hooked
-    if _hooked:
-        return
-    _hooked = True
+def _first_call_setup() -> None:
+    """Learn this rank's number, and flush at the end of every cell from now on."""
+    global _is_rank0
+    from ipydist.torch.collectives import rank
+
+    _is_rank0 = rank() == 0
     try:
         from IPython import get_ipython
     except ImportError:

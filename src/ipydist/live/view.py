@@ -96,7 +96,8 @@ class LiveView:
         for name in self.history.columns:
             xs, ys = self.history.series(name, start, stop)
             if xs:
-                out[name] = downsample(xs, ys, max_points)
+                xs, ys = downsample(xs, ys, max_points)
+                out[name] = (xs, [float(f"{y:.6g}") for y in ys])  # 6 digits: plenty to draw
         return out
 
 
