@@ -160,3 +160,13 @@ def test_static_copy_has_a_chart_per_metric_and_the_summary():
         "loss 0.25 · 12.5 steps/s · 3 points · 2.0 s · straggler: rank 1"
     )
     assert "<polyline" not in chart_svg("empty", [], [], "#000")
+
+
+def test_a_new_cell_shows_only_its_own_step_times():
+    history = MetricHistory()
+    history.accept(1, {"seq": 0, "sent": 0.0, "points": [], "timing": (1000, 1.0, 0.01, 0.0)})
+    assert history.begin_cell() == 0
+    assert rank_strip(history, 2)[1]["step_s"] is None
+    history.accept(1, {"seq": 1, "sent": 1.0, "points": [], "timing": (10, 0.5, 0.06, 0.1)})
+    assert rank_strip(history, 2)[1]["step_s"] == pytest.approx(0.05)
+    assert history.timing[1].steps == 1010

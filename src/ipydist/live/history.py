@@ -29,6 +29,9 @@ class RankTiming:
         while self._recent and self._recent[0][0] < sent - self.window:
             self._recent.popleft()
 
+    def forget_recent(self) -> None:
+        self._recent.clear()
+
     def recent(self) -> tuple[float, float, float] | None:
         """(mean step seconds, mean seconds not waiting in collectives, longest step), recently."""
         steps = sum(r[1] for r in self._recent)
@@ -60,6 +63,12 @@ class MetricHistory:
 
     def __len__(self) -> int:
         return len(self.steps)
+
+    def begin_cell(self) -> int:
+        """A new cell starts: step times so far belong to earlier cells. Returns the row count."""
+        for timing in self.timing.values():
+            timing.forget_recent()
+        return len(self)
 
     def accept(self, rank: int, batch: dict) -> int:
         """Take one batch from ``rank``; return how many rows became available (at the end)."""

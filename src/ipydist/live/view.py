@@ -31,7 +31,7 @@ class LiveView:
         self.world_size = world_size
         self.interval = interval
         self.widgets = _in_kernel() if widgets is None else widgets
-        self.start = self._sent = len(history)
+        self.start = self._sent = history.begin_cell()
         self.widget = None
         self._static = None
         self._last_update = -math.inf
