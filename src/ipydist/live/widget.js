@@ -190,7 +190,8 @@ function render({ model, el }) {
     const pct = Math.round(stats.progress * 100);
     barFill.style.width = `${pct}%`;
     const eta = model.get("done") ? "" : ` · ETA ${fmtDuration(stats.eta)}`;
-    progressText.textContent = ` step ${fmt(stats.step)} of ${fmt(stats.total)} · ${pct}%${eta}`;
+    const done = stats.step === null ? null : stats.step + 1; // steps count from 0
+    progressText.textContent = ` ${fmt(done)} of ${fmt(stats.total)} steps · ${pct}%${eta}`;
   }
 
   function drawStrip(stats) {
@@ -212,7 +213,8 @@ function render({ model, el }) {
       fill.className = "ipydist-rank-fill";
       fill.style.width = `${Math.max(2, (100 * Math.max(0, r.compute_s)) / longest)}%`;
       const label = document.createElement("span");
-      label.textContent = `rank ${r.rank}  ${fmt(r.step_s * 1000)} ms` + (r.straggler ? "  straggler" : "");
+      label.textContent = `rank ${r.rank}  ${fmt(r.step_s * 1000)} ms/step` +
+        (r.straggler ? "  straggler" : "");
       const track = document.createElement("div");
       track.className = "ipydist-rank-track";
       track.appendChild(fill);
