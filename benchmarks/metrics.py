@@ -32,6 +32,7 @@ from contextlib import redirect_stdout
 from pathlib import Path
 
 import ipydist
+from ipydist.live.batching import to_columns
 from ipydist.live.history import MetricHistory
 
 COST_CODE = textwrap.dedent('''
@@ -87,7 +88,7 @@ def latency(session, seconds: float) -> dict:
     def timed_accept(rank, batch):
         now = time.time()
         if rank == 0:
-            arrivals.extend(now - t for _, t, _ in batch["points"])
+            arrivals.extend(now - t for t in batch["points"]["time"])
         return accept(rank, batch)
 
     session.metrics.accept = timed_accept
@@ -110,8 +111,8 @@ def memory(points: int) -> dict:
     history = MetricHistory()
     for b in range(points // batch):
         history.accept(0, {"seq": b, "sent": 0.0, "timing": (batch, 1.0, 0.01, 0.0),
-                           "points": [(s, 1e9 + s, {"loss": 1.0 / (s + 1), "acc": 0.5})
-                                      for s in range(b * batch, (b + 1) * batch)]})
+                           "points": to_columns([(s, 1e9 + s, {"loss": 1.0 / (s + 1), "acc": 0.5})
+                                                 for s in range(b * batch, (b + 1) * batch)])})
     columns = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     del history

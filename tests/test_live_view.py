@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+from ipydist.live.batching import to_columns
 from ipydist.live.history import MetricHistory
 from ipydist.live.view import APPEND_MAX_POINTS, FINAL_MAX_POINTS, LiveView
 
@@ -16,7 +17,8 @@ def feed(history, first_seq, steps, per_batch=1000):
         history.accept(0, {
             "seq": first_seq + b, "sent": float(b), "timing": (per_batch, 1.0, 0.002, 0.2),
             "total": 200_000, "batch_size": 16,
-            "points": [(s, s * 1e-3, {"loss": 1.0 / (s + 1)}) for s in range(start, start + 1000)],
+            "points": to_columns([(s, s * 1e-3, {"loss": 1.0 / (s + 1)})
+                                  for s in range(start, start + 1000)]),
         })
 
 

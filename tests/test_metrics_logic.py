@@ -7,8 +7,11 @@ import random
 import pytest
 
 from ipydist.live import MetricBatcher, MetricHistory, downsample
+from ipydist.live.batching import to_columns
 from ipydist.live.static import chart_svg, fallback_html, summary_line
 from ipydist.live.summary import rank_strip, summarize
+
+NO_POINTS = to_columns([])  # a batch from a rank other than 0: step times only
 
 
 class Clock:
@@ -20,7 +23,8 @@ class Clock:
 
 
 def batch(seq, steps, rank_timing=(0, 0.0, 0.0, 0.0), sent=0.0, **extra):
-    return {"seq": seq, "points": [(s, float(s), {"loss": 1.0 / (s + 1)}) for s in steps],
+    return {"seq": seq, "points": to_columns([(s, float(s), {"loss": 1.0 / (s + 1)})
+                                              for s in steps]),
             "timing": rank_timing, "sent": sent, **extra}
 
 
@@ -37,7 +41,7 @@ def test_batches_are_throttled_and_numbered():
     assert b.flush() is None, "nothing left: no empty batch"
     assert len(sent) <= 6, "about ten batches a second at most"
     assert [s["seq"] for s in sent] == list(range(len(sent)))
-    assert [p[0] for s in sent for p in s["points"]] == list(range(100))
+    assert [x for s in sent for x in s["points"]["step"]] == list(range(100))
     assert sum(s["timing"][0] for s in sent) == 100
     assert math.isclose(sum(s["timing"][3] for s in sent), 0.1)
 
@@ -52,7 +56,8 @@ def test_other_ranks_send_timing_only_and_nothing_when_idle():
     assert out is None  # throttled: the previous call set the clock
     clock.now = 2.0
     out = b.add(None, step_seconds=0.03)
-    assert out["seq"] == 0 and out["points"] == [] and out["timing"][:3] == (2, 0.05, 0.03)
+    assert out["seq"] == 0 and len(out["points"]["step"]) == 0
+    assert out["timing"][:3] == (2, 0.05, 0.03)
 
 
 def test_history_orders_batches_and_counts_each_once():
@@ -78,10 +83,11 @@ def test_history_reports_a_gap_and_holds_later_batches():
 
 def test_history_keeps_metrics_logged_at_some_steps_only():
     history = MetricHistory()
-    history.accept(0, {"seq": 0, "sent": 0.0, "timing": (0, 0, 0, 0), "points": [
+    history.accept(0, {"seq": 0, "sent": 0.0, "timing": (0, 0, 0, 0), "points": to_columns([
         (0, 0.0, {"loss": 2.0}), (1, 1.0, {"loss": 1.0, "val_acc": 0.5}), (2, 2.0, {"loss": 0.5}),
-        (3, 3.0, {"loss": float("inf")}),
-    ]})
+    ])})
+    history.accept(0, {"seq": 1, "sent": 0.0, "timing": (0, 0, 0, 0),
+                       "points": to_columns([(3, 3.0, {"loss": float("inf")})])})
     assert history.rows()[1] == {"step": 1, "time": 1.0, "loss": 1.0, "val_acc": 0.5}
     assert "val_acc" not in history.rows()[0]
     assert history.series("val_acc") == ([1], [0.5])
@@ -97,8 +103,8 @@ def test_summary_rates_progress_and_eta():
     for i in range(10):
         history.accept(0, {"seq": i, "sent": i, "total": 200, "batch_size": 32,
                            "timing": (10, 1.0, 0.15, 0.4),
-                           "points": [(s, s / 10, {"loss": 1.0})
-                                      for s in range(10 * i, 10 * i + 10)]})
+                           "points": to_columns([(s, s / 10, {"loss": 1.0})
+                                                 for s in range(10 * i, 10 * i + 10)])})
     stats = summarize(history, 0, world_size=4)
     assert stats["points"] == 100 and stats["step"] == 99 and stats["latest"] == {"loss": 1.0}
     assert stats["steps_per_s"] == pytest.approx(10.0)
@@ -114,7 +120,7 @@ def test_straggler_is_the_rank_that_waits_least():
     for rank in range(4):
         # every step lasts 50 ms everywhere (synchronous training); rank 2 waits only 5 ms of it
         wait = 0.005 if rank == 2 else 0.030
-        history.accept(rank, {"seq": 0, "sent": 0.0, "points": [],
+        history.accept(rank, {"seq": 0, "sent": 0.0, "points": NO_POINTS,
                               "timing": (10, 0.5, 0.06, 10 * wait)})
     strip = rank_strip(history, 4)
     assert [r["straggler"] for r in strip] == [False, False, True, False]
@@ -122,7 +128,8 @@ def test_straggler_is_the_rank_that_waits_least():
     assert strip[0]["step_s"] == pytest.approx(0.05)
     even = MetricHistory()
     for rank in range(4):
-        even.accept(rank, {"seq": 0, "sent": 0.0, "points": [], "timing": (10, 0.5, 0.06, 0.3)})
+        even.accept(rank, {"seq": 0, "sent": 0.0, "points": NO_POINTS,
+                           "timing": (10, 0.5, 0.06, 0.3)})
     assert not any(r["straggler"] for r in rank_strip(even, 4))
     assert rank_strip(MetricHistory(), 2)[1]["step_s"] is None, "a rank that never logged"
 
@@ -164,9 +171,10 @@ def test_static_copy_has_a_chart_per_metric_and_the_summary():
 
 def test_a_new_cell_shows_only_its_own_step_times():
     history = MetricHistory()
-    history.accept(1, {"seq": 0, "sent": 0.0, "points": [], "timing": (1000, 1.0, 0.01, 0.0)})
+    history.accept(1, {"seq": 0, "sent": 0.0, "points": NO_POINTS,
+                       "timing": (1000, 1.0, 0.01, 0.0)})
     assert history.begin_cell() == 0
     assert rank_strip(history, 2)[1]["step_s"] is None
-    history.accept(1, {"seq": 1, "sent": 1.0, "points": [], "timing": (10, 0.5, 0.06, 0.1)})
+    history.accept(1, {"seq": 1, "sent": 1.0, "points": NO_POINTS, "timing": (10, 0.5, 0.06, 0.1)})
     assert rank_strip(history, 2)[1]["step_s"] == pytest.approx(0.05)
     assert history.timing[1].steps == 1010

@@ -67,3 +67,16 @@ for i in range(60):
     assert result.error_in_exec is None, err
     strip = rank_strip(cluster.metrics, NP)
     assert [r["rank"] for r in strip if r["straggler"]] == [2], strip
+
+
+def test_a_burst_of_points_arrives_complete_before_the_cell_returns(shell, capsys, cluster):
+    before = len(cluster.metrics)
+    result, _, err = run_cell(shell, capsys, """%%everyrank
+for i in range(300_000):
+    hvd.log(step=i, loss=float(i))
+""")
+    assert result.error_in_exec is None, err
+    assert len(cluster.metrics) - before == 300_000
+    steps, losses = cluster.metrics.series("loss", before)
+    assert steps[-1] == 299_999 and losses == [float(s) for s in steps]
+    assert cluster.metrics.missing == {}

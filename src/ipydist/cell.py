@@ -19,6 +19,8 @@ from ipydist.specs import describe_ranks
 
 #: How often the wait loop wakes to show output and metrics.
 POLL_SECONDS = 0.05
+#: After the ranks replied, how long to wait for more of their output when none is coming.
+OUTPUT_STALL_SECONDS = 2.0
 
 
 @dataclass
@@ -57,7 +59,7 @@ class CellRun:
                         f"the cell ran past --timeout {self.timeout:g} s; interrupted "
                         f"{describe_ranks(running)}."
                     )
-            ar.wait_for_output(2)
+            self._wait_for_output()
         except KeyboardInterrupt:
             running = self.session._interrupt(ar, self.targets)
             print(f"Interrupted {describe_ranks(running)}.", file=sys.stderr)
@@ -77,8 +79,22 @@ class CellRun:
             raise RankError(failures)
         return self.result
 
-    def _show(self) -> None:
-        for ev in self.collector.drain():
+    def _wait_for_output(self) -> None:
+        """The ranks replied; their output may still be on its way (a backlog of a million
+        metric points takes seconds to unpack). Keep showing it until it is complete, or until
+        none has arrived for OUTPUT_STALL_SECONDS, so a rank that died mid-output cannot hang
+        the cell."""
+        last_arrival = time.monotonic()
+        while not self.ar.wait_for_output(POLL_SECONDS):
+            if self._show():
+                last_arrival = time.monotonic()
+            elif time.monotonic() - last_arrival > OUTPUT_STALL_SECONDS:
+                return
+
+    def _show(self) -> int:
+        """Show what arrived; return how many messages that was."""
+        events = self.collector.drain()
+        for ev in events:
             if ev.kind in ("stdout", "stderr"):
                 if ev.rank in self.shown:
                     self.merger.feed(ev.rank, ev.kind, ev.content)
@@ -90,6 +106,7 @@ class CellRun:
                 report.publish(ev.content.get("data", {}), ev.content.get("metadata"))
         _print_lines(self.merger.release())
         self.live.update()
+        return len(events)
 
 
 def _print_lines(lines) -> None:

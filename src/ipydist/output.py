@@ -37,7 +37,9 @@ class OutputCollector:
     arrived in the request's metadata, so each rank starts with a snapshot of it: taken on the
     first callback (the metadata then already includes that message), or at :meth:`finish` if
     no message came after attaching. A lock makes sure exactly one of the two takes it, so no
-    output is lost or shown twice, and no extra wake-up of the IO thread is needed.
+    output is lost or shown twice, and no extra wake-up of the IO thread is needed. (Metrics
+    batches are the exception: the metadata keeps only the latest one, which the snapshot
+    includes; batches are numbered, so the history ignores it if it comes twice.)
     """
 
     def __init__(self, async_result, ranks: list[int]):
@@ -65,21 +67,29 @@ class OutputCollector:
             self.events.put(Event(rank, "display_data", output))
         if md["execute_result"]:
             self.events.put(Event(rank, "execute_result", md["execute_result"]))
+        batch = (md.get("data") or {}).get(DATA_KEY)
+        if batch is not None:  # the latest metrics batch; a repeat is ignored by the history
+            self.events.put(Event(rank, "metrics", batch))
         return True
 
     def _make_callback(self, rank: int, future):
         def on_iopub(msg):
-            if self._snapshot(rank, future):
-                return  # the snapshot already holds this message
             kind = msg["header"]["msg_type"]
             content = msg["content"]
+            if self._snapshot(rank, future) and kind != "data_message":
+                return  # the snapshot already holds this message
             if kind == "stream":
                 self.events.put(Event(rank, content["name"], content["text"]))
             elif kind in ("display_data", "execute_result"):
                 self.events.put(Event(rank, kind, content))
             elif kind == "data_message" and DATA_KEY in content.get("keys", ()):
-                data, _ = deserialize_object(msg["buffers"])
-                self.events.put(Event(rank, "metrics", data[DATA_KEY]))
+                # ipyparallel has just unpacked this message into the metadata (callbacks run
+                # after it): take it from there rather than unpack a large batch twice.
+                data = future.output.metadata.get("data") or {}
+                batch = data.get(DATA_KEY)
+                if batch is None or batch.get("seq") is None:
+                    batch = deserialize_object(msg["buffers"])[0][DATA_KEY]
+                self.events.put(Event(rank, "metrics", batch))
 
         return on_iopub
 

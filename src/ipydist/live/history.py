@@ -86,8 +86,7 @@ class MetricHistory:
         return len(self) - before
 
     def _apply(self, rank: int, batch: dict) -> None:
-        for step, t, values in batch["points"]:
-            self._append(step, t, values)
+        self._append(batch["points"])
         steps, step_sum, step_max, wait_sum = batch["timing"]
         if steps:
             timing = self.timing.setdefault(rank, RankTiming())
@@ -96,18 +95,20 @@ class MetricHistory:
             self.total = batch.get("total", self.total)
             self.batch_size = batch.get("batch_size", self.batch_size)
 
-    def _append(self, step: float, t: float, values: dict[str, float]) -> None:
-        n = len(self.steps)
-        self.steps.append(step)
-        self.times.append(t)
-        for name, value in values.items():
-            column = self.columns.get(name)
-            if column is None:
-                column = self.columns[name] = array("d", [NAN]) * n
-            column.append(value)
+    def _append(self, points: dict) -> None:
+        """Append a batch's columns (see ``batching.to_columns``), NaN-padding the others."""
+        before, n = len(self.steps), len(points["step"])
+        if not n:
+            return
+        self.steps.extend(points["step"])
+        self.times.extend(points["time"])
+        for name, values in points["values"].items():
+            if name not in self.columns:
+                self.columns[name] = array("d", [NAN]) * before
+            self.columns[name].extend(values)
         for column in self.columns.values():
-            if len(column) == n:
-                column.append(NAN)
+            if len(column) == before:
+                column.extend(array("d", [NAN]) * n)
 
     @property
     def missing(self) -> dict[int, list[int]]:
