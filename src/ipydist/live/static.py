@@ -13,7 +13,7 @@ import math
 from ipydist.live.history import downsample
 
 WIDTH, HEIGHT = 560, 140
-LEFT, RIGHT, TOP, BOTTOM = 58, 10, 18, 22
+LEFT, RIGHT, TOP, BOTTOM = 58, 10, 24, 22
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf"]
 
 
@@ -68,7 +68,7 @@ def chart_svg(name: str, xs: list, ys: list, color: str, max_points: int = 600) 
     grid = "".join(
         f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{sy(v):.1f}" y2="{sy(v):.1f}" '
         f'stroke="#e0e0e0"/><text x="{LEFT - 4}" y="{sy(v) + 4:.1f}" text-anchor="end" '
-        f'font-size="10" fill="#666">{fmt(v)}</text>'
+        f'font-size="10" fill="#666">{v:.3g}</text>'
         for v in (y0, y1)
     )
     axis = "".join(

@@ -28,6 +28,9 @@ class MetricsWidget(anywidget.AnyWidget):
     stats = traitlets.Dict().tag(sync=True)
     done = traitlets.Bool(False).tag(sync=True)
 
+    def __repr__(self) -> str:  # the text/plain of the widget's output, e.g. on GitHub
+        return "ipydist live metrics"
+
     def append(self, count: int, series: dict[str, tuple[list, list]]) -> None:
         """Send new points; ``count`` is how many this cell has logged in all."""
         self.send({"type": "append", "count": count,
