@@ -11,7 +11,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from ipydist import report
+from ipydist import recovery, report
 from ipydist.errors import CellTimeout, RankError
 from ipydist.live.view import LiveView
 from ipydist.output import LineMerger, OutputCollector
@@ -19,6 +19,8 @@ from ipydist.specs import describe_ranks
 
 #: How often the wait loop wakes to show output and metrics.
 POLL_SECONDS = 0.05
+#: After a release, how long before a second one that breaks communication regardless.
+RELEASE_RETRY_SECONDS = 1.0
 #: After the ranks replied, how long to wait for more of their output when none is coming.
 OUTPUT_STALL_SECONDS = 2.0
 
@@ -46,6 +48,12 @@ class CellRun:
         self.merger = LineMerger(self.shown)
         self.live = LiveView(session.metrics, session.size)
         self.result = RunResult(targets)
+        #: A failing rank's peers get this long to finish by themselves before release.
+        self.failure_grace = float(timeout) if timeout else session.failure_grace
+        self.first_failure: tuple[int, float] | None = None  # (rank, when)
+        self.released: list[int] = []
+        self._released_at: float | None = None
+        self._release_count = 0
 
     def wait(self) -> RunResult:
         """Block until every rank finished the cell; raise RankError if any raised."""
@@ -53,16 +61,18 @@ class CellRun:
         try:
             while not ar.wait(POLL_SECONDS):
                 self._show()
+                self._contain_failure()
                 if self.deadline is not None and time.perf_counter() > self.deadline:
-                    running = self.session._interrupt(ar, self.targets)
-                    raise CellTimeout(
+                    running = recovery.interrupt(self.session, ar, self.targets)
+                    notes = self.session.recover(running)
+                    raise CellTimeout(" ".join([
                         f"the cell ran past --timeout {self.timeout:g} s; interrupted "
-                        f"{describe_ranks(running)}."
-                    )
+                        f"{describe_ranks(running)}.", *notes]))
             self._wait_for_output()
         except KeyboardInterrupt:
-            running = self.session._interrupt(ar, self.targets)
-            print(f"Interrupted {describe_ranks(running)}.", file=sys.stderr)
+            running = recovery.interrupt(self.session, ar, self.targets)
+            notes = self.session.recover(running)
+            print(" ".join([f"Interrupted {describe_ranks(running)}.", *notes]), file=sys.stderr)
             raise
         finally:
             self.collector.finish()
@@ -76,8 +86,32 @@ class CellRun:
             if isinstance(reply, Exception)
         }
         if failures:
-            raise RankError(failures)
+            notes = self.session.recover(self.released)
+            # the rank that failed while others still ran goes first; otherwise rank order
+            first = self.first_failure[0] if self.first_failure and self.released else None
+            raise RankError(failures, first=first, released=self.released, notes=notes)
         return self.result
+
+    def _contain_failure(self) -> None:
+        """Once a rank has failed, give the others ``failure_grace`` seconds to finish, then
+        release those still running (they are most likely waiting for the failed rank in a
+        collective); a second release a second later breaks their communication outright."""
+        now = time.monotonic()
+        running = []
+        for rank, child in zip(self.targets, self.ar._children):
+            if not child.done():
+                running.append(rank)
+            elif self.first_failure is None and isinstance(child.result(), Exception):
+                self.first_failure = (rank, now)
+        if self.first_failure is None or not running:
+            return
+        due = self.first_failure[1] + self.failure_grace if self._released_at is None else (
+            self._released_at + RELEASE_RETRY_SECONDS)
+        if now >= due and self._release_count < 2:
+            self.session.release(running)
+            self.released = sorted(set(self.released) | set(running))
+            self._released_at = now
+            self._release_count += 1
 
     def _wait_for_output(self) -> None:
         """The ranks replied; their output may still be on its way (a backlog of a million

@@ -30,6 +30,9 @@ def _fail_all(comm, rank: int, host: str, problem: str | None) -> None:
 def bootstrap(env: dict[str, str] | None = None):
     """Set up this rank: topology, threads, device, torchrun variables, process group."""
     env = os.environ if env is None else env
+    from ipydist import release
+
+    release.install()  # first: its signal must be blocked in every thread started later
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD

@@ -17,14 +17,23 @@ class RankError(RuntimeError):
     (once, when they are all the same).
     """
 
-    def __init__(self, failures: dict, what: str = "the cell"):
+    def __init__(self, failures: dict, what: str = "the cell", first: int | None = None,
+                 released: list[int] | None = None, notes: list[str] | None = None):
         #: rank -> ipyparallel RemoteError (ename, evalue, traceback)
         self.failures = dict(sorted(failures.items()))
-        self.ranks = list(self.failures)
-        first = self.failures[self.ranks[0]]
-        self.ename, self.evalue = first.ename, first.evalue
+        #: The rank that failed first (its traceback is shown), then the others in order.
+        self.ranks = sorted(self.failures, key=lambda r: (r != first, r))
+        #: Ranks released because of the failure: their errors are a consequence, not a cause.
+        self.released = sorted(released or [])
+        self.notes = list(notes or [])
+        causes = [r for r in self.ranks if r not in self.released] or self.ranks
+        self.ranks = causes + [r for r in self.ranks if r not in causes]
+        first_error = self.failures[self.ranks[0]]
+        self.ename, self.evalue = first_error.ename, first_error.evalue
         super().__init__(
-            f"{describe_ranks(self.ranks)} raised in {what}: {first.ename}: {first.evalue}"
+            f"{describe_ranks(causes)} raised in {what}: {first_error.ename}: "
+            f"{first_error.evalue}"
+            + "".join(f"\n{note}" for note in self.notes)
         )
 
     def _render_traceback_(self) -> list[str]:
@@ -32,10 +41,11 @@ class RankError(RuntimeError):
         first = self.failures[first_rank]
         lines = [str(self), "", f"--- rank {first_rank} ---"]
         lines += (first.traceback or f"{first.ename}: {first.evalue}").splitlines()
-        same = [r for r in self.ranks[1:] if _same_error(self.failures[r], first)]
+        others = [r for r in self.ranks[1:] if r not in self.released]
+        same = [r for r in others if _same_error(self.failures[r], first)]
         if same:
             lines += ["", f"({describe_ranks(same)}: the same {first.ename})"]
-        for r in self.ranks[1:]:
+        for r in others:
             if r not in same:
                 e = self.failures[r]
                 lines += ["", f"--- rank {r} ---"]

@@ -18,12 +18,11 @@ import functools
 import logging
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import time
 
-from ipydist import launch, processes, report
+from ipydist import launch, processes, recovery, report
 from ipydist.cell import CellRun, RunResult
 from ipydist.errors import ClusterError, RankError
 from ipydist.live.history import MetricHistory
@@ -33,8 +32,8 @@ DEFAULT_START_TIMEOUT = 120.0
 #: Controller heartbeat: a rank is declared gone after HEARTBEAT_MS * HEARTBEAT_MISSES ms.
 HEARTBEAT_MS = 200
 HEARTBEAT_MISSES = 50
-#: How long ranks get to finish after an interrupt before the cell gives up on them.
-INTERRUPT_GRACE = 5.0
+#: When a rank fails, how long the others get to finish before they are released.
+FAILURE_GRACE = 10.0
 
 
 def _check_np(np) -> int:
@@ -60,6 +59,7 @@ class Session:
         timeout: float = DEFAULT_START_TIMEOUT,
         env: dict[str, str] | list[str] | None = None,
         init: bool = True,
+        failure_grace: float = FAILURE_GRACE,
     ):
         self.np = _check_np(np if np is not None else launch.default_np())
         self.gpus = launch.parse_gpus(gpus)
@@ -73,6 +73,8 @@ class Session:
         self.timeout = float(timeout)
         self.env = parse_env(env)
         self.init = init
+        #: When a rank fails, the seconds the others get to finish before they are released.
+        self.failure_grace = float(failure_grace)
         self.ranks: list[dict] = []
         #: Every point the ranks sent with ``hvd.log()``, in order (kept across restarts).
         self.metrics = MetricHistory()
@@ -301,13 +303,13 @@ class Session:
             view = self._views[key] = self._client[list(targets)]
         return view
 
-    def _interrupt(self, ar, targets: list[int]) -> list[int]:
-        """SIGINT the ranks still running the cell; wait a little for them to stop."""
-        running = [r for r, child in zip(targets, ar._children) if not child.done()]
-        if running:
-            self.signal(signal.SIGINT, running)
-            ar.wait(INTERRUPT_GRACE)
-        return running
+    def release(self, ranks: list[int]) -> None:
+        """Get ``ranks`` out of what they run, collectives included (see ipydist.recovery)."""
+        recovery.release(self, ranks)
+
+    def recover(self, released: list[int]) -> list[str]:
+        """After a failed cell: rebuild the process group where needed; lines for the message."""
+        return recovery.recover(self, released)
 
     def signal(self, sig: int, ranks: list[int] | None = None) -> None:
         """Send ``sig`` to ranks: directly to local pids, through ipyparallel's nanny otherwise."""

@@ -41,6 +41,10 @@ class Runtime:
     store: Any = None
     group: Any = None
     notes: list[str] = field(default_factory=list)
+    #: File descriptors of the group's gloo connections (what a release shuts down).
+    comm_fds: list[int] = field(default_factory=list)
+    #: A release broke the group's connections: it must be rebuilt before it is used again.
+    broken: bool = False
 
     @property
     def device(self) -> torch.device:
@@ -153,6 +157,7 @@ def init_process_group(rt: Runtime, backend: str | None = None) -> None:
     rt.backend = backend or rt.backend
     rt.store = _make_store(rt)
     export_torchrun_env(rt)
+    before = _connected_fds()
     _original_init_process_group(
         backend=rt.backend,
         store=rt.store,
@@ -161,6 +166,17 @@ def init_process_group(rt: Runtime, backend: str | None = None) -> None:
         timeout=datetime.timedelta(seconds=rt.timeout_s),
     )
     rt.group = dist.group.WORLD
+    rt.comm_fds = sorted(_connected_fds() - before)
+    rt.broken = False
+
+
+def _connected_fds() -> set[int]:
+    """This process's connected TCP sockets: the group's gloo pairs are the ones its
+    creation adds (listening sockets excluded: shutting one down kills gloo's listener)."""
+    import psutil
+
+    return {c.fd for c in psutil.Process().net_connections(kind="tcp")
+            if c.fd != -1 and c.status == psutil.CONN_ESTABLISHED}
 
 
 #: Groups that were destroyed or replaced, kept referenced for the life of the rank. Freeing a

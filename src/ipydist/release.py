@@ -1,0 +1,140 @@
+"""Releasing a rank from a collective that can never complete: the rank side.
+
+When one rank raises, the others may sit in an allreduce waiting for it, inside C++ with the
+GIL released, where neither SIGINT nor any Python signal handler reaches them (Python runs
+handlers only between bytecodes of the main thread). So each rank keeps a watcher thread that
+waits for RELEASE_SIGNAL with ``sigwait`` (the signal is blocked in every other thread, which
+inherit the mask from the bootstrap). On the signal it looks at what the main thread is doing:
+
+- in a collective (a torch.distributed call, or ipydist's gradient wait): it breaks this rank's
+  communication -- shuts down the sockets of its gloo connections, or aborts the NCCL
+  communicator -- so the collective raises at once, here and on the ranks waiting for this one;
+- anywhere else: it sends the main thread SIGINT (a KeyboardInterrupt, as Ctrl-C would).
+
+A second signal in the same cell does both. Either way the process group is then marked
+broken, and the notebook side rebuilds it on every rank (:func:`repair`) before the next cell,
+so no half-finished collective's bytes cross into it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+RELEASE_SIGNAL = signal.SIGUSR1
+
+_main_ident: int | None = None
+#: What the last release found, for the notebook's message: {"what", "broke", "time"}.
+_last: dict | None = None
+_released_this_cell = 0
+
+
+def install() -> None:
+    """Start the watcher; call from the main thread before any other thread starts."""
+    global _main_ident
+    if _main_ident is not None or not hasattr(signal, "pthread_sigmask"):
+        return
+    _main_ident = threading.get_ident()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {RELEASE_SIGNAL})
+    threading.Thread(target=_watch, name="ipydist-release", daemon=True).start()
+
+
+def _watch() -> None:
+    while True:
+        signal.sigwait({RELEASE_SIGNAL})
+        try:
+            release()
+        except Exception as e:  # never let the watcher die
+            print(f"ipydist: releasing this rank failed: {e}", file=sys.stderr, flush=True)
+
+
+def release() -> dict:
+    """Get the main thread out of whatever it waits in (see the module docstring)."""
+    global _last, _released_this_cell
+    _released_this_cell += 1
+    frame = sys._current_frames().get(_main_ident) if _main_ident else None
+    what = collective_in(frame)
+    force = _released_this_cell > 1
+    broke = False
+    if what is not None or force:
+        broke = break_communication()
+    if what is None:
+        # a real SIGINT aimed at the main thread: it also cuts short a blocking call such as
+        # time.sleep (interrupt_main() would wait for that call to return)
+        signal.pthread_kill(_main_ident, signal.SIGINT)
+    _last = {"what": what, "broke": broke, "time": time.time()}
+    return _last
+
+
+def collective_in(frame) -> str | None:
+    """The collective the stack is in, e.g. ``"all_reduce"``, or None."""
+    while frame is not None:
+        path = frame.f_code.co_filename.replace("\\", "/")
+        name = frame.f_code.co_name
+        if "/torch/distributed/" in path and not name.startswith("_"):
+            return name
+        if path.endswith("ipydist/torch/optimizer.py") and name == "synchronize":
+            return "allreduce of gradients (DistributedOptimizer)"
+        frame = frame.f_back
+    return None
+
+
+def break_communication() -> bool:
+    """Make every pending collective of this rank fail now; True if there was a group."""
+    from ipydist.torch import runtime
+
+    rt = runtime.get()
+    if rt is None or rt.group is None:
+        return False
+    rt.broken = True
+    if rt.backend == "nccl":
+        try:
+            import torch
+
+            rt.group._get_backend(torch.device("cuda")).abort()
+        except Exception as e:
+            print(f"ipydist: could not abort the NCCL communicator: {e}", file=sys.stderr)
+        return True
+    for fd in rt.comm_fds:
+        try:
+            with socket.socket(fileno=os.dup(fd)) as s:
+                s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already closed
+    return True
+
+
+def state() -> dict:
+    """For the notebook after a failed cell: what a release found, whether the group is
+    broken, and the group's collective count (ranks that differ must rebuild)."""
+    global _last, _released_this_cell
+    from ipydist.torch import runtime
+
+    rt = runtime.get()
+    out = {"release": _last, "broken": bool(rt and rt.broken), "seq": None}
+    _last, _released_this_cell = None, 0
+    if rt is not None and rt.group is not None and not rt.broken:
+        try:
+            out["seq"] = rt.group._get_sequence_number_for_group()
+        except Exception:
+            pass
+    return out
+
+
+def repair() -> None:
+    """Rebuild the default process group (collective: every rank calls it at once)."""
+    import torch.distributed as dist
+
+    from ipydist.torch import runtime
+
+    rt = runtime.get()
+    if rt is None:
+        return
+    if dist.is_initialized():
+        runtime._retire(dist.group.WORLD)  # kept referenced: see runtime._retired_groups
+        dist.destroy_process_group()
+    runtime.init_process_group(rt)
