@@ -9,11 +9,15 @@ time is a hang some of the time.
 from __future__ import annotations
 
 import _thread
+import os
+import re
+import signal
 import threading
 import time
 
 import pytest
 from conftest import NP, run_cell
+from IPython.core.error import UsageError
 
 from ipydist.errors import CellTimeout, RankError
 
@@ -107,4 +111,38 @@ def test_same_error_everywhere_needs_no_release_and_no_rebuild(shell, capsys, fa
     assert isinstance(error, RankError) and error.ranks == list(range(NP))
     assert time.monotonic() - t0 < GRACE, "nobody waited: nothing to release"
     assert error.notes == [], error.notes
+    assert_collectives_work(shell, capsys)
+
+
+def test_a_killed_rank_is_reported_within_5_s_and_restart_starts_fresh(shell, capsys,
+                                                                       fast_cluster):
+    from conftest import wait_gone
+
+    old = fast_cluster._all_pids()
+    victim = fast_cluster.ranks[2]["pid"]
+    killer = threading.Timer(1.0, os.kill, (victim, signal.SIGKILL))
+    killer.start()
+    t0 = time.monotonic()
+    result, _, _ = run_cell(shell, capsys,
+                            "%everyrank hvd.allreduce_(torch.ones(2)); time.sleep(60)")
+    elapsed = time.monotonic() - t0 - 1.0
+    killer.join()
+    error = result.error_in_exec
+    assert isinstance(error, UsageError), error  # the magics show it as one clear message
+    assert elapsed < 5, f"reported {elapsed:.1f} s after the kill"
+    assert str(error).startswith(
+        f"rank 2 (pid {victim} on {fast_cluster.ranks[2]['host']}) died: killed by signal 9 "
+        "(SIGKILL)"), str(error)
+    assert "%dist_restart" in str(error)
+
+    result, out, _ = run_cell(shell, capsys, "%dist_status")
+    assert result.error_in_exec is None
+    assert re.search(r"^2\s.*\bdead\b", out, re.MULTILINE), out
+    result, _, _ = run_cell(shell, capsys, "%everyrank 1")
+    assert "died" in str(result.error_in_exec), "a cell on a dead cluster fails at once"
+
+    result, _, err = run_cell(shell, capsys, "%dist_restart")
+    assert result.error_in_exec is None, err
+    assert wait_gone(old) == [], "nothing of the old cluster keeps running"
+    run_cell(shell, capsys, "%everyrank import time, torch, ipydist.torch as hvd")
     assert_collectives_work(shell, capsys)

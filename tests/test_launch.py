@@ -119,3 +119,18 @@ def test_describe_failure_puts_the_ranks_lines_first():
     bare = launch.describe_failure("mpiexec exited", "", None, "mpiexec")
     assert bare.splitlines()[0] == "mpiexec exited."
     assert "Check the MPI installation" in bare
+
+
+def test_describe_death_names_the_rank_and_signal_mpiexec_reported():
+    from ipydist.launch import describe_death
+
+    dead = [{"rank": r, "pid": 100 + r, "host": "a"} for r in range(4)]
+    ompi = ("prterun noticed that process rank 2 with PID 102 on node a exited on\n"
+            "signal 11 (Segmentation fault).")
+    text = describe_death(ompi, dead)
+    assert text.startswith("rank 2 (pid 102 on a) died: killed by signal 11 (SIGSEGV), "
+                           "a segmentation fault. mpiexec then stopped ranks 0-1,3.")
+    mpich = "BAD TERMINATION\nPID 101 RUNNING AT a\nEXIT CODE: 9\nKILLED BY SIGNAL: 9 (Killed)"
+    assert describe_death(mpich, dead[1:2]).startswith(
+        "rank 1 (pid 101 on a) died: killed by signal 9 (SIGKILL); the out-of-memory killer")
+    assert describe_death("", dead[3:]).startswith("rank 3 (pid 103 on a) died. Run %dist_restart")

@@ -12,13 +12,15 @@ import time
 from dataclasses import dataclass, field
 
 from ipydist import recovery, report
-from ipydist.errors import CellTimeout, RankError
+from ipydist.errors import CellTimeout, RankDied, RankError
 from ipydist.live.view import LiveView
 from ipydist.output import LineMerger, OutputCollector
 from ipydist.specs import describe_ranks
 
 #: How often the wait loop wakes to show output and metrics.
 POLL_SECONDS = 0.05
+#: How often the wait loop checks that every rank's process is still there.
+ALIVE_CHECK_SECONDS = 0.5
 #: After a release, how long before a second one that breaks communication regardless.
 RELEASE_RETRY_SECONDS = 1.0
 #: After the ranks replied, how long to wait for more of their output when none is coming.
@@ -59,9 +61,14 @@ class CellRun:
         """Block until every rank finished the cell; raise RankError if any raised."""
         ar = self.ar
         try:
+            next_alive_check = time.monotonic() + ALIVE_CHECK_SECONDS
             while not ar.wait(POLL_SECONDS):
                 self._show()
                 self._contain_failure()
+                if time.monotonic() >= next_alive_check:
+                    if report := self.session.death_report():
+                        raise RankDied(report)
+                    next_alive_check = time.monotonic() + ALIVE_CHECK_SECONDS
                 if self.deadline is not None and time.perf_counter() > self.deadline:
                     running = recovery.interrupt(self.session, ar, self.targets)
                     notes = self.session.recover(running)

@@ -9,6 +9,10 @@ class ClusterError(RuntimeError):
     """The cluster could not start, is not running, or stopped underneath us."""
 
 
+class RankDied(ClusterError):
+    """A rank's process is gone (killed, crashed); the cluster must be restarted."""
+
+
 class RankError(RuntimeError):
     """Code raised on one or more ranks.
 

