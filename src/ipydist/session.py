@@ -14,6 +14,7 @@ of why ``start()`` is quicker than a plain ``ipyparallel.Cluster`` followed by `
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import os
@@ -21,8 +22,9 @@ import shutil
 import sys
 import tempfile
 import time
+import weakref
 
-from ipydist import launch, processes, recovery, report
+from ipydist import launch, processes, recovery, report, watchdog
 from ipydist.cell import CellRun, RunResult
 from ipydist.errors import ClusterError, RankDied, RankError
 from ipydist.live.history import MetricHistory
@@ -83,6 +85,7 @@ class Session:
         self._client = None
         self._views: dict[tuple[int, ...], object] = {}
         self._profile_dir: str | None = None
+        self._watchdog = None  # (process, pipe write end): see ipydist.watchdog
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -163,6 +166,8 @@ class Session:
         self._cluster = cluster
         cluster.start_controller_sync()
         cluster.start_engines_sync()
+        self._watchdog = watchdog.start(self._all_pids())
+        atexit.register(_stop_at_exit, weakref.ref(self))
 
     def _engine_set(self):
         return next(iter(self._cluster.engines.values()), None) if self._cluster else None
@@ -258,6 +263,14 @@ class Session:
                 if not quiet:
                     print(f"ipydist: stopping the cluster: {e}", file=sys.stderr)
         processes.reap(pids)
+        if self._watchdog is not None:
+            proc, pipe = self._watchdog
+            os.close(pipe)  # the watchdog finds nothing left to end, and exits
+            try:
+                proc.wait(timeout=5)
+            except Exception:
+                proc.kill()
+            self._watchdog = None
         if self._profile_dir:
             shutil.rmtree(self._profile_dir, ignore_errors=True)
         was = len(self.ranks)
@@ -411,6 +424,13 @@ class Session:
             f"(backend {backend}, ranks {format_ranks(range(self.size))})"
         )
         return report.Table(["rank", "host", "pid", "device", "backend"], rows, caption)
+
+
+def _stop_at_exit(ref) -> None:
+    """The kernel is exiting (shutdown, restart, end of a script): stop the cluster first."""
+    session = ref()
+    if session is not None and session.running:
+        session.stop(quiet=True)
 
 
 @functools.cache

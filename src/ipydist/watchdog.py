@@ -1,0 +1,75 @@
+"""Ends a cluster whose notebook kernel is gone, however it went (SIGKILL included).
+
+A normal stop, a kernel shutdown and a kernel restart all run ``Session.stop``; a kernel
+killed outright runs nothing, and would leave the controller, mpiexec and the ranks running.
+So every cluster gets a small watchdog process in its own session. It holds the read end of
+a pipe whose only write end is in the kernel: when the kernel dies, the read returns at once
+(no polling of the kernel's pid), and the watchdog ends every process of the cluster. While
+waiting it refreshes, once a second, the list of the cluster's processes (the descendants of
+the controller and of mpiexec), so ranks are found even if mpiexec went first.
+
+    python -m ipydist.watchdog FD PID [PID ...]
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import subprocess
+import sys
+
+REFRESH_SECONDS = 1.0
+GRACE_SECONDS = 3.0
+
+
+def start(pids: list[int]) -> tuple[subprocess.Popen, int]:
+    """Start a watchdog for the process trees under ``pids``; return it and the pipe's write
+    end, which the caller keeps open for as long as the cluster should live."""
+    read_end, write_end = os.pipe()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ipydist.watchdog", str(read_end), *map(str, pids)],
+        pass_fds=(read_end,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    os.close(read_end)
+    return proc, write_end
+
+
+def main(argv: list[str]) -> int:
+    import psutil
+
+    fd, roots = int(argv[0]), [int(p) for p in argv[1:]]
+    known: dict[int, psutil.Process] = {}
+
+    def refresh() -> None:
+        for pid in roots:
+            try:
+                root = psutil.Process(pid)
+                for proc in [root, *root.children(recursive=True)]:
+                    known.setdefault(proc.pid, proc)
+            except psutil.Error:
+                continue
+
+    refresh()
+    while True:
+        ready, _, _ = select.select([fd], [], [], REFRESH_SECONDS)
+        if ready and not os.read(fd, 1):
+            break  # EOF: the kernel closed the pipe or died
+        refresh()
+    procs = [p for p in known.values() if p.is_running()]  # is_running checks for pid reuse
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=GRACE_SECONDS)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
