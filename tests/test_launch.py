@@ -46,7 +46,7 @@ def test_openmpi_plan_oversubscribes_allows_root_and_forwards_env(monkeypatch):
     assert ["-x", "FOO"] == plan.args[plan.args.index("FOO") - 1:plan.args.index("FOO") + 1]
     assert plan.env["OMPI_ALLOW_RUN_AS_ROOT"] == "1" and plan.env["FOO"] == "1"
     assert "4 ranks on 2 cores: oversubscribing" in plan.notes[0]
-    assert ["--mca", "btl", "self,sm,tcp"] == plan.args[1:4]
+    assert ["--mca", "btl", "self,sm"] == plan.args[1:4]
     assert not plan.multi_host
 
 
@@ -54,7 +54,9 @@ def test_openmpi_plan_leaves_fitting_runs_and_user_choices_alone():
     plan = launch.plan_mpiexec(
         "mpiexec", 2, ["--mca", "btl", "self,tcp"], {}, cores=8, flavor="openmpi", is_root=False
     )
-    assert plan.args == ["--mca", "btl", "self,tcp"]
+    # the user's transports, and gloo kept on loopback (one host)
+    assert plan.args == ["-x", "GLOO_SOCKET_IFNAME", "--mca", "btl", "self,tcp"]
+    assert plan.env["GLOO_SOCKET_IFNAME"] == "lo"
     assert plan.notes == [] and "OMPI_ALLOW_RUN_AS_ROOT" not in plan.env
 
 
@@ -63,6 +65,7 @@ def test_multi_host_plan():
         "mpiexec", 8, "--hostfile hosts", {"A": "1"}, cores=2, flavor="mpich", is_root=True
     )
     assert plan.multi_host and plan.args == ["-genvlist", "A", "--hostfile", "hosts"]
+    assert "GLOO_SOCKET_IFNAME" not in plan.env, "ranks on several hosts need a real interface"
     assert launch.controller_address(True)[0] == "*"
     assert launch.controller_address(False) == ("127.0.0.1", None)
     assert launch.is_multi_host(["-H", "a,b"]) and launch.is_multi_host(["--host=a"])

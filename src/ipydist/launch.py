@@ -132,6 +132,9 @@ def plan_mpiexec(
     cores = cores or os.cpu_count() or 1
     is_root = (os.geteuid() == 0) if is_root is None else is_root
     rank_env = dict(rank_env or {})
+    if not multi_host and "GLOO_SOCKET_IFNAME" not in os.environ:
+        # gloo listens where the host name resolves to, which may be a public interface
+        rank_env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     args: list[str] = []
     env: dict[str, str] = {}
     notes: list[str] = []
@@ -147,9 +150,10 @@ def plan_mpiexec(
                 "torch threads per rank are set to 1)."
             )
         if not multi_host and not _mca_set(user_args, "btl"):
-            # One host: shared memory (and TCP as a fallback) is all MPI needs. Without this,
-            # MPI_Init spends about a second probing libfabric and UCX network transports.
-            args += ["--mca", "btl", "self,sm,tcp"]
+            # One host: shared memory is all MPI needs. Without this, MPI_Init spends about a
+            # second probing libfabric and UCX, and the TCP transport listens on every
+            # interface of every rank.
+            args += ["--mca", "btl", "self,sm"]
         for name in rank_env:
             args += ["-x", name]
     elif flavor == "mpich":
