@@ -146,3 +146,37 @@ def test_a_killed_rank_is_reported_within_5_s_and_restart_starts_fresh(shell, ca
     assert wait_gone(old) == [], "nothing of the old cluster keeps running"
     run_cell(shell, capsys, "%everyrank import time, torch, ipydist.torch as hvd")
     assert_collectives_work(shell, capsys)
+
+
+def test_after_an_interrupt_models_that_drifted_apart_are_resynchronised(shell, capsys,
+                                                                         fast_cluster):
+    run_cell(shell, capsys, """%%everyrank
+model = torch.nn.Linear(8, 2)
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                               named_parameters=model.named_parameters())
+model(torch.ones(4, 8)).sum().backward()
+opt.step()
+""")
+    # an interrupt between one rank's update and the others'
+    timer = threading.Timer(1.0, _thread.interrupt_main)
+    timer.start()
+    result, _, err = run_cell(shell, capsys, """%%everyrank
+if hvd.rank() == 1:
+    with torch.no_grad():
+        model.weight.add_(1.0)
+time.sleep(60)
+""")
+    timer.join()
+    assert isinstance(result.error_in_exec, KeyboardInterrupt), err
+    assert "copied to every rank" in err, err
+    result, out, err = run_cell(shell, capsys,
+                                "%everyrank print(round(model.weight.sum().item(), 5))")
+    assert result.error_in_exec is None, err
+    assert out.startswith("[all ranks] "), f"the ranks' weights differ:\n{out}"
+    # nothing differs: nothing is said
+    timer = threading.Timer(1.0, _thread.interrupt_main)
+    timer.start()
+    result, _, err = run_cell(shell, capsys, "%everyrank time.sleep(60)")
+    timer.join()
+    assert isinstance(result.error_in_exec, KeyboardInterrupt) and "copied" not in err, err

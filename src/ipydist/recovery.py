@@ -74,6 +74,18 @@ def recover(session, released: list[int]) -> list[str]:
             "so collectives work in the next cell. Wrap a DistributedDataParallel model again: "
             "it keeps the old group."
         )
+    if released:
+        try:
+            fixed = session._view(ranks).apply_async(_rank_resync).get(timeout=120)[0]
+        except Exception as e:
+            notes.append(f"Checking that the ranks' models are still identical failed ({e}).")
+        else:
+            if fixed:
+                notes.append(
+                    f"{fixed} parameter or optimizer-state tensor{'s' if fixed > 1 else ''} "
+                    "differed between ranks after the interruption; rank 0's values were "
+                    "copied to every rank."
+                )
     return notes
 
 
@@ -82,6 +94,12 @@ def _rank_state():
     from ipydist import release
 
     return release.state()
+
+
+def _rank_resync():
+    from ipydist.torch import consistency
+
+    return consistency.resync()
 
 
 def _rank_repair():

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ipydist.torch import consistency
 from ipydist.torch.collectives import _check_root, _rt, rank, size
 
 
@@ -66,6 +67,7 @@ def broadcast_parameters(params, root_rank: int = 0) -> None:
         t = t.data if isinstance(t, torch.nn.Parameter) else t
         groups.setdefault((t.dtype, t.device), []).append(t)
     for tensors in groups.values():
+        consistency.track_tensors(tensors)  # kept in step after an interrupt, too
         flat = torch.cat([t.reshape(-1) for t in tensors])
         dist.broadcast(flat, src=root_rank)
         offset = 0

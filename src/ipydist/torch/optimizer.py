@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ipydist.live.rank import note_wait
+from ipydist.torch import consistency
 from ipydist.torch.collectives import Average, ReduceOp, Sum, _rt, size
 from ipydist.torch.compression import Compression, Compressor
 
@@ -80,6 +81,7 @@ class _DistributedMixin:
         params = [
             p for group in self.param_groups for p in group["params"] if p.requires_grad
         ]
+        consistency.track_optimizer(self)  # kept in step after an interrupt
         self._names = _names_for(params, named_parameters)
         self._compression = compression
         self._passes = backward_passes_per_step
