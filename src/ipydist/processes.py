@@ -60,6 +60,20 @@ def reap(pids: list[int], grace: float = 5.0) -> None:
             procs.append(psutil.Process(pid))
         except psutil.Error:
             pass
+    _kill_after(procs, grace)
+
+
+def end(procs: list[psutil.Process], grace: float = 3.0) -> None:
+    """SIGTERM ``procs``; SIGKILL any still there after ``grace`` seconds."""
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _kill_after(procs, grace)
+
+
+def _kill_after(procs: list[psutil.Process], grace: float) -> None:
     _, still = psutil.wait_procs(procs, timeout=grace)
     for p in still:
         try:

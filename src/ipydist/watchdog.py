@@ -18,6 +18,8 @@ import select
 import subprocess
 import sys
 
+from ipydist import processes
+
 REFRESH_SECONDS = 1.0
 GRACE_SECONDS = 3.0
 
@@ -56,18 +58,7 @@ def main(argv: list[str]) -> int:
         if ready and not os.read(fd, 1):
             break  # EOF: the kernel closed the pipe or died
         refresh()
-    procs = [p for p in known.values() if p.is_running()]  # is_running checks for pid reuse
-    for p in procs:
-        try:
-            p.terminate()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=GRACE_SECONDS)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
+    processes.end([p for p in known.values() if p.is_running()], GRACE_SECONDS)
     return 0
 
 
