@@ -86,6 +86,7 @@ class Session:
         self._views: dict[tuple[int, ...], object] = {}
         self._profile_dir: str | None = None
         self._watchdog = None  # (process, pipe write end): see ipydist.watchdog
+        self._rank_procs: list = []  # psutil processes of the ranks on this host
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -234,12 +235,10 @@ class Session:
 
     def dead_ranks(self) -> list[dict]:
         """The ranks whose process is gone (ranks on this host; the heartbeat covers others)."""
-        dead = []
-        for info in self.ranks:
-            proc = processes.local_process(info)
-            if proc is not None and not processes.alive(proc):
-                dead.append(info)
-        return dead
+        if len(self._rank_procs) != len(self.ranks):  # looked up once per cluster
+            self._rank_procs = [processes.local_process(info) for info in self.ranks]
+        return [info for info, proc in zip(self.ranks, self._rank_procs)
+                if proc is not None and not processes.alive(proc)]
 
     def death_report(self) -> str:
         """Which rank died and how, for the cell's error; empty when every rank is alive."""
@@ -276,6 +275,7 @@ class Session:
         was = len(self.ranks)
         self._cluster = self._client = self._profile_dir = None
         self._views = {}
+        self._rank_procs = []
         self.ranks = []
         if was and not quiet:
             print(f"Stopped {was} ranks.")
