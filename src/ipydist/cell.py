@@ -21,6 +21,7 @@ from ipydist.specs import describe_ranks
 POLL_SECONDS = 0.05
 #: How often the wait loop checks that every rank's process is still there.
 ALIVE_CHECK_SECONDS = 0.5
+FIRST_ALIVE_CHECK_SECONDS = 0.1
 #: After a release, how long before a second one that breaks communication regardless.
 RELEASE_RETRY_SECONDS = 1.0
 #: After the ranks replied, how long to wait for more of their output when none is coming.
@@ -61,7 +62,9 @@ class CellRun:
         """Block until every rank finished the cell; raise RankError if any raised."""
         ar = self.ar
         try:
-            next_alive_check = time.monotonic() + ALIVE_CHECK_SECONDS
+            # a rank that died: first checked soon (a cell sent to a dead cluster), then every
+            # ALIVE_CHECK_SECONDS; a cell that ends sooner costs nothing
+            next_alive_check = time.monotonic() + FIRST_ALIVE_CHECK_SECONDS
             while not ar.wait(POLL_SECONDS):
                 self._show()
                 self._contain_failure()

@@ -325,7 +325,7 @@ class Session:
 
         Raises :class:`RankError` naming the ranks that raised, with the first one's traceback.
         """
-        self._require_running()
+        self._require_running(alive=False)  # the cell's wait loop checks the ranks
         targets = parse_ranks(ranks, self.size)
         if output not in ("all", "rank0"):
             raise SpecError(f"--output {output}: expected all or rank0.")
