@@ -175,8 +175,11 @@ def _connected_fds() -> set[int]:
     creation adds (listening sockets excluded: shutting one down kills gloo's listener)."""
     import psutil
 
-    return {c.fd for c in psutil.Process().net_connections(kind="tcp")
-            if c.fd != -1 and c.status == psutil.CONN_ESTABLISHED}
+    try:
+        connections = psutil.Process().net_connections(kind="tcp")
+    except psutil.Error:  # some systems need privileges to list sockets: no release by socket
+        return set()
+    return {c.fd for c in connections if c.fd != -1 and c.status == psutil.CONN_ESTABLISHED}
 
 
 #: Groups that were destroyed or replaced, kept referenced for the life of the rank. Freeing a
