@@ -54,6 +54,8 @@ class MetricHistory:
         self.steps = array("d")
         self.times = array("d")
         self.columns: dict[str, array] = {}
+        #: Per metric, the last row that has a value (so the latest value costs no search).
+        self.last_row: dict[str, int] = {}
         #: Per rank: the time between its ``log()`` calls.
         self.timing: dict[int, RankTiming] = {}
         self.total: int | None = None
@@ -106,6 +108,9 @@ class MetricHistory:
             if name not in self.columns:
                 self.columns[name] = array("d", [NAN]) * before
             self.columns[name].extend(values)
+            last = next((i for i in range(n - 1, -1, -1) if values[i] == values[i]), None)
+            if last is not None:  # (NaN != NaN: a row without this metric)
+                self.last_row[name] = before + last
         for column in self.columns.values():
             if len(column) == before:
                 column.extend(array("d", [NAN]) * n)

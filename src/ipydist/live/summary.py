@@ -29,11 +29,9 @@ def summarize(history: MetricHistory, start: int, world_size: int) -> dict:
                  "elapsed": None, "ranks": rank_strip(history, world_size)}
     if n <= 0:
         return out
-    for name, column in history.columns.items():
-        for i in range(len(history) - 1, start - 1, -1):
-            if column[i] == column[i]:
-                out["latest"][name] = _finite(column[i])
-                break
+    for name, row in history.last_row.items():
+        if row >= start:
+            out["latest"][name] = _finite(history.columns[name][row])
     last = history.steps[-1]
     out["step"] = int(last) if last.is_integer() else last
     out["elapsed"] = history.times[-1] - history.times[start]
