@@ -50,9 +50,10 @@ def resync(root_rank: int = 0) -> int:
     if not dist.is_initialized():
         return 0
     tensors = tracked()
-    count = torch.tensor([len(tensors)], dtype=torch.int64)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    if int(count) != len(tensors):
+    # the largest and (negated) smallest count, so every rank reaches the same verdict
+    counts = torch.tensor([len(tensors), -len(tensors)], dtype=torch.int64)
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    if int(counts[0]) != -int(counts[1]):
         raise RuntimeError("the ranks track different tensors: resynchronise by hand with "
                            "hvd.broadcast_parameters(model.state_dict(), root_rank=0)")
     if not tensors:
