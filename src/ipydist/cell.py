@@ -2,7 +2,9 @@
 
 The wait loop runs in the notebook's main thread and wakes every 50 ms: it prints the ranks'
 output (merged by :class:`LineMerger`), feeds their metrics to the history and the live view,
-and enforces ``--timeout``. Ctrl-C (the stop button) lands here too, and interrupts the ranks.
+warns of a stall (some ranks waiting in a collective the others never entered: see
+:mod:`ipydist.stall`), and enforces ``--timeout``. Ctrl-C (the stop button) lands here too,
+and interrupts the ranks.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from ipydist.errors import CellTimeout, RankDied, RankError
 from ipydist.live.view import LiveView
 from ipydist.output import LineMerger, OutputCollector
 from ipydist.specs import describe_ranks
+from ipydist.stall import StallWatch
 
 #: How often the wait loop wakes to show output and metrics.
 POLL_SECONDS = 0.05
@@ -51,6 +54,7 @@ class CellRun:
         self.merger = LineMerger(self.shown)
         self.live = LiveView(session.metrics, session.size)
         self.result = RunResult(targets)
+        self.stalls = StallWatch(targets, session.stall_warning)
         #: A failing rank's peers get this long to finish by themselves before release.
         self.failure_grace = float(timeout) if timeout else session.failure_grace
         self.first_failure: tuple[int, float] | None = None  # (rank, when)
@@ -68,6 +72,7 @@ class CellRun:
             while not ar.wait(POLL_SECONDS):
                 self._show()
                 self._contain_failure()
+                self._warn_of_stall()
                 if time.monotonic() >= next_alive_check:
                     if report := self.session.death_report():
                         raise RankDied(report)
@@ -123,6 +128,19 @@ class CellRun:
             self._released_at = now
             self._release_count += 1
 
+    def _warn_of_stall(self) -> None:
+        if not self.stalls.waiting:
+            return
+        doing = {}
+        for rank, child in zip(self.targets, self.ar._children):
+            if child.done():
+                doing[rank] = "failed" if isinstance(child.result(), Exception) else "finished"
+            else:
+                doing[rank] = "running"
+        if warning := self.stalls.check(time.monotonic(), doing):
+            _print_lines(self.merger.release(now=float("inf")))  # what came before goes first
+            print(warning, file=sys.stderr, flush=True)
+
     def _wait_for_output(self) -> None:
         """The ranks replied; their output may still be on its way (a backlog of a million
         metric points takes seconds to unpack). Keep showing it until it is complete, or until
@@ -144,6 +162,8 @@ class CellRun:
                     self.merger.feed(ev.rank, ev.kind, ev.content)
             elif ev.kind == "execute_result":
                 self.result.execute_results[ev.rank] = ev.content
+            elif ev.kind == "state":
+                self.stalls.accept(ev.rank, ev.content, time.monotonic())
             elif ev.kind == "metrics":
                 self.session.metrics.accept(ev.rank, ev.content)
             elif ev.kind == "display_data" and ev.rank == self.shown[0]:

@@ -127,6 +127,18 @@ def rank_info() -> dict:
     return info
 
 
+def publish(key: str, value) -> None:
+    """Send ``{key: value}`` to the notebook as an ipyparallel data message: on the rank's
+    signed IOPub channel, so no new port; tagged with the running cell's request. Safe from
+    any thread (ipykernel's IOPub thread does the sending). Does nothing off an engine."""
+    try:
+        from ipyparallel.datapub import publish_data
+
+        publish_data({key: value})
+    except Exception:  # not on an engine (a plain script under mpiexec)
+        pass
+
+
 def main(argv: list[str] | None = None) -> None:
     bootstrap()
     from ipyparallel.engine.app import IPEngine

@@ -10,6 +10,7 @@ from ipydist.errors import ClusterError
 from ipydist.launch import LaunchError
 from ipydist.session import DEFAULT_START_TIMEOUT, Session
 from ipydist.specs import SpecError
+from ipydist.stall import STALL_WARNING_SECONDS
 
 _USER_ERRORS = (SpecError, LaunchError, ClusterError)
 
@@ -62,6 +63,11 @@ class DistMagics(Magics):
         help="environment variables for every rank",
     )
     @argument(
+        "--stall-warning", type=float, default=STALL_WARNING_SECONDS, metavar="S",
+        help="warn when ranks have waited S seconds in a collective that other ranks have not "
+        "called (0: never)",
+    )
+    @argument(
         "--no-init", action="store_true",
         help="do not create the torch.distributed process group (your code will)",
     )
@@ -78,7 +84,7 @@ class DistMagics(Magics):
             session = Session(
                 np=args.np, gpus=args.gpus, backend=args.backend, mpi=args.mpi,
                 mpi_args=args.mpi_args, timeout=args.timeout, env=args.env,
-                init=not args.no_init,
+                init=not args.no_init, stall_warning=args.stall_warning,
             )
             session.start()
         except _USER_ERRORS as e:

@@ -18,6 +18,10 @@ from typing import Any
 from ipyparallel.serialize import deserialize_object
 
 from ipydist.live.batching import DATA_KEY
+from ipydist.stall import STATE_KEY
+
+#: Data-message keys the ranks send, and the kind of event each becomes.
+_DATA_EVENTS = {DATA_KEY: "metrics", STATE_KEY: "state"}
 
 ALL = "all ranks"
 
@@ -25,7 +29,8 @@ ALL = "all ranks"
 @dataclass
 class Event:
     rank: int
-    kind: str  # "stdout" | "stderr" | "display_data" | "execute_result" | "metrics"
+    # "stdout" | "stderr" | "display_data" | "execute_result" | "metrics" | "state"
+    kind: str
     content: Any
 
 
@@ -67,9 +72,11 @@ class OutputCollector:
             self.events.put(Event(rank, "display_data", output))
         if md["execute_result"]:
             self.events.put(Event(rank, "execute_result", md["execute_result"]))
-        batch = (md.get("data") or {}).get(DATA_KEY)
-        if batch is not None:  # the latest metrics batch; a repeat is ignored by the history
-            self.events.put(Event(rank, "metrics", batch))
+        # the latest metrics batch (a repeat is ignored by the history) and the latest state
+        for key, kind in _DATA_EVENTS.items():
+            value = (md.get("data") or {}).get(key)
+            if value is not None:
+                self.events.put(Event(rank, kind, value))
         return True
 
     def _make_callback(self, rank: int, future):
@@ -82,14 +89,17 @@ class OutputCollector:
                 self.events.put(Event(rank, content["name"], content["text"]))
             elif kind in ("display_data", "execute_result"):
                 self.events.put(Event(rank, kind, content))
-            elif kind == "data_message" and DATA_KEY in content.get("keys", ()):
+            elif kind == "data_message":
                 # ipyparallel has just unpacked this message into the metadata (callbacks run
                 # after it): take it from there rather than unpack a large batch twice.
                 data = future.output.metadata.get("data") or {}
-                batch = data.get(DATA_KEY)
-                if batch is None or batch.get("seq") is None:
-                    batch = deserialize_object(msg["buffers"])[0][DATA_KEY]
-                self.events.put(Event(rank, "metrics", batch))
+                for key in content.get("keys", ()):
+                    if key not in _DATA_EVENTS:
+                        continue
+                    value = data.get(key)
+                    if value is None:
+                        value = deserialize_object(msg["buffers"])[0][key]
+                    self.events.put(Event(rank, _DATA_EVENTS[key], value))
 
         return on_iopub
 

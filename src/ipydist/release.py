@@ -11,6 +11,9 @@ inherit the mask from the bootstrap). On the signal it looks at what the main th
   communicator -- so the collective raises at once, here and on the ranks waiting for this one;
 - anywhere else: it sends the main thread SIGINT (a KeyboardInterrupt, as Ctrl-C would).
 
+Between signals the watcher also looks at the main thread's stack once a second, to tell the
+notebook when this rank has been waiting in one collective for a while (:mod:`ipydist.stall`).
+
 A second signal in the same cell does both. Either way the process group is then marked
 broken, and the notebook side rebuilds it on every rank (:func:`repair`) before the next cell,
 so no half-finished collective's bytes cross into it.
@@ -24,6 +27,8 @@ import socket
 import sys
 import threading
 import time
+
+from ipydist import stall
 
 RELEASE_SIGNAL = signal.SIGUSR1
 
@@ -44,20 +49,33 @@ def install() -> None:
 
 
 def _watch() -> None:
+    sampler = stall.CollectiveSampler()
+    timed = hasattr(signal, "sigtimedwait")  # not on macOS: no stall reports there
     while True:
-        signal.sigwait({RELEASE_SIGNAL})
+        if timed:
+            got = signal.sigtimedwait({RELEASE_SIGNAL}, stall.SAMPLE_SECONDS)
+        else:
+            got = signal.sigwait({RELEASE_SIGNAL})
         try:
-            release()
+            if got:
+                release()
+            elif report := sampler.sample(_main_frame(), time.monotonic()):
+                from ipydist.engine import publish
+
+                publish(stall.STATE_KEY, report)
         except Exception as e:  # never let the watcher die
-            print(f"ipydist: releasing this rank failed: {e}", file=sys.stderr, flush=True)
+            print(f"ipydist: rank watcher: {e}", file=sys.stderr, flush=True)
+
+
+def _main_frame():
+    return sys._current_frames().get(_main_ident) if _main_ident else None
 
 
 def release() -> dict:
     """Get the main thread out of whatever it waits in (see the module docstring)."""
     global _last, _released_this_cell
     _released_this_cell += 1
-    frame = sys._current_frames().get(_main_ident) if _main_ident else None
-    what = collective_in(frame)
+    what = collective_in(_main_frame())
     force = _released_this_cell > 1
     broke = False
     if what is not None or force:
@@ -72,15 +90,8 @@ def release() -> dict:
 
 def collective_in(frame) -> str | None:
     """The collective the stack is in, e.g. ``"all_reduce"``, or None."""
-    while frame is not None:
-        path = frame.f_code.co_filename.replace("\\", "/")
-        name = frame.f_code.co_name
-        if "/torch/distributed/" in path and not name.startswith("_"):
-            return name
-        if path.endswith("ipydist/torch/optimizer.py") and name == "synchronize":
-            return "allreduce of gradients (DistributedOptimizer)"
-        frame = frame.f_back
-    return None
+    found = stall.collective_frame(frame)
+    return found[1] if found else None
 
 
 def break_communication() -> bool:

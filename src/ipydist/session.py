@@ -29,6 +29,7 @@ from ipydist.cell import CellRun, RunResult
 from ipydist.errors import ClusterError, RankDied, RankError
 from ipydist.live.history import MetricHistory
 from ipydist.specs import SpecError, describe_ranks, format_ranks, parse_env, parse_ranks
+from ipydist.stall import STALL_WARNING_SECONDS
 
 DEFAULT_START_TIMEOUT = 120.0
 #: Controller heartbeat: a rank is declared gone after HEARTBEAT_MS * HEARTBEAT_MISSES ms.
@@ -48,6 +49,17 @@ def _check_np(np) -> int:
     return n
 
 
+def _check_seconds(value, option: str, zero: bool = False) -> float:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = -1.0
+    if seconds < 0 or (seconds == 0 and not zero) or seconds != seconds:
+        off = ", or 0 to turn it off" if zero else ""
+        raise SpecError(f"{option} {value}: expected a number of seconds above 0{off}.")
+    return seconds
+
+
 class Session:
     """N long-lived ranks under mpiexec, driven through ipyparallel, torch.distributed ready."""
 
@@ -62,6 +74,7 @@ class Session:
         env: dict[str, str] | list[str] | None = None,
         init: bool = True,
         failure_grace: float = FAILURE_GRACE,
+        stall_warning: float = STALL_WARNING_SECONDS,
     ):
         self.np = _check_np(np if np is not None else launch.default_np())
         self.gpus = launch.parse_gpus(gpus)
@@ -70,13 +83,14 @@ class Session:
         self.backend = backend
         self.mpi = mpi
         self.mpi_args = mpi_args or ""
-        if not timeout or float(timeout) <= 0:
-            raise SpecError(f"--timeout {timeout}: expected a number of seconds above 0.")
-        self.timeout = float(timeout)
+        self.timeout = _check_seconds(timeout, "--timeout")
         self.env = parse_env(env)
         self.init = init
         #: When a rank fails, the seconds the others get to finish before they are released.
         self.failure_grace = float(failure_grace)
+        #: Warn when a rank has waited this long in a collective that others have not entered
+        #: (0: never).
+        self.stall_warning = _check_seconds(stall_warning, "--stall-warning", zero=True)
         self.ranks: list[dict] = []
         #: Every point the ranks sent with ``hvd.log()``, in order (kept across restarts).
         self.metrics = MetricHistory()

@@ -99,14 +99,9 @@ def _mean_over_ranks(metrics: dict) -> dict:
 
 
 def _publish(batch: dict) -> None:
-    try:
-        from ipyparallel.datapub import publish_data
-    except ImportError:  # not on an ipyparallel engine: nothing to send to
-        return
-    try:
-        publish_data({DATA_KEY: batch})
-    except Exception:  # outside an engine's shell (a plain script under mpiexec)
-        pass
+    from ipydist.engine import publish
+
+    publish(DATA_KEY, batch)
 
 
 def _first_call_setup() -> None:

@@ -1,0 +1,166 @@
+"""Stall warnings (issue 5, item 2): ranks waiting in a collective that others never called.
+
+The logic is tested on real stack frames (a thread blocked in a function whose file lies under
+``torch/distributed/``); the behaviour on a real 4-rank cluster with the threshold set low.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+from conftest import NP, run_cell
+
+from ipydist.errors import CellTimeout
+from ipydist.stall import CollectiveSampler, StallWatch, collective_frame
+
+THRESHOLD = 2.0  # the tests' stall threshold (the default is 30 s)
+
+_FAKE_TORCH = compile(
+    "def all_reduce(gate):\n    gate.wait()\n",
+    "/site-packages/torch/distributed/distributed_c10d.py", "exec",
+)
+
+
+class BlockedThread:
+    """A thread blocked inside a function named like torch's all_reduce, for real frames."""
+
+    def __init__(self):
+        namespace: dict = {}
+        exec(_FAKE_TORCH, namespace)
+        self.gate = threading.Event()
+        self.thread = threading.Thread(target=namespace["all_reduce"], args=(self.gate,))
+        self.thread.start()
+        time.sleep(0.05)
+
+    def frame(self):
+        return sys._current_frames()[self.thread.ident]
+
+    def finish(self):
+        self.gate.set()
+        self.thread.join()
+
+
+def test_the_sampler_reports_one_long_call_once_and_when_it_returns():
+    blocked = BlockedThread()
+    try:
+        assert collective_frame(blocked.frame())[1] == "all_reduce"
+        sampler = CollectiveSampler(report_after=1.0)
+        assert sampler.sample(blocked.frame(), now=0.0) is None  # just seen
+        assert sampler.sample(blocked.frame(), now=0.5) is None  # not long yet
+        report = sampler.sample(blocked.frame(), now=1.5)
+        assert report == {"collective": "all_reduce", "waited": 1.5}
+        assert sampler.sample(blocked.frame(), now=2.5) is None  # said once
+    finally:
+        blocked.finish()
+    assert sampler.sample(sys._getframe(), now=3.0) == {"collective": None}
+    assert sampler.sample(sys._getframe(), now=4.0) is None
+
+
+def test_the_sampler_does_not_mistake_many_short_calls_for_one_long_one():
+    sampler = CollectiveSampler(report_after=1.0)
+    for second in range(5):  # a training loop: every sample finds a different all_reduce call
+        blocked = BlockedThread()
+        try:
+            assert sampler.sample(blocked.frame(), now=float(second)) is None
+        finally:
+            blocked.finish()
+
+
+def waiting_in(watch: StallWatch, name: str, ranks, waited: float, now: float) -> None:
+    for rank in ranks:
+        watch.accept(rank, {"collective": name, "waited": waited}, now)
+
+
+def test_a_stall_names_the_missing_rank_and_what_it_does_once_past_the_threshold():
+    watch = StallWatch([0, 1, 2, 3], threshold=30.0)
+    waiting_in(watch, "all_reduce", [0, 1, 2], waited=1.0, now=100.0)
+    doing = {3: "running"}
+    assert watch.check(120.0, doing) is None  # 21 s: not yet
+    warning = watch.check(130.0, doing)
+    assert warning.startswith("ipydist stall warning: ranks 0-2 have waited 31 s in all_reduce, "
+                              "while rank 3 is still running other code."), warning
+    assert watch.check(140.0, doing) is None  # said once
+    watch.accept(0, {"collective": None}, 141.0)
+    watch.accept(3, {"collective": None}, 141.0)
+    assert watch.check(150.0, {0: "finished", 3: "running"}).startswith(
+        "ipydist stall warning: ranks 1-2 have waited 51 s in all_reduce, while rank 0 finished "
+        "the cell without calling it, and rank 3 is still running other code.")
+
+
+def test_different_collectives_are_a_stall_and_the_same_one_everywhere_is_not():
+    watch = StallWatch([0, 1], threshold=5.0)
+    waiting_in(watch, "all_reduce", [0, 1], waited=10.0, now=0.0)
+    assert watch.check(1.0, {}) is None  # every rank in the same call: slow, not stalled
+    watch.accept(0, {"collective": "broadcast", "waited": 10.0}, 0.0)
+    assert "different collectives (rank 0 in broadcast; rank 1 in all_reduce)" in watch.check(
+        1.0, {})
+
+
+def test_a_threshold_of_zero_turns_the_warning_off():
+    watch = StallWatch([0, 1], threshold=0)
+    waiting_in(watch, "all_reduce", [0], waited=1000.0, now=0.0)
+    assert watch.check(1.0, {1: "running"}) is None
+
+
+# --- on a real cluster ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def stall_cluster(cluster, shell, capsys):
+    saved, cluster.stall_warning = cluster.stall_warning, THRESHOLD
+    run_cell(shell, capsys, "%everyrank import sys, time, torch, ipydist.torch as hvd")
+    yield cluster
+    cluster.stall_warning = saved
+
+
+def test_ranks_waiting_for_a_late_rank_get_a_warning_while_the_cell_runs(shell, capsys,
+                                                                         stall_cluster):
+    late = NP - 1
+    result, out, err = run_cell(shell, capsys, f"""%%everyrank
+if hvd.rank() == {late}:
+    time.sleep(7)
+    print("late rank woke", file=sys.stderr)
+print(hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item())
+""")
+    assert result.error_in_exec is None, err
+    assert f"[all ranks] {float(NP)}" in out, out  # the collective completed afterwards
+    assert (f"ipydist stall warning: ranks 0-{late - 1} have waited" in err
+            and f"s in all_reduce, while rank {late} is still running other code." in err), err
+    assert err.index("stall warning") < err.index("late rank woke"), err  # during the cell
+    assert err.count("stall warning") == 1, err
+
+
+def test_a_rank_that_skipped_the_collective_is_named_and_the_timeout_ends_the_cell(
+        shell, capsys, stall_cluster):
+    result, out, err = run_cell(shell, capsys, """%%everyrank --timeout 6
+if hvd.rank() != 0:
+    hvd.barrier()
+""")
+    assert isinstance(result.error_in_exec, CellTimeout), err
+    assert (f"ranks 1-{NP - 1} have waited" in err
+            and "s in barrier, while rank 0 finished the cell without calling it." in err), err
+    result, out, err = run_cell(
+        shell, capsys, "%everyrank print(hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item())")
+    assert result.error_in_exec is None, err
+    assert f"[all ranks] {float(NP)}" in out, out
+
+
+def test_a_busy_training_loop_raises_no_warning(shell, capsys, stall_cluster):
+    shell.user_ns["THRESHOLD"] = THRESHOLD
+    run_cell(shell, capsys, "%dist_push THRESHOLD")
+    result, out, err = run_cell(shell, capsys, """%%everyrank
+t0, steps = time.monotonic(), 0
+while True:  # the ranks agree on when to stop, so every rank runs the same collectives
+    late = float(time.monotonic() - t0 > 2 * THRESHOLD)
+    if hvd.allreduce(torch.tensor([late]), op=hvd.Sum).item() > 0:
+        break
+    hvd.allreduce(torch.ones(1000))
+    steps += 1
+print("done", steps > 100)
+""")
+    assert result.error_in_exec is None, err
+    assert "[all ranks] done True" in out, out
+    assert "stall" not in err, err
