@@ -37,7 +37,9 @@ def assert_nothing_left(before: set[int]):
         ("--np 2 --gpus x", "--gpus x: expected auto, none, or a list"),
         ("--np 2 --backend foo", "--backend foo: expected auto, nccl or gloo"),
         ("--np 2 --env NOEQUALS", "--env NOEQUALS: expected NAME=VALUE"),
-        ("--np 2 --timeout 0", "--timeout 0"),
+        ("--np 2 --timeout 0", "--timeout 0: expected a number of seconds above 0."),
+        ("--np 2 --stall-warning -1",
+         "--stall-warning -1: expected a number of seconds above 0, or 0 to turn it off."),
         ("--np 2 --mpi /no/such/mpiexec", "--mpi /no/such/mpiexec: no such executable"),
     ],
 )

@@ -56,7 +56,8 @@ def _check_seconds(value, option: str, zero: bool = False) -> float:
         seconds = -1.0
     if seconds < 0 or (seconds == 0 and not zero) or seconds != seconds:
         off = ", or 0 to turn it off" if zero else ""
-        raise SpecError(f"{option} {value}: expected a number of seconds above 0{off}.")
+        shown = f"{value:g}" if isinstance(value, float) else value
+        raise SpecError(f"{option} {shown}: expected a number of seconds above 0{off}.")
     return seconds
 
 
