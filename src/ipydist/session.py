@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import atexit
 import functools
-import logging
 import os
 import shutil
 import sys
-import tempfile
 import time
 import weakref
 
-from ipydist import launch, processes, recovery, report, watchdog
+from ipydist import launch, processes, recovery, report, startup, watchdog
 from ipydist.cell import CellRun, RunResult
 from ipydist.errors import ClusterError, RankDied, RankError
 from ipydist.live.history import MetricHistory
@@ -32,9 +30,6 @@ from ipydist.specs import SpecError, describe_ranks, format_ranks, parse_env, pa
 from ipydist.stall import STALL_WARNING_SECONDS
 
 DEFAULT_START_TIMEOUT = 120.0
-#: Controller heartbeat: a rank is declared gone after HEARTBEAT_MS * HEARTBEAT_MISSES ms.
-HEARTBEAT_MS = 200
-HEARTBEAT_MISSES = 50
 #: When a rank fails, how long the others get to finish before they are released.
 FAILURE_GRACE = 10.0
 
@@ -134,8 +129,10 @@ class Session:
         progress = report.Progress()
         progress.update(f"Starting {self.np} ranks with {plan.flavor} mpiexec...")
         try:
-            self._launch(plan)
-            self._wait_for_ranks(plan, progress, deadline=t0 + self.timeout)
+            startup.launch_cluster(self, plan)
+            self._watchdog = watchdog.start(self._all_pids())
+            atexit.register(_stop_at_exit, weakref.ref(self))
+            startup.wait_for_ranks(self, plan, progress, deadline=t0 + self.timeout)
         except BaseException:
             progress.close()
             self.stop(quiet=True)
@@ -144,109 +141,6 @@ class Session:
         self.startup_seconds = time.perf_counter() - t0
         report.show(self._ranks_table())
         return self
-
-    def _launch(self, plan: launch.MpiexecPlan) -> None:
-        import ipyparallel as ipp
-
-        ip, location = launch.controller_address(plan.multi_host)
-        self._profile_dir = tempfile.mkdtemp(prefix="ipydist-")
-        cluster = ipp.Cluster(
-            profile_dir=self._profile_dir,
-            n=self.np,
-            engines="mpi",
-            controller_ip=ip,
-            controller_location=location or "",
-            delay=0,
-            send_engines_connection_env=False,
-            log_level=logging.ERROR,  # failures are reported by us, with MPI's output
-            engine_timeout=int(self.timeout),
-            controller_args=[
-                # Registration completes on the first heartbeat after an engine connects;
-                # ipyparallel's 3 s period would add up to 6 s to every start.
-                f"--HeartMonitor.period={HEARTBEAT_MS}",
-                f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
-            ],
-        )
-        cfg = cluster.config.MPIEngineSetLauncher
-        cfg.mpi_cmd = [plan.mpiexec]
-        cfg.mpi_args = plan.args
-        cfg.engine_cmd = [sys.executable, "-m", "ipydist.engine"]
-        cfg.engine_args = [
-            f"--IPEngine.wait_for_url_file={self.timeout}",
-            f"--log-level={os.environ.get('IPYDIST_ENGINE_LOG_LEVEL', 'WARN')}",
-            # ipyparallel's nanny (one more Python process per rank) exists to signal engines
-            # on other hosts; on one host the session signals the rank's pid itself.
-            f"--IPEngine.enable_nanny={plan.multi_host}",
-        ]
-        cfg.environment = plan.env
-        self._cluster = cluster
-        cluster.start_controller_sync()
-        cluster.start_engines_sync()
-        self._watchdog = watchdog.start(self._all_pids())
-        atexit.register(_stop_at_exit, weakref.ref(self))
-
-    def _engine_set(self):
-        return next(iter(self._cluster.engines.values()), None) if self._cluster else None
-
-    def _wait_for_ranks(self, plan, progress, deadline: float) -> None:
-        """Wait for registration, watching mpiexec so that a failed launch ends the wait."""
-        engine_set = self._engine_set()
-        client = None
-        while True:
-            if client is None and os.path.exists(self._client_file()):
-                client = self._client = self._cluster.connect_client_sync()
-            registered = len(client.ids) if client is not None else 0
-            if registered >= self.np:
-                break
-            if not processes.alive(engine_set.process):
-                raise ClusterError(self._launch_failure(plan, "mpiexec exited before the "
-                                                        f"{self.np} ranks started"))
-            if time.perf_counter() > deadline:
-                raise ClusterError(self._launch_failure(
-                    plan, f"only {registered} of {self.np} ranks started within "
-                    f"--timeout {self.timeout:g} s"))
-            progress.update(
-                f"Starting {self.np} ranks with {plan.flavor} mpiexec: "
-                f"{registered}/{self.np} ready"
-            )
-            time.sleep(0.02)
-        from ipydist.engine import rank_info
-
-        infos = client[:].apply_sync(rank_info)
-        self.ranks = sorted(infos, key=lambda i: i["rank"])
-        mismatched = [i["rank"] for i, eid in zip(infos, client.ids) if i["rank"] != eid]
-        if mismatched:
-            raise ClusterError(
-                f"engine ids do not match MPI ranks for {describe_ranks(mismatched)}"
-            )
-
-    def _client_file(self) -> str:
-        return os.path.join(
-            self._profile_dir, "security", f"ipcontroller-{self._cluster.cluster_id}-client.json"
-        )
-
-    def _launch_failure(self, plan, what: str) -> str:
-        """The message for a launch that failed, from what mpiexec and the ranks printed."""
-        engine_set = self._engine_set()
-        return launch.describe_failure(
-            what, self._mpiexec_output(), processes.exit_code(engine_set.process), plan.mpiexec
-        )
-
-    def _mpiexec_output(self, wait_for_exit: float = 0.0) -> str:
-        """What mpiexec and the ranks printed (after waiting up to ``wait_for_exit`` seconds for
-        a mpiexec that is ending the job, which prints its report as it goes)."""
-        engine_set = self._engine_set()
-        deadline = time.monotonic() + wait_for_exit
-        while processes.alive(engine_set.process) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if not processes.alive(engine_set.process):
-            # ipyparallel reads (and deletes) the output file when it notices the exit.
-            deadline = time.monotonic() + 2
-            while not engine_set.stop_data and time.monotonic() < deadline:
-                time.sleep(0.02)
-        if engine_set.stop_data:
-            return engine_set.get_output(remove=False)
-        return processes.read_text(engine_set.output_file)
 
     def dead_ranks(self) -> list[dict]:
         """The ranks whose process is gone (ranks on this host; the heartbeat covers others)."""
@@ -259,7 +153,7 @@ class Session:
         """Which rank died and how, for the cell's error; empty when every rank is alive."""
         if not self.dead_ranks():
             return ""
-        output = self._mpiexec_output(wait_for_exit=2.0)
+        output = startup.mpiexec_output(self, wait_for_exit=2.0)
         return launch.describe_death(output, self.dead_ranks())
 
     def stop(self, quiet: bool = False) -> None:
