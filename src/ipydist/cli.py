@@ -7,8 +7,9 @@ notebooks in ``notebooks/`` double as end-to-end tests and as something to read 
 
 Each subcommand is a pair: ``_add_<name>(subparsers)`` declares its arguments and sets
 ``handler``; the handler takes the parsed arguments and raises :class:`CliError` on failure.
-Adding one (``doctor``, ``install-kernel``) means writing that pair and listing it in
-:data:`_COMMANDS`.
+Adding one means writing that pair and listing it in :data:`_COMMANDS`. The work of
+``install-kernel``/``uninstall-kernel`` is in :mod:`ipydist.kernelspec`, that of ``doctor`` in
+:mod:`ipydist.doctor`.
 """
 
 from __future__ import annotations
@@ -262,7 +263,87 @@ def _cmd_demo(args: argparse.Namespace) -> None:
     print(line)
 
 
-_COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_run, _add_demo)
+def _add_install_kernel(sub) -> None:
+    from ipydist import kernelspec
+
+    p = sub.add_parser(
+        "install-kernel", help="install the 'Python 3 (ipydist)' Jupyter kernel",
+        description="Install a Jupyter kernelspec that starts an ordinary IPython kernel with "
+        "ipydist already loaded; with --np N, the first cell that needs ranks starts N. "
+        "Without --user, --sys-prefix or --prefix it is installed system-wide, as ipykernel "
+        "does.",
+    )
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--user", action="store_true", help="install for the current user only")
+    where.add_argument("--sys-prefix", action="store_true",
+                       help="install into this Python environment (sys.prefix)")
+    where.add_argument("--prefix", default=None, metavar="P",
+                       help="install under P/share/jupyter/kernels")
+    p.add_argument("--name", default=kernelspec.DEFAULT_NAME,
+                   help="the kernelspec's name (default: %(default)s)")
+    p.add_argument("--display-name", default=None, metavar="TEXT",
+                   help=f"the name shown in Jupyter (default: {kernelspec.DEFAULT_DISPLAY_NAME})")
+    p.add_argument("--np", type=_positive_int, default=None, metavar="N",
+                   help="start N ranks on first use (a cell that needs them)")
+    p.set_defaults(handler=_cmd_install_kernel)
+
+
+def _cmd_install_kernel(args: argparse.Namespace) -> None:
+    from ipydist import kernelspec
+
+    prefix = sys.prefix if args.sys_prefix else args.prefix
+    try:
+        folder = kernelspec.install(args.name, args.display_name, args.np,
+                                    user=args.user, prefix=prefix)
+    except kernelspec.KernelSpecError as e:
+        raise CliError(str(e)) from None
+    ranks = f"; it starts {args.np} ranks on first use" if args.np else ""
+    print(f"Installed kernelspec {args.name} in {folder}{ranks}.")
+
+
+def _add_uninstall_kernel(sub) -> None:
+    from ipydist import kernelspec
+
+    p = sub.add_parser("uninstall-kernel", help="remove a kernelspec install-kernel installed",
+                       description="Remove an ipydist kernelspec (never any other kernel).")
+    p.add_argument("--name", default=kernelspec.DEFAULT_NAME,
+                   help="the kernelspec's name (default: %(default)s)")
+    p.set_defaults(handler=_cmd_uninstall_kernel)
+
+
+def _cmd_uninstall_kernel(args: argparse.Namespace) -> None:
+    from ipydist import kernelspec
+
+    try:
+        folder = kernelspec.uninstall(args.name)
+    except kernelspec.KernelSpecError as e:
+        raise CliError(str(e)) from None
+    print(f"Removed kernelspec {args.name} from {folder}.")
+
+
+def _add_doctor(sub) -> None:
+    p = sub.add_parser(
+        "doctor", help="check the installation, then run one allreduce on 2 ranks",
+        description="Check Python, torch and CUDA, GPUs, mpiexec and the MPI library mpi4py "
+        "loads, ipyparallel, the widgets and JupyterLab's widget extension, and the ipydist "
+        "kernelspec; then start 2 ranks and run one allreduce. Exit code 0 only when "
+        "nothing failed.",
+    )
+    p.add_argument("--np", type=_positive_int, default=2, metavar="N",
+                   help="ranks for the test cluster (default: %(default)s)")
+    p.set_defaults(handler=_cmd_doctor)
+
+
+def _cmd_doctor(args: argparse.Namespace) -> None:
+    from ipydist import doctor
+
+    if not doctor.run(np=args.np):
+        raise CliError("some checks failed; each FAIL line above says how to fix it.")
+
+
+_COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    _add_run, _add_demo, _add_install_kernel, _add_uninstall_kernel, _add_doctor,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

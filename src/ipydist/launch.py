@@ -83,7 +83,12 @@ def mpi_flavor(mpiexec: str) -> str:
 
 
 def default_np() -> int:
-    """One rank per GPU when ``nvidia-smi`` lists GPUs, else one per CPU core.
+    """One rank per GPU when ``nvidia-smi`` lists GPUs, else one per CPU core."""
+    return len(list_gpus()) or os.cpu_count() or 1
+
+
+def list_gpus() -> list[str]:
+    """The ``GPU 0: ...`` lines of ``nvidia-smi -L`` (none without NVIDIA's driver).
 
     ``nvidia-smi`` is asked rather than torch so that the notebook kernel never touches CUDA.
     """
@@ -91,12 +96,10 @@ def default_np() -> int:
     if smi:
         try:
             out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10)
-            gpus = [ln for ln in out.stdout.splitlines() if ln.startswith("GPU ")]
-            if gpus:
-                return len(gpus)
+            return [ln for ln in out.stdout.splitlines() if ln.startswith("GPU ")]
         except (OSError, subprocess.TimeoutExpired):
             pass
-    return os.cpu_count() or 1
+    return []
 
 
 def is_multi_host(mpi_args: list[str]) -> bool:

