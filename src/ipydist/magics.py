@@ -60,23 +60,29 @@ class DistMagics(Magics):
 
     @magic_arguments()
     @argument(
-        "--np", default=None,
+        "--np", default=None, metavar="N",
         help="number of ranks (default: the kernel's --np, else one per GPU, else one per CPU "
-        "core)",
+        "core); more ranks than cores works: they share the cores",
     )
     @argument(
-        "--gpus", default="auto",
-        help="auto (one GPU per rank when GPUs are present), none, or a list such as 0,1",
+        "--gpus", default="auto", metavar="SPEC",
+        help="auto: one GPU per rank, by local rank, when the host has GPUs; none: CPU only; "
+        "a list such as 0,1: only these GPUs",
     )
-    @argument("--backend", default="auto", help="auto (nccl with GPUs, else gloo), nccl or gloo")
-    @argument("--mpi", default=None, help="path of the mpiexec to use (default: searched)")
+    @argument("--backend", default="auto", metavar="NAME",
+              help="auto (NCCL when ranks have GPUs, else gloo), nccl or gloo")
+    @argument("--mpi", default=None, metavar="PATH",
+              help="the mpiexec to use (default: $IPYDIST_MPIEXEC, the one next to this "
+              "Python, then $PATH)")
     @argument(
-        "--mpi-args", default="",
-        help='extra mpiexec arguments, quoted with =, e.g. --mpi-args="--hostfile hosts"',
+        "--mpi-args", default="", metavar='"..."',
+        help='extra mpiexec arguments, written with = and quotes, e.g. '
+        '--mpi-args="--hostfile hosts"',
     )
     @argument(
-        "--timeout", type=float, default=DEFAULT_START_TIMEOUT,
-        help="seconds to wait for all ranks to start",
+        "--timeout", type=float, default=DEFAULT_START_TIMEOUT, metavar="S",
+        help="seconds to wait for every rank to start (default: %(default)g); a launch that "
+        "fails sooner ends at once with MPI's own message",
     )
     @argument(
         "--env", nargs="+", action="extend", default=[], metavar="K=V",
@@ -84,12 +90,13 @@ class DistMagics(Magics):
     )
     @argument(
         "--stall-warning", type=float, default=STALL_WARNING_SECONDS, metavar="S",
-        help="warn when ranks have waited S seconds in a collective that other ranks have not "
-        "called (0: never)",
+        help="warn under the cell when ranks have waited S seconds in a collective that other "
+        "ranks have not called (default: %(default)g; 0: never)",
     )
     @argument(
         "--no-init", action="store_true",
-        help="do not create the torch.distributed process group (your code will)",
+        help="do not create the torch.distributed process group: your code calls "
+        "init_process_group itself",
     )
     @line_magic
     def dist_start(self, line: str = ""):
@@ -113,11 +120,13 @@ class DistMagics(Magics):
         self.session = session
 
     @magic_arguments()
-    @argument("--ranks", default=None, help="ranks to run on: 0, 0,2 or 1-3 (default: all)")
-    @argument("--timeout", type=float, default=None, help="interrupt the cell after S seconds")
+    @argument("--ranks", default=None, metavar="SPEC",
+              help="ranks to run on: 0, 0,2 or 1-3 (default: all)")
+    @argument("--timeout", type=float, default=None, metavar="S",
+              help="interrupt the cell on every rank after S seconds, as the stop button does")
     @argument(
         "--output", default="all", choices=["all", "rank0"],
-        help="whose printed output to show: every rank's, or rank 0's only",
+        help="whose printed output to show: every rank's (default), or rank 0's only",
     )
     @argument("--from-mode", action="store_true", help=argparse.SUPPRESS)
     @line_cell_magic
@@ -207,7 +216,7 @@ class DistMagics(Magics):
 
     @magic_arguments()
     @argument("name", help="the variable to fetch")
-    @argument("--rank", type=int, default=None, help="fetch from this rank only")
+    @argument("--rank", type=int, default=None, metavar="R", help="fetch from this rank only")
     @line_magic
     def dist_pull(self, line: str = ""):
         """The value of NAME on every rank, as a list in rank order (or on one rank)."""
