@@ -108,9 +108,9 @@ def run_notebook(
         client.execute()
     except CellExecutionError as e:
         if e.ename == "KeyboardInterrupt":
-            failure = f"{_failed_cell(nb)} ran past the cell timeout of {timeout:g} s."
+            failure = f"{_running_cell(nb)} ran past the cell timeout of {timeout:g} s."
         else:
-            failure = f"{_failed_cell(nb)} failed: {_one_line(e.ename, e.evalue)}"
+            failure = f"{_running_cell(nb)} failed: {_one_line(e.ename, e.evalue)}"
     except CellTimeoutError:
         failure = f"{_running_cell(nb)} ran past the cell timeout of {timeout:g} s."
     except DeadKernelError:
@@ -149,17 +149,10 @@ def _describe(index: int, cell) -> str:
     return f"cell {index + 1} ({head})" if head else f"cell {index + 1}"
 
 
-def _failed_cell(nb) -> str:
-    for index, cell in enumerate(nb.cells):
-        if cell.cell_type == "code" and any(
-            o.get("output_type") == "error" for o in cell.get("outputs", [])
-        ):
-            return _describe(index, cell)
-    return "a cell"
-
-
 def _running_cell(nb) -> str:
-    """The last code cell that started (nbclient sets execution_count when a cell starts)."""
+    """The last code cell that started (nbclient sets execution_count when a cell starts): the
+    one that failed or timed out, since execution stops there. (Not the first cell with an
+    error output: a cell tagged ``raises-exception`` may have one, and a UsageError has none.)"""
     started = [
         (i, c) for i, c in enumerate(nb.cells)
         if c.cell_type == "code" and c.get("execution_count") is not None
