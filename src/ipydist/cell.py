@@ -79,6 +79,11 @@ class CellRun:
                     next_alive_check = time.monotonic() + ALIVE_CHECK_SECONDS
                 if self.deadline is not None and time.perf_counter() > self.deadline:
                     running = recovery.interrupt(self.session, ar, self.targets)
+                    if self.first_failure is not None and ar.ready():
+                        # a rank raised before the deadline: its error is the story, and the
+                        # others were released as after the failure grace
+                        self.released = sorted(set(self.released) | set(running))
+                        break
                     notes = self.session.recover(running)
                     raise CellTimeout(" ".join([
                         f"the cell ran past --timeout {self.timeout:g} s; interrupted "
