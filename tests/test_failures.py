@@ -16,7 +16,7 @@ import threading
 import time
 
 import pytest
-from conftest import NP, run_cell
+from conftest import NP, plain, run_cell
 from IPython.core.error import UsageError
 
 from ipydist.errors import CellTimeout, RankError
@@ -102,6 +102,48 @@ hvd.barrier()
     assert f"interrupted ranks 0-{NP - 1}." in str(error)
     assert "waiting in barrier" in str(error)
     assert_collectives_work(shell, capsys)
+
+
+def test_a_rank_error_before_the_timeout_is_reported_as_that_error(shell, capsys, fast_cluster):
+    result, _, _ = run_cell(shell, capsys, f"""%%everyrank --timeout 2
+if hvd.rank() == {NP - 1}:
+    time.sleep(0.5)
+    raise ValueError("bad batch on the last rank")
+hvd.allreduce_(torch.ones(3))
+""")
+    error = result.error_in_exec
+    assert isinstance(error, RankError), error  # not a CellTimeout that hides the ValueError
+    assert "ValueError: bad batch on the last rank" in plain(str(error))
+    assert error.released == list(range(NP - 1)), error.released
+    assert_collectives_work(shell, capsys)
+
+
+def test_distributed_optimizer_trains_on_after_an_interrupted_step(shell, capsys, fast_cluster):
+    run_cell(shell, capsys, """%%everyrank
+model = torch.nn.Linear(200, 200)
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                               named_parameters=model.named_parameters())
+""")
+    result, _, _ = run_cell(shell, capsys, f"""%%everyrank --timeout 2
+while True:
+    opt.zero_grad()
+    model(torch.randn(8, 200)).square().mean().backward()
+    if hvd.rank() == {NP - 1}:
+        time.sleep(60)  # the others wait for its gradients
+    opt.step()
+""")
+    assert isinstance(result.error_in_exec, CellTimeout), result.error_in_exec
+    result, out, err = run_cell(shell, capsys, """%%everyrank
+for _ in range(5):
+    opt.zero_grad()
+    model(torch.randn(8, 200)).square().mean().backward()
+    opt.step()
+w = model.weight.detach().double()
+print("same weights:", bool(hvd.allreduce(w, op=hvd.Max).equal(hvd.allreduce(w, op=hvd.Min))))
+""")
+    assert result.error_in_exec is None, err
+    assert "[all ranks] same weights: True" in out, out
 
 
 def test_same_error_everywhere_needs_no_release_and_no_rebuild(shell, capsys, fast_cluster):

@@ -55,11 +55,14 @@ def recover(session, released: list[int]) -> list[str]:
         found = state["release"]
         if found is not None and rank in released:
             what = found["what"]
-            doing.setdefault(f"waiting in {what}" if what else "running Python code", []).append(
-                rank)
+            doing.setdefault(
+                "ended" if found.get("ended") else
+                f"waiting in {what}" if what else "running Python code", []).append(rank)
     for what, who in doing.items():
         verb = "was" if len(who) == 1 else "were"
-        note = f"{describe_ranks(who)} {verb} {what}, and {verb} released."
+        note = (f"{describe_ranks(who)} stopped by {'itself' if len(who) == 1 else 'themselves'}"
+                " as the others were released." if what == "ended" else
+                f"{describe_ranks(who)} {verb} {what}, and {verb} released.")
         notes.append(note[0].upper() + note[1:])
     seqs = {s["seq"] for s in states if s["seq"] is not None}
     if any(s["broken"] for s in states) or len(seqs) > 1:
@@ -92,7 +95,9 @@ def recover(session, released: list[int]) -> list[str]:
 # Sent to the ranks by value (ipyparallel pickles functions' code), so they import what they use.
 def _rank_state():
     from ipydist import release
+    from ipydist.torch import consistency
 
+    consistency.abandon_pending()  # the failed cell's half-done gradient averaging is void
     return release.state()
 
 

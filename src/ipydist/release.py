@@ -31,6 +31,8 @@ import time
 from ipydist import stall
 
 RELEASE_SIGNAL = signal.SIGUSR1
+#: How long a release waits for a rank in Python code to end its cell by itself (see _settle).
+SETTLE_SECONDS = 0.3
 
 _main_ident: int | None = None
 #: What the last release found, for the notebook's message: {"what", "broke", "time"}.
@@ -75,17 +77,49 @@ def release() -> dict:
     """Get the main thread out of whatever it waits in (see the module docstring)."""
     global _last, _released_this_cell
     _released_this_cell += 1
-    what = collective_in(_main_frame())
     force = _released_this_cell > 1
+    what, ended = _settle(0.0 if force else SETTLE_SECONDS)
     broke = False
     if what is not None or force:
         broke = break_communication()
-    if what is None:
+    if what is None and not ended:
         # a real SIGINT aimed at the main thread: it also cuts short a blocking call such as
         # time.sleep (interrupt_main() would wait for that call to return)
         signal.pthread_kill(_main_ident, signal.SIGINT)
-    _last = {"what": what, "broke": broke, "time": time.time()}
+    _last = {"what": what, "broke": broke, "ended": ended, "time": time.time()}
     return _last
+
+
+def _settle(seconds: float) -> tuple[str | None, bool]:
+    """(the collective the main thread is in, whether its cell ended by itself), looking for
+    up to ``seconds`` while it is in neither.
+
+    When a peer's release broke a collective, this rank's collective fails at once, often
+    before this rank's own signal is handled: its main thread is then in Python code, on its
+    way out of the cell with the collective's error. A SIGINT now would only replace that
+    error with a KeyboardInterrupt, so wait a moment for the cell to end (IPython counts a
+    finished cell) or for the main thread to enter a collective (which is then broken).
+    """
+    shell = _shell()
+    count = getattr(shell, "execution_count", None)
+    deadline = time.monotonic() + seconds
+    while True:
+        what = collective_in(_main_frame())
+        if what is not None:
+            return what, False
+        if count is not None and shell.execution_count != count:
+            return None, True
+        if time.monotonic() >= deadline:
+            return None, False
+        time.sleep(0.01)
+
+
+def _shell():
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    return get_ipython()
 
 
 def collective_in(frame) -> str | None:

@@ -11,6 +11,7 @@ that differ.
 
 from __future__ import annotations
 
+import gc
 import weakref
 
 import torch
@@ -27,6 +28,15 @@ def track_tensors(tensors) -> None:
 
 def track_optimizer(optimizer) -> None:
     _optimizers.add(optimizer)
+
+
+def abandon_pending() -> None:
+    """After a failed or interrupted cell: every DistributedOptimizer drops its half-done
+    gradient averaging (see ``_abandon_pending``)."""
+    for opt in list(_optimizers):
+        abandon = getattr(opt, "_abandon_pending", None)
+        if abandon is not None:
+            abandon()
 
 
 def tracked() -> list[torch.Tensor]:
@@ -49,6 +59,10 @@ def resync(root_rank: int = 0) -> int:
     (collective). Returns how many differed; 0 when the ranks were in step already."""
     if not dist.is_initialized():
         return 0
+    # A model or optimizer the user replaced may still sit in a reference cycle (optimizer
+    # hooks refer back to it), waiting for the cycle collector, which runs at a different
+    # moment on each rank: collect now, so every rank tracks the same live tensors.
+    gc.collect()
     tensors = tracked()
     # the largest and (negated) smallest count, so every rank reaches the same verdict
     counts = torch.tensor([len(tensors), -len(tensors)], dtype=torch.int64)

@@ -213,6 +213,17 @@ class _DistributedMixin:
         self._passes_left = dict.fromkeys(self._passes_left, self._passes)
         self._grad_marks = self._current_marks()
 
+    def _abandon_pending(self) -> None:
+        """Forget a gradient averaging that a failed or interrupted cell left half done (its
+        collectives are void: the group is rebuilt where they broke it), so the next cell can
+        call ``zero_grad()`` and train on."""
+        for bucket in self._buckets:
+            bucket.work = bucket.wire = bucket.ctx = None
+            bucket.ready.clear()
+        self._next_launch = 0
+        self._passes_left = dict.fromkeys(self._passes_left, self._passes)
+        self._grad_marks = None
+
     def _current_marks(self) -> list:
         """Identity and version of every gradient: they change whenever backward writes one."""
         return [
