@@ -1,7 +1,7 @@
-"""The quickstart notebook, run headless through ``ipydist run`` as a user would run it.
+"""The notebooks, run headless through ``ipydist run`` as a user would run them.
 
-The notebook starts 4 real ranks under mpiexec and trains for a few seconds, so it runs once
-per module (``executed``) and every check below reads that one executed copy.
+Each notebook starts 4 real ranks under mpiexec and trains for a few seconds, so each runs once
+per module (a module-scoped fixture per notebook) and the checks read that one executed copy.
 """
 
 from __future__ import annotations
@@ -39,20 +39,26 @@ def _engines_with_mark(mark: str) -> list[psutil.Process]:
     return found
 
 
-@pytest.fixture(scope="module")
-def executed(tmp_path_factory):
-    """Run the quickstart once; yield (executed notebook, seconds taken, leftover engines)."""
-    out = tmp_path_factory.mktemp("executed") / QUICKSTART.name
+def _run_marked(notebook: Path, tmp_path_factory, *options: str):
+    """Run ``notebook`` through ``ipydist run`` with this run's mark in the environment;
+    return (executed notebook, seconds taken, its engines still running 10 s later)."""
+    out = tmp_path_factory.mktemp("executed") / notebook.name
     mark = uuid.uuid4().hex
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(MARK_VAR, mark)
         t0 = time.perf_counter()
-        assert cli.main(["run", str(QUICKSTART), "--np", "4", "--output", str(out)]) == 0
+        assert cli.main(["run", str(notebook), *options, "--output", str(out)]) == 0
         seconds = time.perf_counter() - t0
     deadline = time.monotonic() + 10
     while (left := _engines_with_mark(mark)) and time.monotonic() < deadline:
         time.sleep(0.2)
     return nbformat.read(out, as_version=4), seconds, left
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    """Run the quickstart once; yield (executed notebook, seconds taken, leftover engines)."""
+    return _run_marked(QUICKSTART, tmp_path_factory, "--np", "4")
 
 
 def _cell(nb, needle: str):
@@ -236,3 +242,235 @@ def test_training_chart_has_a_static_copy_for_nbconvert_and_github(executed):
     assert outputs[i + 1].data["text/plain"].startswith("[metrics] loss ")
     page, _ = HTMLExporter().from_notebook_node(executed[0])
     assert "ipydist-fallback" in page and "<polyline" in page, "the curve is in nbconvert's HTML"
+
+
+# --- every notebook -------------------------------------------------------------------------
+
+NOTEBOOKS = QUICKSTART.parent
+ALL_NOTEBOOKS = sorted(NOTEBOOKS.glob("*.ipynb"))
+
+
+def test_every_notebook_opens_with_a_markdown_cell_and_is_saved_without_outputs():
+    assert len(ALL_NOTEBOOKS) >= 5, ALL_NOTEBOOKS
+    for path in ALL_NOTEBOOKS:
+        nb = nbformat.read(path, as_version=4)
+        first = nb.cells[0]
+        assert first.cell_type == "markdown", f"{path.name} opens with a {first.cell_type} cell"
+        assert first.source.startswith("# "), f"{path.name}: the first cell should be a title"
+        code = [c for c in nb.cells if c.cell_type == "code"]
+        assert not any(c.outputs or c.execution_count for c in code), (
+            f"{path.name} is saved with outputs")
+        assert nb.metadata.kernelspec.name == "python3", path.name
+
+
+def _failed(cell) -> bool:
+    """Whether the cell ended with an exception: an error output, or a UsageError (which
+    IPython shows as one stderr line, without a traceback)."""
+    return any(
+        o.output_type == "error"
+        or (o.output_type == "stream" and o.name == "stderr" and "UsageError: " in o.text)
+        for o in cell.get("outputs", [])
+    )
+
+
+def _stream(cell, name: str) -> str:
+    return "".join(o.text for o in cell.get("outputs", [])
+                   if o.output_type == "stream" and o.name == name)
+
+
+def _error(cell):
+    return next(o for o in cell.outputs if o.output_type == "error")
+
+
+def _all_text(nb) -> str:
+    return "".join(_text(c) for c in nb.cells if c.cell_type == "code")
+
+
+def _accuracy(text: str) -> float:
+    match = re.search(r"^\[rank 0\] final test accuracy: (\d\.\d{4})$", text, re.MULTILINE)
+    assert match, text
+    return float(match.group(1))
+
+
+def _ran_cleanly(nb, left) -> None:
+    assert [c.source for c in nb.cells if c.cell_type == "code" and _failed(c)] == []
+    assert all(c.execution_count for c in nb.cells if c.cell_type == "code")
+    assert left == [], [p.cmdline() for p in left]
+
+
+# --- 03: Horovod's recipe -------------------------------------------------------------------
+
+HOROVOD = NOTEBOOKS / "03-horovod-style.ipynb"
+
+
+@pytest.fixture(scope="module")
+def horovod(tmp_path_factory):
+    return _run_marked(HOROVOD, tmp_path_factory)
+
+
+def test_horovod_notebook_is_horovods_recipe_with_the_import_changed():
+    nb = nbformat.read(HOROVOD, as_version=4)
+    code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    assert re.search(r"^import ipydist\.torch as hvd\b", code, re.MULTILINE)
+    assert not re.search(r"^\s*(import|from) horovod", code, re.MULTILINE)
+    for call in [
+        "hvd.init()",
+        "torch.manual_seed(args.seed)",
+        "torch.cuda.set_device(hvd.local_rank())",
+        "torch.utils.data.distributed.DistributedSampler(\n"
+        "    train_dataset, num_replicas=hvd.size(), rank=hvd.rank())",
+        "lr=args.lr * lr_scaler",
+        "hvd.broadcast_parameters(model.state_dict(), root_rank=0)",
+        "hvd.broadcast_optimizer_state(optimizer, root_rank=0)",
+        "hvd.Compression.fp16",
+        "hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),",
+        "avg_tensor = hvd.allreduce(tensor, name=name)",
+        "if hvd.rank() == 0:\n        filepath = args.checkpoint_format",
+        "torch.save(state, filepath)",
+    ]:
+        assert call in code, f"the recipe's {call!r} is missing"
+
+
+def test_horovod_notebook_trains_prints_on_rank_0_only_and_reaches_the_bar(horovod):
+    nb, _, left = horovod
+    _ran_cleanly(nb, left)
+    assert nb.cells[0].cell_type == "markdown"
+    text = _text(_cell(nb, "for epoch in range(1, args.epochs + 1)"))
+    tests = re.findall(r"^\[rank 0\] Test set: Average loss: \d+\.\d{4}, Accuracy: [\d.]+%$",
+                       text, re.MULTILINE)
+    assert len(tests) == 20, text
+    assert "Train Epoch: 20 [0/337" in text
+    assert re.findall(r"^\[([^\]]+)\]", text, re.MULTILINE) == ["rank 0"] * 41, (
+        "only rank 0 prints")
+    assert _accuracy(text) >= 0.93
+    assert _text(_cell(nb, "torch.load(")).startswith("20 checkpoints; the last one holds ")
+
+
+# --- 04: DistributedDataParallel ------------------------------------------------------------
+
+DDP = NOTEBOOKS / "04-ddp.ipynb"
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory):
+    return _run_marked(DDP, tmp_path_factory)
+
+
+def test_ddp_notebook_uses_the_process_group_ipydist_made(ddp):
+    nb, _, left = ddp
+    _ran_cleanly(nb, left)
+    assert nb.cells[0].cell_type == "markdown"
+    text = _text(_cell(nb, "dist.is_initialized()"))
+    assert re.search(r"^\[all ranks\] initialized: True, backend: (gloo|nccl), world size: 4$",
+                     text, re.MULTILINE), text
+    for r in range(4):
+        assert f"[rank {r}] rank {r}: RANK={r}, LOCAL_RANK={r}" in text, text
+    assert "DDP(model" in _cell(nb, "DistributedDataParallel as DDP").source
+
+
+def test_ddp_notebook_keeps_training_in_a_second_cell_and_reaches_the_bar(ddp):
+    nb = ddp[0]
+
+    def losses(cell):
+        found = re.findall(r"^\[rank 0\] epoch\s+(\d+)  loss (\d\.\d{4})$", _text(cell),
+                           re.MULTILINE)
+        return [int(e) for e, _ in found], [float(loss) for _, loss in found]
+
+    epochs, first = losses(_cell(nb, "train(range(0, 10))"))
+    assert epochs == list(range(10))
+    epochs, second = losses(_cell(nb, "train(range(10, 20))"))
+    assert epochs == list(range(10, 20))
+    # a model trained from scratch again would start near first[0] (about 2.2)
+    assert second[0] < 1.5 * first[-1] < first[0], "the second cell goes on from the trained model"
+    assert _accuracy(_text(_cell(nb, "train(range(10, 20))"))) >= 0.93
+
+
+def test_ddp_notebook_shows_identical_parameters_on_every_rank(ddp):
+    text = _text(_cell(ddp[0], "%dist_pull checksum"))
+    assert re.search(r"^parameters identical on every rank: True$", text, re.MULTILINE), text
+    digests = re.findall(r"'([0-9a-f]{16})'", text)
+    assert len(digests) == 4 and len(set(digests)) == 1, text
+
+
+# --- 05: failures and recovery --------------------------------------------------------------
+
+FAILURES = NOTEBOOKS / "05-failure-recovery.ipynb"
+
+
+@pytest.fixture(scope="module")
+def failures(tmp_path_factory):
+    return _run_marked(FAILURES, tmp_path_factory)
+
+
+def test_failure_notebook_fails_exactly_in_its_tagged_cells(failures):
+    nb, _, left = failures
+    assert nb.cells[0].cell_type == "markdown"
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    tagged = [c.source for c in code if "raises-exception" in c.metadata.get("tags", [])]
+    assert len(tagged) == 3
+    assert [c.source for c in code if _failed(c)] == tagged
+    assert all(c.execution_count for c in code), "every cell ran, past the failing ones"
+    assert left == [], [p.cmdline() for p in left]
+
+
+def test_a_raising_rank_is_named_and_the_others_are_released(failures):
+    nb = failures[0]
+    error = _error(_cell(nb, 'raise ValueError("bad batch on rank 3")'))
+    assert error.ename == "RankError"
+    assert error.evalue.startswith("rank 3 raised in the cell: ValueError: bad batch on rank 3")
+    assert "and were released." in error.evalue or "and was released." in error.evalue
+    assert "The process group was rebuilt on every rank" in error.evalue
+    assert "--- rank 3 ---" in "\n".join(error.traceback)
+    text = _text(_cell(nb, 'print(f"sum of ranks: {total.item():g}")'))
+    assert text == "[all ranks] sum of ranks: 6\n", "the next cell's allreduce is correct"
+
+
+def test_an_interrupted_cell_releases_every_rank_and_training_goes_on(failures):
+    nb = failures[0]
+    error = _error(_cell(nb, "%%everyrank --timeout 3"))
+    assert error.ename == "CellTimeout"
+    assert error.evalue.startswith("the cell ran past --timeout 3 s; interrupted ranks 0-3."), (
+        error.evalue)
+    assert "released" in error.evalue and "process group was rebuilt" in error.evalue
+    text = _text(_cell(nb, "hvd.broadcast_optimizer_state(opt, root_rank=0)"))
+    # one line for all ranks: the same epoch, accuracy and weights everywhere
+    match = re.fullmatch(
+        r"\[all ranks\] epoch (\d+): test accuracy (\d\.\d{4}), weights checksum -?\d+\.\d+\n",
+        text)
+    assert match, text
+    assert int(match.group(1)) >= 10 and float(match.group(2)) >= 0.9
+
+
+def test_a_stall_warning_appears_and_the_cell_then_completes(failures):
+    cell = _cell(failures[0], "time.sleep(6)")
+    kinds = [o.name for o in cell.outputs if o.output_type == "stream"]
+    assert kinds.index("stderr") < kinds.index("stdout"), "warned while rank 0 still slept"
+    assert re.search(
+        r"^ipydist stall warning: ranks? [\d,-]+ ha(s|ve) waited \d+ s in all_reduce, while "
+        r"rank 0 is still running other code", _stream(cell, "stderr"), re.MULTILINE), (
+        _stream(cell, "stderr"))
+    assert _stream(cell, "stdout") == "[all ranks] ranks in the allreduce: 4\n"
+    assert not _failed(cell)
+
+
+def _rank_pids(cell) -> dict[int, int]:
+    return {int(r): int(pid) for r, pid in
+            re.findall(r"^(\d)\s+\S+\s+(\d+)\s+\S+\s+\S+", _text(cell), re.MULTILINE)}
+
+
+def test_a_dead_rank_is_reported_shown_dead_and_the_cluster_restarts(failures):
+    nb = failures[0]
+    first = _rank_pids(_cell(nb, "%dist_start --np 4 --stall-warning 3"))
+    assert sorted(first) == [0, 1, 2, 3]
+    report = _stream(_cell(nb, "os.kill(os.getpid(), signal.SIGKILL)"), "stderr")
+    match = re.search(r"UsageError: rank 2 \(pid (\d+) on \S+\) died: killed by signal 9 "
+                      r"\(SIGKILL\)", report)
+    assert match and int(match.group(1)) == first[2], report
+    assert "%dist_restart" in report
+    status = _text(_cell(nb, "%dist_status"))
+    assert re.search(rf"^2\s+\S+\s+{first[2]}\s+\S+\s+dead", status, re.MULTILINE), status
+    restarted = _rank_pids(_cell(nb, "%dist_restart"))
+    assert sorted(restarted) == [0, 1, 2, 3] and not set(restarted.values()) & set(first.values())
+    text = _text(_cell(nb, "sum of ranks on the new cluster"))
+    assert text == "[all ranks] sum of ranks on the new cluster: 6\n"
+    assert "Stopped 4 ranks." in _text(_cell(nb, "%dist_stop"))
