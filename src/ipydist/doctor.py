@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
 
 OK, FAIL, NOTE = "OK", "FAIL", "NOTE"
 MIN_PYTHON = (3, 10)
@@ -139,8 +140,6 @@ def check_lab_extension() -> Check:
     if _version("jupyterlab") is None:
         return Check(NOTE, "JupyterLab", "not installed: widgets need a front end that shows "
                      "them (pip install 'ipydist[lab]' for JupyterLab)")
-    from pathlib import Path
-
     found = [d for d in jupyter_path("labextensions")
              if (Path(d) / "@jupyter-widgets" / "jupyterlab-manager" / "package.json").is_file()]
     if not found:
@@ -168,7 +167,7 @@ def check_cluster(np: int = 2) -> Check:
     t0 = time.perf_counter()
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            with Session(np=np, gpus="none" if not _gpus_ok() else "auto") as s:
+            with Session(np=np) as s:  # --gpus auto: GPUs when there are (usable) ones
                 s.run("import torch, ipydist.torch as hvd\n"
                       "total = hvd.allreduce(torch.ones(1), op=hvd.Sum).item()", output="rank0")
                 total = s.pull("total", rank=0)
@@ -183,12 +182,6 @@ def check_cluster(np: int = 2) -> Check:
                      f"{np}", "check that mpiexec and mpi4py use the same MPI (above).")
     return Check(OK, "cluster", f"{np} ranks started, allreduce correct ({backend}), "
                  f"{time.perf_counter() - t0:.1f} s in all")
-
-
-def _gpus_ok() -> bool:
-    from ipydist import launch
-
-    return bool(launch.list_gpus())
 
 
 CHECKS: tuple[Callable[[], Check], ...] = (

@@ -11,6 +11,7 @@ Nothing else differs, so the kernel behaves like the python3 one in every other 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -96,8 +97,6 @@ def is_ipydist_spec(folder: str) -> bool:
 
 def kernel_np(environ=None) -> int | None:
     """The ranks this kernel starts on first use (``install-kernel --np N``), if any."""
-    import os
-
     value = (environ if environ is not None else os.environ).get(NP_ENV, "")
     try:
         n = int(value)

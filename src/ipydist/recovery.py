@@ -50,19 +50,19 @@ def recover(session, released: list[int]) -> list[str]:
     except Exception as e:  # a rank that died or hangs: its own report says more
         return [f"could not check the ranks' process group afterwards: {e}"]
     notes = []
-    doing: dict[str, list[int]] = {}
+    doing: dict[str, list[int]] = {}  # what a released rank was doing -> those ranks
     for rank, state in zip(ranks, states):
         found = state["release"]
         if found is not None and rank in released:
-            what = found["what"]
-            doing.setdefault(
-                "ended" if found.get("ended") else
-                f"waiting in {what}" if what else "running Python code", []).append(rank)
+            doing.setdefault(_what_it_was_doing(found), []).append(rank)
     for what, who in doing.items():
-        verb = "was" if len(who) == 1 else "were"
-        note = (f"{describe_ranks(who)} stopped by {'itself' if len(who) == 1 else 'themselves'}"
-                " as the others were released." if what == "ended" else
-                f"{describe_ranks(who)} {verb} {what}, and {verb} released.")
+        one = len(who) == 1
+        if what == "ended":
+            note = (f"{describe_ranks(who)} stopped by {'itself' if one else 'themselves'} as "
+                    "the others were released.")
+        else:
+            verb = "was" if one else "were"
+            note = f"{describe_ranks(who)} {verb} {what}, and {verb} released."
         notes.append(note[0].upper() + note[1:])
     seqs = {s["seq"] for s in states if s["seq"] is not None}
     if any(s["broken"] for s in states) or len(seqs) > 1:
@@ -90,6 +90,12 @@ def recover(session, released: list[int]) -> list[str]:
                     "copied to every rank."
                 )
     return notes
+
+
+def _what_it_was_doing(found: dict) -> str:
+    if found.get("ended"):
+        return "ended"
+    return f"waiting in {found['what']}" if found["what"] else "running Python code"
 
 
 # Sent to the ranks by value (ipyparallel pickles functions' code), so they import what they use.
