@@ -32,8 +32,8 @@ from contextlib import redirect_stdout
 from pathlib import Path
 
 import ipydist
-from ipydist.live.batching import to_columns
-from ipydist.live.history import MetricHistory
+from ipydist.notebook.live.history import MetricHistory
+from ipydist.protocol import to_columns
 
 COST_CODE = textwrap.dedent('''
     import time, statistics

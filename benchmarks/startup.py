@@ -150,7 +150,7 @@ def time_round_trips(ip, n: int, rounds: int, notes: list[str]) -> tuple[list[fl
         with quiet():
             ip.run_line_magic("dist_start", f"--np {n}")
         procs = descendants()
-        view = ip.magics_manager.registry["DistMagics"].session._client[:]
+        view = ip.magics_manager.registry["DistMagics"].session.cluster.client[:]
         view.block = True
         view.activate()
         with quiet():

@@ -1,49 +1,11 @@
 """Shared fixtures: a real IPython shell with ipydist loaded, and one 4-rank cluster for the
-tests that only need *a* cluster (starting one costs seconds; most tests share it)."""
+tests that only need *a* cluster (starting one costs seconds; most tests share it). Helpers that
+tests import are in helpers.py."""
 
 from __future__ import annotations
 
-import re
-import time
-
-import psutil
 import pytest
-
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
-NP = 4
-
-
-def plain(text: str) -> str:
-    """Text without terminal colour codes (rank tracebacks come coloured)."""
-    return ANSI.sub("", text)
-
-
-def cluster_processes() -> dict[int, str]:
-    """pid -> cmdline of every ipydist engine, its mpiexec and ipydist-profile controller."""
-    found = {}
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if "ipydist.engine" in cmd or ("ipydist-" in cmd and "ipyparallel" in cmd):
-            found[p.info["pid"]] = cmd
-    return found
-
-
-def wait_gone(pids, timeout: float = 10.0) -> list[int]:
-    """Wait until none of ``pids`` runs; return those still running after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    left = list(pids)
-    while left and time.monotonic() < deadline:
-        left = [p for p in left if _running(p)]
-        if left:
-            time.sleep(0.1)
-    return left
-
-
-def _running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
+from helpers import NP, cluster_processes
 
 
 @pytest.fixture(scope="session")
@@ -83,11 +45,3 @@ def no_cluster(shell, magics):
         magics.session.stop(quiet=True)
     magics.session = None
     return set(cluster_processes())
-
-
-def run_cell(shell, capsys, code: str):
-    """Run ``code`` as a cell; return (ExecutionResult, stdout, stderr), colours removed."""
-    capsys.readouterr()
-    result = shell.run_cell(code)
-    out, err = capsys.readouterr()
-    return result, plain(out), plain(err)

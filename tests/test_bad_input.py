@@ -7,10 +7,10 @@ import stat
 import time
 
 import pytest
-from conftest import cluster_processes, run_cell, wait_gone
+from helpers import cluster_processes, run_cell, wait_gone
 from IPython.core.error import UsageError
 
-from ipydist import launch
+from ipydist.notebook import mpiexec
 
 
 def expect_usage_error(shell, capsys, code: str, *fragments: str):
@@ -35,7 +35,7 @@ def assert_nothing_left(before: set[int]):
         ("--np abc", "--np abc: the number of ranks must be"),
         ("--np 2 --bogus", "unrecognized arguments: --bogus"),
         ("--np 2 --gpus x", "--gpus x: expected auto, none, or a list"),
-        ("--np 2 --backend foo", "--backend foo: expected auto, nccl or gloo"),
+        ("--np 2 --backend foo", "--backend foo: expected auto, nccl, gloo or mpi"),
         ("--np 2 --env NOEQUALS", "--env NOEQUALS: expected NAME=VALUE"),
         ("--np 2 --timeout 0", "--timeout 0: expected a number of seconds above 0."),
         ("--np 2 --stall-warning -1",
@@ -49,7 +49,7 @@ def test_dist_start_rejects_bad_arguments(shell, capsys, no_cluster, args, fragm
 
 
 def test_no_mpiexec_anywhere(shell, capsys, no_cluster, tmp_path, monkeypatch):
-    monkeypatch.setattr(launch, "EXTRA_MPIEXEC_DIRS", [str(tmp_path)])
+    monkeypatch.setattr(mpiexec, "EXTRA_MPIEXEC_DIRS", [str(tmp_path)])
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv("IPYDIST_MPIEXEC", raising=False)
     expect_usage_error(

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import wait_gone
+from helpers import MARK_VAR, cluster_processes, wait_gone
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "notebooks" / "01-quickstart.ipynb"
@@ -46,10 +46,6 @@ CHROMIUM_ARGS = [
     "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
 ]
-#: Set in JupyterLab's environment and so inherited by its kernel and the kernel's ranks, so that
-#: the leftover check finds this test's processes even if one escaped the process tree, and never
-#: touches another session's cluster on the same machine.
-MARK_VAR = "IPYDIST_TEST_RUN"
 #: The quickstart's training cell logs one point per step: 20 epochs x 10 steps, from rank 0.
 EXPECTED_POINTS = 200
 MIN_ACCURACY = 0.9
@@ -84,20 +80,13 @@ class Lab:
         """pid -> cmdline of every process this server started (kernel, controller, mpiexec,
         engines): its descendants, plus (``marked``) anything carrying this run's environment
         mark, which costs a look at every process on the machine."""
-        found = {}
+        found = cluster_processes(self.mark) if marked else {}
+        found.pop(self.proc.pid, None)
         try:
             for p in psutil.Process(self.proc.pid).children(recursive=True):
                 found[p.pid] = _cmdline(p)
         except psutil.Error:
             pass
-        for p in psutil.process_iter(["pid"]) if marked else ():
-            if p.pid in found or p.pid == self.proc.pid:
-                continue
-            try:
-                if p.environ().get(MARK_VAR) == self.mark:
-                    found[p.pid] = _cmdline(p)
-            except psutil.Error:
-                continue
         return found
 
 

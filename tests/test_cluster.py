@@ -6,7 +6,7 @@ import sys
 import time
 
 import pytest
-from conftest import NP, run_cell
+from helpers import NP, run_cell
 from IPython.core.error import UsageError
 
 from ipydist.errors import RankError

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from conftest import NP, run_cell
+from helpers import NP, run_cell
 
 
 def ok(shell, capsys, code: str):

@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from conftest import NP, run_cell
+from helpers import NP, run_cell
 from torch.utils.data import DistributedSampler
 
 from ipydist.errors import RankError

@@ -16,7 +16,7 @@ import threading
 import time
 
 import pytest
-from conftest import NP, plain, run_cell
+from helpers import NP, plain, run_cell, wait_gone
 from IPython.core.error import UsageError
 
 from ipydist.errors import CellTimeout, RankError
@@ -158,9 +158,7 @@ def test_same_error_everywhere_needs_no_release_and_no_rebuild(shell, capsys, fa
 
 def test_a_killed_rank_is_reported_within_5_s_and_restart_starts_fresh(shell, capsys,
                                                                        fast_cluster):
-    from conftest import wait_gone
-
-    old = fast_cluster._all_pids()
+    old = fast_cluster.cluster.pids()
     victim = fast_cluster.ranks[2]["pid"]
     killer = threading.Timer(1.0, os.kill, (victim, signal.SIGKILL))
     killer.start()
@@ -222,3 +220,4 @@ time.sleep(60)
     result, _, err = run_cell(shell, capsys, "%everyrank time.sleep(60)")
     timer.join()
     assert isinstance(result.error_in_exec, KeyboardInterrupt) and "copied" not in err, err
+

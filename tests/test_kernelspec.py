@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import cluster_processes, wait_gone
+from helpers import cluster_processes, wait_gone
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 from test_orphans import run
@@ -71,7 +71,8 @@ def test_name_display_name_and_np_are_written(prefix):
 
 @pytest.mark.parametrize("argv, message", [
     (["install-kernel", "--name", "bad name!"], "--name bad name!: a kernel name may use only"),
-    (["install-kernel", "--np", "0"], "--np: expected a whole number of at least 1"),
+    (["install-kernel", "--np", "0"], "--np 0: the number of ranks must be a whole number of at "
+     "least 1"),
     (["uninstall-kernel", "--name", "nothing-here"], "no kernel named 'nothing-here' is "
      "installed"),
     (["uninstall-kernel", "--name", "python3"], "the kernel 'python3' was not installed by "

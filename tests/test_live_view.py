@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 
-from ipydist.live.batching import to_columns
-from ipydist.live.history import MetricHistory
-from ipydist.live.view import APPEND_MAX_POINTS, FINAL_MAX_POINTS, LiveView
+from ipydist.notebook.live.history import MetricHistory
+from ipydist.notebook.live.view import APPEND_MAX_POINTS, FINAL_MAX_POINTS, LiveView
+from ipydist.protocol import to_columns
 
 
 def feed(history, first_seq, steps, per_batch=1000):

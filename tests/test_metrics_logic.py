@@ -6,10 +6,11 @@ import random
 
 import pytest
 
-from ipydist.live import MetricBatcher, MetricHistory, downsample
-from ipydist.live.batching import to_columns
-from ipydist.live.static import chart_svg, fallback_html, summary_line
-from ipydist.live.summary import rank_strip, summarize
+from ipydist.notebook.live.history import MetricHistory, downsample
+from ipydist.notebook.live.static import chart_svg, fallback_html, summary_line
+from ipydist.notebook.live.summary import rank_strip, summarize
+from ipydist.protocol import to_columns
+from ipydist.rank.batching import MetricBatcher
 
 NO_POINTS = to_columns([])  # a batch from a rank other than 0: step times only
 
@@ -69,14 +70,13 @@ def test_history_orders_batches_and_counts_each_once():
         history.accept(0, b)
     assert list(history.steps) == list(range(100))
     assert [r["step"] for r in history.rows()] == list(range(100))
-    assert history.missing == {}
 
 
 def test_history_reports_a_gap_and_holds_later_batches():
     history = MetricHistory()
     assert history.accept(3, batch(0, [0])) == 1
     assert history.accept(3, batch(2, [2])) == 0
-    assert history.missing == {3: [1]}
+    assert list(history.steps) == [0], "batch 2 waits for batch 1"
     assert history.accept(3, batch(1, [1])) == 2
     assert list(history.steps) == [0, 1, 2]
 

@@ -3,13 +3,27 @@ times; the cross-rank mean; stragglers."""
 
 from __future__ import annotations
 
-from conftest import NP, run_cell
+from helpers import NP, run_cell
 
 import ipydist
 
 
+def step_counts(history) -> dict[int, int]:
+    """Steps timed so far per rank: every batch a rank sent, once its earlier ones arrived."""
+    return {rank: timing.steps for rank, timing in history.timing.items()}
+
+
+def assert_every_batch_arrived(history, before: dict[int, int], steps: int) -> None:
+    """Each rank timed ``steps`` steps since ``before`` (its first log() in a cell starts the
+    clock): a lost batch would hold every later one of that rank back."""
+    after = step_counts(history)
+    for r in range(NP):
+        assert after.get(r, 0) - before.get(r, 0) == steps, f"rank {r}: batches missing"
+
+
 def test_log_streams_rank0_metrics_and_every_ranks_step_times(shell, capsys, cluster):
     before = len(cluster.metrics)
+    steps_before = step_counts(cluster.metrics)
     result, out, err = run_cell(shell, capsys, """%%everyrank
 import time, ipydist.torch as hvd
 for i in range(1000):
@@ -21,9 +35,7 @@ for i in range(1000):
     assert list(cluster.metrics.steps[before:]) == list(range(1000)), "lost or repeated points"
     assert cluster.metrics.series("loss", before)[1][-1] == 1.0 / 1000
     assert cluster.metrics.total == 1000 and cluster.metrics.batch_size == 8
-    assert cluster.metrics.missing == {}
-    for r in range(NP):
-        assert cluster.metrics.timing[r].steps >= 999, f"rank {r}: step times missing"
+    assert_every_batch_arrived(cluster.metrics, steps_before, 999)
     assert "[metrics] loss 0.001" in out and "1,000 points" in out, "summary without a kernel"
     rows = ipydist.metrics()
     rows = rows.to_dict("records") if hasattr(rows, "to_dict") else rows
@@ -50,7 +62,7 @@ def test_log_rejects_a_value_that_is_not_a_number(shell, capsys, cluster):
 
 
 def test_a_rank_slower_than_the_others_is_marked_a_straggler(shell, capsys, cluster):
-    from ipydist.live.summary import rank_strip
+    from ipydist.notebook.live.summary import rank_strip
 
     result, _, err = run_cell(shell, capsys, """%%everyrank
 import time, torch
@@ -71,6 +83,7 @@ for i in range(60):
 
 def test_a_burst_of_points_arrives_complete_before_the_cell_returns(shell, capsys, cluster):
     before = len(cluster.metrics)
+    steps_before = step_counts(cluster.metrics)
     result, _, err = run_cell(shell, capsys, """%%everyrank
 for i in range(300_000):
     hvd.log(step=i, loss=float(i))
@@ -79,4 +92,4 @@ for i in range(300_000):
     assert len(cluster.metrics) - before == 300_000
     steps, losses = cluster.metrics.series("loss", before)
     assert steps[-1] == 299_999 and losses == [float(s) for s in steps]
-    assert cluster.metrics.missing == {}
+    assert_every_batch_arrived(cluster.metrics, steps_before, 299_999)

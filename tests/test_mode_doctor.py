@@ -6,7 +6,7 @@ import os
 import stat
 
 import pytest
-from conftest import NP, run_cell
+from helpers import NP, run_cell
 from IPython.core.error import UsageError
 
 from ipydist import cli

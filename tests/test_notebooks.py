@@ -6,39 +6,18 @@ per module (a module-scoped fixture per notebook) and the checks read that one e
 
 from __future__ import annotations
 
-import os
 import re
 import time
 import uuid
 from pathlib import Path
 
 import nbformat
-import psutil
 import pytest
+from helpers import MARK_VAR, cluster_processes
 
 from ipydist import cli
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "notebooks" / "01-quickstart.ipynb"
-#: Set in the environment the notebook's kernel (and so its ranks) inherit, so that the
-#: leftover check sees only this run's processes, not another session's on the same machine.
-MARK_VAR = "IPYDIST_TEST_RUN"
-
-
-def _engines_with_mark(mark: str) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        try:
-            if proc.pid == os.getpid() or "ipydist.engine" not in " ".join(
-                proc.info["cmdline"] or []
-            ):
-                continue
-            if proc.environ().get(MARK_VAR) == mark:
-                found.append(proc)
-        except psutil.Error:
-            continue
-    return found
-
-
 def _run_marked(notebook: Path, tmp_path_factory, *options: str):
     """Run ``notebook`` through ``ipydist run`` with this run's mark in the environment;
     return (executed notebook, seconds taken, its engines still running 10 s later)."""
@@ -50,7 +29,7 @@ def _run_marked(notebook: Path, tmp_path_factory, *options: str):
         assert cli.main(["run", str(notebook), *options, "--output", str(out)]) == 0
         seconds = time.perf_counter() - t0
     deadline = time.monotonic() + 10
-    while (left := _engines_with_mark(mark)) and time.monotonic() < deadline:
+    while (left := cluster_processes(mark, ranks_only=True)) and time.monotonic() < deadline:
         time.sleep(0.2)
     return nbformat.read(out, as_version=4), seconds, left
 
@@ -115,7 +94,7 @@ def test_state_survives_between_cells(executed):
 
 def test_nothing_left_running(executed):
     left = executed[2]
-    assert left == [], [p.cmdline() for p in left]
+    assert left == {}, list(left.values())
 
 
 def test_demo_prints_accuracy(executed, tmp_path, monkeypatch, capsys):
@@ -295,7 +274,7 @@ def _accuracy(text: str) -> float:
 def _ran_cleanly(nb, left) -> None:
     assert [c.source for c in nb.cells if c.cell_type == "code" and _failed(c)] == []
     assert all(c.execution_count for c in nb.cells if c.cell_type == "code")
-    assert left == [], [p.cmdline() for p in left]
+    assert left == {}, list(left.values())
 
 
 # --- 03: Horovod's recipe -------------------------------------------------------------------
@@ -410,7 +389,7 @@ def test_failure_notebook_fails_exactly_in_its_tagged_cells(failures):
     assert len(tagged) == 3
     assert [c.source for c in code if _failed(c)] == tagged
     assert all(c.execution_count for c in code), "every cell ran, past the failing ones"
-    assert left == [], [p.cmdline() for p in left]
+    assert left == {}, list(left.values())
 
 
 def test_a_raising_rank_is_named_and_the_others_are_released(failures):

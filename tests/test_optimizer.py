@@ -4,7 +4,7 @@ process training on the union of the ranks' batches."""
 from __future__ import annotations
 
 import pytest
-from conftest import NP, run_cell
+from helpers import NP, run_cell
 
 from ipydist.errors import RankError
 

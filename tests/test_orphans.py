@@ -12,14 +12,14 @@ import signal
 
 import psutil
 import pytest
-from conftest import wait_gone
+from helpers import RANK_COMMAND, wait_gone
 from jupyter_client.manager import start_new_kernel
 
 START = "%load_ext ipydist\n%dist_start --np 2"
 PIDS = """
 import json, ipydist
 _s = get_ipython().magics_manager.registry["DistMagics"].session
-print("PIDS", json.dumps(_s._all_pids() + [_s._watchdog[0].pid]))
+print("PIDS", json.dumps(_s.cluster.pids() + [_s.cluster.watchdog_pid()]))
 """
 
 
@@ -46,7 +46,7 @@ def kernel_with_cluster():
         run(kc, START)
         text = run(kc, PIDS)
         pids = json.loads(text.split("PIDS", 1)[1])
-        ranks = [p for p in pids if "ipydist.engine" in " ".join(_cmdline(p))]
+        ranks = [p for p in pids if RANK_COMMAND in " ".join(_cmdline(p))]
         assert len(ranks) >= 2, f"expected 2 ranks among {pids}"
         yield km, kc, pids
     finally:

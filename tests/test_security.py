@@ -14,7 +14,7 @@ import os
 import stat
 
 import psutil
-from conftest import run_cell
+from helpers import run_cell
 
 LOOPBACK = ("127.0.0.1", "::1")
 
@@ -25,7 +25,7 @@ def listeners(pid: int) -> set[tuple[str, int]]:
 
 
 def test_controller_and_ranks_listen_on_loopback_only(shell, capsys, cluster):
-    controller = cluster._cluster.controller.pid
+    controller = cluster.cluster.controller_pid
     assert listeners(controller), "the controller listens somewhere"
     assert {ip for ip, _ in listeners(controller)} <= set(LOOPBACK), listeners(controller)
     run_cell(shell, capsys, "%everyrank import os; store_port = int(os.environ['MASTER_PORT'])")
@@ -38,11 +38,11 @@ def test_controller_and_ranks_listen_on_loopback_only(shell, capsys, cluster):
 
 
 def test_connection_files_are_private_and_messages_signed(cluster):
-    security = os.path.join(cluster._profile_dir, "security")
+    security = os.path.join(cluster.cluster.profile_dir, "security")
     # (the cluster-*.json state file next to them holds pids, no key; the folder is 0700)
     files = glob.glob(os.path.join(security, "ipcontroller-*.json"))
     assert files, "no connection files"
-    assert stat.S_IMODE(os.stat(cluster._profile_dir).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(cluster.cluster.profile_dir).st_mode) == 0o700
     for path in files:
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, path
         info = json.load(open(path))

@@ -7,7 +7,7 @@ import time
 
 import psutil
 import pytest
-from conftest import run_cell, wait_gone
+from helpers import run_cell, wait_gone
 
 import ipydist
 from ipydist.errors import ClusterError, RankError
@@ -15,11 +15,11 @@ from ipydist.errors import ClusterError, RankError
 
 def cluster_pids(session) -> dict[str, list[int]]:
     """Every process the session started: engines, mpiexec, controller."""
-    cluster = session._cluster
+    cluster = session.cluster
     return {
         "engines": [i["pid"] for i in session.ranks],
-        "mpiexec": [es.pid for es in cluster.engines.values()],
-        "controller": [cluster.controller.pid],
+        "mpiexec": [cluster.mpiexec_pid],
+        "controller": [cluster.controller_pid],
     }
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 
 import psutil
-from conftest import run_cell
+from helpers import run_cell
 
 CELLS = 500
 LIMIT_MB = 20
@@ -25,7 +25,7 @@ def rss_mb(pid: int) -> float:
 
 def test_500_cells_keep_kernel_and_controller_memory_flat(shell, capsys, cluster):
     run_cell(shell, capsys, "%everyrank import torch, ipydist.torch as hvd; step = 0")
-    controller = cluster._cluster.controller.pid
+    controller = cluster.cluster.controller_pid
     kernel = psutil.Process().pid
 
     def soak(n):

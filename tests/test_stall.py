@@ -11,10 +11,11 @@ import threading
 import time
 
 import pytest
-from conftest import NP, run_cell
+from helpers import NP, run_cell
 
 from ipydist.errors import CellTimeout
-from ipydist.stall import CollectiveSampler, StallWatch, collective_frame
+from ipydist.notebook.stall import StallWatch
+from ipydist.rank.sampler import CollectiveSampler, collective_frame
 
 THRESHOLD = 2.0  # the tests' stall threshold (the default is 30 s)
 

@@ -34,7 +34,7 @@ def metrics():
     """
     from IPython import get_ipython
 
-    from ipydist.live.history import MetricHistory
+    from ipydist.notebook.live.history import MetricHistory
 
     shell = get_ipython()
     magics = shell.magics_manager.registry.get("DistMagics") if shell is not None else None

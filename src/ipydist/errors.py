@@ -1,8 +1,15 @@
-"""Errors the notebook side raises, each naming the ranks involved and what to do next."""
+"""The errors users meet, each naming the ranks involved and what to do next.
+
+Bad input the user typed is a :class:`~ipydist.specs.SpecError` (raised where it is parsed)."""
 
 from __future__ import annotations
 
 from ipydist.specs import describe_ranks
+
+
+class LaunchError(ValueError):
+    """The launch cannot work as asked (no mpiexec, GPUs that are not there); the message says
+    what to do. Raised in the notebook, or by a rank's bootstrap, which prints it."""
 
 
 class ClusterError(RuntimeError):

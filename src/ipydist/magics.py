@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from ipydist import kernelspec
-from ipydist.errors import ClusterError
-from ipydist.launch import LaunchError
+from ipydist import protocol
+from ipydist.errors import ClusterError, LaunchError
+from ipydist.notebook import words
+from ipydist.notebook.stall import STALL_WARNING_SECONDS
 from ipydist.session import DEFAULT_START_TIMEOUT, Session
-from ipydist.specs import SpecError, format_ranks
-from ipydist.stall import STALL_WARNING_SECONDS
+from ipydist.specs import SpecError, format_ranks, parse_np
 
 _USER_ERRORS = (SpecError, LaunchError, ClusterError)
 #: In ``%dist_mode everyrank``, cells that begin with these still run in the notebook.
@@ -47,7 +49,7 @@ class DistMagics(Magics):
     def __init__(self, shell=None, **kwargs):
         super().__init__(shell=shell, **kwargs)
         #: Ranks to start on first use, in a kernel installed with ``install-kernel --np N``.
-        self.kernel_np = kernelspec.kernel_np()
+        self.kernel_np = kernel_np()
 
     def _session(self) -> Session:
         if self.session is None and self.kernel_np:
@@ -55,7 +57,7 @@ class DistMagics(Magics):
                   "(ipydist install-kernel --np).")
             self.dist_start("")
         if self.session is None or not self.session.running:
-            raise UsageError("no cluster is running: start one with %dist_start --np N.")
+            raise UsageError(words.MAGICS.no_cluster())
         return self.session
 
     @magic_arguments()
@@ -70,7 +72,8 @@ class DistMagics(Magics):
         "a list such as 0,1: only these GPUs",
     )
     @argument("--backend", default="auto", metavar="NAME",
-              help="auto (NCCL when ranks have GPUs, else gloo), nccl or gloo")
+              help="auto (NCCL when ranks have GPUs, else gloo), nccl, gloo, or mpi (torch's "
+              "own MPI backend, in a torch built with MPI)")
     @argument("--mpi", default=None, metavar="PATH",
               help="the mpiexec to use (default: $IPYDIST_MPIEXEC, the one next to this "
               "Python, then $PATH)")
@@ -103,10 +106,7 @@ class DistMagics(Magics):
         """Start a cluster of ranks launched by mpiexec, with torch.distributed ready on each."""
         args = parse_argstring(self.dist_start, line)
         if self.session is not None and self.session.running:
-            raise UsageError(
-                f"a cluster of {self.session.size} ranks is already running; "
-                "%dist_stop it first, or %dist_restart."
-            )
+            raise UsageError(words.MAGICS.already_running(self.session.size))
         try:
             session = Session(
                 np=args.np if args.np is not None else self.kernel_np, gpus=args.gpus,
@@ -114,6 +114,7 @@ class DistMagics(Magics):
                 timeout=args.timeout, env=args.env, init=not args.no_init,
                 stall_warning=args.stall_warning,
             )
+            session.words = words.MAGICS
             session.start()
         except _USER_ERRORS as e:
             raise UsageError(str(e)) from None
@@ -239,6 +240,19 @@ class DistMagics(Magics):
         if missing:
             raise UsageError(f"not defined in the notebook: {', '.join(missing)}")
         session.push(**{n: self.shell.user_ns[n] for n in args.names})
+
+
+def kernel_np(environ=None) -> int | None:
+    """The ranks this kernel starts on first use (``install-kernel --np N``), if any."""
+    value = (environ if environ is not None else os.environ).get(protocol.KERNEL_NP_ENV, "")
+    if not value:
+        return None
+    try:
+        return parse_np(value)
+    except SpecError:
+        print(f"ipydist: ignoring {protocol.KERNEL_NP_ENV}={value!r}: not a number of ranks.",
+              file=sys.stderr)
+        return None
 
 
 def _cell_value(result, output: str):

@@ -1,4 +1,6 @@
-"""Parsing and formatting of the small specs users type: rank lists and K=V pairs."""
+"""Every value a user types (``--np``, ``--ranks``, ``--gpus``, ``--backend``, seconds,
+``--env``), parsed and validated here once, for the magics, ``Session``, the ``ipydist`` command
+and the ranks alike. Stdlib only: both sides of the wire import it."""
 
 from __future__ import annotations
 
@@ -76,3 +78,66 @@ def parse_env(pairs: list[str] | dict[str, str] | None) -> dict[str, str]:
             )
         env[name] = value
     return env
+
+
+def parse_np(value, option: str = "--np") -> int:
+    """A number of ranks: a whole number of at least 1 (``"4"``, ``4``; not ``4.5`` or ``True``)."""
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = None
+    if n is None or isinstance(value, bool) or n < 1 or str(value).strip() not in (str(n), f"+{n}"):
+        raise SpecError(
+            f"{option} {value}: the number of ranks must be a whole number of at least 1.")
+    return n
+
+
+def parse_seconds(value, option: str, zero: bool = False) -> float:
+    """A number of seconds above 0 (or exactly 0, meaning "off", when ``zero`` is allowed)."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = -1.0
+    if seconds < 0 or (seconds == 0 and not zero) or seconds != seconds:
+        off = ", or 0 to turn it off" if zero else ""
+        shown = f"{value:g}" if isinstance(value, float) else value
+        raise SpecError(f"{option} {shown}: expected a number of seconds above 0{off}.")
+    return seconds
+
+
+def parse_gpus(spec: str | list[int] | None) -> str | list[int]:
+    """``"auto"``, ``"none"`` or a list of GPU indices, from ``--gpus``."""
+    if spec is None:
+        return "auto"
+    if isinstance(spec, list):
+        return [int(i) for i in spec]
+    text = str(spec).strip().lower()
+    if text in ("auto", "none"):
+        return text
+    try:
+        indices = [int(part) for part in text.split(",") if part.strip() != ""]
+    except ValueError:
+        indices = []
+    if not indices or any(i < 0 for i in indices) or len(set(indices)) != len(indices):
+        raise SpecError(
+            f"--gpus {spec}: expected auto, none, or a list of distinct GPU indices like 0,1."
+        )
+    return indices
+
+
+def format_gpus(gpus: str | list[int]) -> str:
+    """The inverse of :func:`parse_gpus`, for the rank environment."""
+    return gpus if isinstance(gpus, str) else ",".join(map(str, gpus))
+
+
+#: ``--backend`` values: ``mpi`` is torch.distributed's own MPI backend, which needs a torch
+#: built with MPI.
+BACKENDS = ("auto", "nccl", "gloo", "mpi")
+
+
+def parse_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise SpecError(
+            f"--backend {backend}: expected auto, nccl, gloo or mpi (auto: NCCL when ranks "
+            "have GPUs, else gloo).")
+    return backend

@@ -7,7 +7,6 @@
     total = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum)   # == hvd.size()
 """
 
-from ipydist.live.rank import log
 from ipydist.torch.checkpoint import load_checkpoint, save_checkpoint
 from ipydist.torch.collectives import (
     Average,
@@ -36,6 +35,7 @@ from ipydist.torch.functions import (
     broadcast_optimizer_state,
     broadcast_parameters,
 )
+from ipydist.torch.metrics import log
 from ipydist.torch.optimizer import DistributedOptimizer
 
 __all__ = [

@@ -13,7 +13,6 @@ import time
 import torch
 import torch.distributed as dist
 
-from ipydist.live.rank import note_wait
 from ipydist.torch import runtime
 
 
@@ -106,7 +105,7 @@ def allreduce_(
         tensor.mul_(prescale_factor)
     t0 = time.perf_counter()
     dist.all_reduce(tensor, op=_TORCH_OPS[op])
-    note_wait(time.perf_counter() - t0)
+    runtime.note_wait(time.perf_counter() - t0)
     if op is Average:
         if tensor.is_floating_point() or tensor.is_complex():
             tensor.div_(size())

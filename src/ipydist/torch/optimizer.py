@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ipydist.live.rank import note_wait
-from ipydist.torch import consistency
+from ipydist.rank.sampler import waits_for_peers
+from ipydist.torch import consistency, runtime
 from ipydist.torch.collectives import Average, ReduceOp, Sum, _rt, size
 from ipydist.torch.compression import Compression, Compressor
 
@@ -169,6 +169,7 @@ class _DistributedMixin:
 
     # --- at step ------------------------------------------------------------------------------
 
+    @waits_for_peers("allreduce of gradients (DistributedOptimizer)")
     def synchronize(self) -> None:
         """Finish averaging every gradient over the ranks (collective: every rank calls it).
 
@@ -184,7 +185,7 @@ class _DistributedMixin:
         for bucket in self._buckets:
             t0 = time.perf_counter()
             bucket.work.wait()
-            note_wait(time.perf_counter() - t0)  # for the live view's straggler strip
+            runtime.note_wait(time.perf_counter() - t0)  # for the live view's straggler strip
             flat = self._compression.decompress(bucket.wire, bucket.ctx)
             had_grad = flat[bucket.numel:].tolist()
             views = bucket.views if flat is bucket.buffer else [

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ipydist import protocol
+
 
 @dataclass
 class Runtime:
@@ -36,11 +38,10 @@ class Runtime:
     backend: str = "gloo"
     master_addr: str = "127.0.0.1"
     master_port: int = 0
-    timeout_s: float = 600.0
+    timeout_s: float = protocol.DEFAULT_PG_TIMEOUT
     comm: Any = None  # mpi4py communicator, when launched by mpiexec
     store: Any = None
     group: Any = None
-    notes: list[str] = field(default_factory=list)
     #: File descriptors of the group's gloo connections (what a release shuts down).
     comm_fds: list[int] = field(default_factory=list)
     #: A release broke the group's connections: it must be rebuilt before it is used again.
@@ -56,6 +57,8 @@ class Runtime:
 _runtime: Runtime | None = None
 _original_init_process_group = dist.init_process_group
 _reuse_announced = False
+#: Seconds this rank spent blocked in ipydist's collectives since :func:`take_waited` last ran.
+_waited = 0.0
 
 
 def get() -> Runtime | None:
@@ -66,6 +69,20 @@ def get() -> Runtime | None:
 def set_runtime(rt: Runtime) -> None:
     global _runtime
     _runtime = rt
+
+
+def note_wait(seconds: float) -> None:
+    """Count ``seconds`` spent blocked in a collective (ipydist's collectives call this)."""
+    global _waited
+    _waited += seconds
+
+
+def take_waited() -> float:
+    """The seconds counted by :func:`note_wait` since the last call (``log()`` reports them,
+    so a straggler shows: the slowest rank is the one that waits least)."""
+    global _waited
+    waited, _waited = _waited, 0.0
+    return waited
 
 
 def mpi_world():
@@ -93,7 +110,7 @@ def topology_from_mpi(comm) -> Runtime:
         master_addr = "127.0.0.1"
     else:
         master_addr = comm.bcast(socket.getfqdn() if comm.rank == 0 else None, root=0)
-    master_addr = os.environ.get("IPYDIST_MASTER_ADDR") or master_addr
+    master_addr = os.environ.get(protocol.MASTER_ADDR_ENV) or master_addr
     return Runtime(
         rank=comm.rank, size=comm.size, local_rank=local_rank, local_size=local_size,
         host=host, master_addr=master_addr, comm=comm,
@@ -202,6 +219,42 @@ def owns_default_group(rt: Runtime | None) -> bool:
         rt is not None and rt.group is not None and dist.is_initialized()
         and dist.group.WORLD is rt.group
     )
+
+
+def break_communication() -> bool:
+    """Make every pending collective of this rank fail now; True if there was a group.
+
+    Called from the release watcher's thread while the main thread may be blocked in a
+    collective: shuts down the group's gloo connections, or aborts the NCCL communicator. The
+    group is then marked broken until :func:`rebuild_process_group`.
+    """
+    rt = _runtime
+    if rt is None or rt.group is None:
+        return False
+    rt.broken = True
+    if rt.backend == "nccl":
+        try:
+            rt.group._get_backend(torch.device("cuda")).abort()
+        except Exception as e:
+            print(f"ipydist: could not abort the NCCL communicator: {e}", file=sys.stderr)
+        return True
+    for fd in rt.comm_fds:
+        try:
+            with socket.socket(fileno=os.dup(fd)) as s:
+                s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already closed
+    return True
+
+
+def rebuild_process_group() -> None:
+    """Replace the default process group with a new one (collective: every rank calls it)."""
+    if _runtime is None:
+        return
+    if dist.is_initialized():
+        _retire(dist.group.WORLD)  # kept referenced: see _retired_groups
+        dist.destroy_process_group()
+    init_process_group(_runtime)
 
 
 def ensure_process_group() -> Runtime:

@@ -8,7 +8,7 @@ a pipe whose only write end is in the kernel: when the kernel dies, the read ret
 waiting it refreshes, once a second, the list of the cluster's processes (the descendants of
 the controller and of mpiexec), so ranks are found even if mpiexec went first.
 
-    python -m ipydist.watchdog FD PID [PID ...]
+    python -m ipydist.notebook.watchdog FD PID [PID ...]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import select
 import subprocess
 import sys
 
-from ipydist import processes
+from ipydist.notebook import processes
 
 REFRESH_SECONDS = 1.0
 GRACE_SECONDS = 3.0
@@ -29,7 +29,7 @@ def start(pids: list[int]) -> tuple[subprocess.Popen, int]:
     end, which the caller keeps open for as long as the cluster should live."""
     read_end, write_end = os.pipe()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ipydist.watchdog", str(read_end), *map(str, pids)],
+        [sys.executable, "-m", "ipydist.notebook.watchdog", str(read_end), *map(str, pids)],
         pass_fds=(read_end,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL, start_new_session=True,
     )

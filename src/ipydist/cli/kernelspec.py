@@ -11,15 +11,13 @@ Nothing else differs, so the kernel behaves like the python3 one in every other 
 from __future__ import annotations
 
 import json
-import os
-import sys
 import tempfile
 from pathlib import Path
 
+from ipydist import protocol
+
 DEFAULT_NAME = "ipydist"
 DEFAULT_DISPLAY_NAME = "Python 3 (ipydist)"
-#: Set in the kernel's environment by ``install-kernel --np N``.
-NP_ENV = "IPYDIST_KERNEL_NP"
 #: The argument that loads the extension; also how an ipydist kernelspec is recognised.
 EXTENSION_ARG = "--ext=ipydist"
 
@@ -41,12 +39,10 @@ def install(name: str = DEFAULT_NAME, display_name: str | None = None, np: int |
     if not _is_valid_kernel_name(name):
         raise KernelSpecError(
             f"--name {name}: a kernel name may use only letters, digits, '.', '_' and '-'.")
-    if np is not None and np < 1:
-        raise KernelSpecError(f"--np {np}: the number of ranks must be at least 1.")
     metadata = {**get_kernel_dict().get("metadata", {}), "ipydist": {"np": np}}
     overrides: dict = {"display_name": display_name or DEFAULT_DISPLAY_NAME, "metadata": metadata}
     if np is not None:
-        overrides["env"] = {NP_ENV: str(np)}
+        overrides["env"] = {protocol.KERNEL_NP_ENV: str(np)}
     with tempfile.TemporaryDirectory() as tmp:
         spec_dir = write_kernel_spec(
             Path(tmp) / name, overrides=overrides, extra_arguments=[EXTENSION_ARG])
@@ -93,16 +89,3 @@ def is_ipydist_spec(folder: str) -> bool:
     except (OSError, ValueError):
         return False
     return EXTENSION_ARG in spec.get("argv", [])
-
-
-def kernel_np(environ=None) -> int | None:
-    """The ranks this kernel starts on first use (``install-kernel --np N``), if any."""
-    value = (environ if environ is not None else os.environ).get(NP_ENV, "")
-    try:
-        n = int(value)
-    except ValueError:
-        if value:
-            print(f"ipydist: ignoring {NP_ENV}={value!r}: not a number of ranks.",
-                  file=sys.stderr)
-        return None
-    return n if n >= 1 else None

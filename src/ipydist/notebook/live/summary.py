@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from ipydist.live.history import MetricHistory
+from ipydist.notebook.live.history import MetricHistory
 
 #: Rates are measured over the rows of the last RATE_WINDOW seconds.
 RATE_WINDOW = 5.0

@@ -3,7 +3,7 @@
 The wait loop runs in the notebook's main thread and wakes every 50 ms: it prints the ranks'
 output (merged by :class:`LineMerger`), feeds their metrics to the history and the live view,
 warns of a stall (some ranks waiting in a collective the others never entered: see
-:mod:`ipydist.stall`), and enforces ``--timeout``. Ctrl-C (the stop button) lands here too,
+:mod:`ipydist.notebook.stall`), and enforces ``--timeout``. Ctrl-C (the stop button) lands here too,
 and interrupts the ranks.
 """
 
@@ -13,20 +13,19 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from ipydist import recovery, report
 from ipydist.errors import CellTimeout, RankDied, RankError
-from ipydist.live.view import LiveView
-from ipydist.output import LineMerger, OutputCollector
+from ipydist.notebook import display, ipp, recovery
+from ipydist.notebook.iopub import IOPubCollector
+from ipydist.notebook.lines import LineMerger
+from ipydist.notebook.live.view import LiveView
+from ipydist.notebook.stall import StallWatch
 from ipydist.specs import describe_ranks
-from ipydist.stall import StallWatch
 
 #: How often the wait loop wakes to show output and metrics.
 POLL_SECONDS = 0.05
 #: How often the wait loop checks that every rank's process is still there.
 ALIVE_CHECK_SECONDS = 0.5
 FIRST_ALIVE_CHECK_SECONDS = 0.1
-#: After a release, how long before a second one that breaks communication regardless.
-RELEASE_RETRY_SECONDS = 1.0
 #: After the ranks replied, how long to wait for more of their output when none is coming.
 OUTPUT_STALL_SECONDS = 2.0
 
@@ -41,26 +40,29 @@ class RunResult:
 
 
 class CellRun:
+    """One cell on ``targets`` (sent as ``async_result``) until every rank has replied."""
+
     def __init__(self, session, async_result, targets: list[int], output: str,
                  timeout: float | None, started: float):
         self.session = session
+        self.cluster = session.cluster
         self.ar = async_result
         self.targets = targets
         self.started = started
         self.deadline = None if not timeout else started + float(timeout)
         self.timeout = timeout
-        self.collector = OutputCollector(async_result, targets)
+        self.collector = IOPubCollector(async_result, targets)
         self.shown = targets if output == "all" else targets[:1]
         self.merger = LineMerger(self.shown)
         self.live = LiveView(session.metrics, session.size)
         self.result = RunResult(targets)
-        self.stalls = StallWatch(targets, session.stall_warning)
+        self.stalls = StallWatch(targets, session.stall_warning, session.words.timeout)
         #: A failing rank's peers get this long to finish by themselves before release.
         self.failure_grace = float(timeout) if timeout else session.failure_grace
         self.first_failure: tuple[int, float] | None = None  # (rank, when)
+        self.release = recovery.Release(self.cluster)
+        #: Ranks released because another failed: their errors are a consequence.
         self.released: list[int] = []
-        self._released_at: float | None = None
-        self._release_count = 0
 
     def wait(self) -> RunResult:
         """Block until every rank finished the cell; raise RankError if any raised."""
@@ -74,24 +76,24 @@ class CellRun:
                 self._contain_failure()
                 self._warn_of_stall()
                 if time.monotonic() >= next_alive_check:
-                    if report := self.session.death_report():
-                        raise RankDied(report)
+                    if death := self.session.death_report():
+                        raise RankDied(death)
                     next_alive_check = time.monotonic() + ALIVE_CHECK_SECONDS
                 if self.deadline is not None and time.perf_counter() > self.deadline:
-                    running = recovery.interrupt(self.session, ar, self.targets)
+                    running = recovery.interrupt(self.release, ar, self.targets)
                     if self.first_failure is not None and ar.ready():
                         # a rank raised before the deadline: its error is the story, and the
                         # others were released as after the failure grace
                         self.released = sorted(set(self.released) | set(running))
                         break
-                    notes = self.session.recover(running)
+                    notes = self._recover(running)
                     raise CellTimeout(" ".join([
                         f"the cell ran past --timeout {self.timeout:g} s; interrupted "
                         f"{describe_ranks(running)}.", *notes]))
             self._wait_for_output()
         except KeyboardInterrupt:
-            running = recovery.interrupt(self.session, ar, self.targets)
-            notes = self.session.recover(running)
+            running = recovery.interrupt(self.release, ar, self.targets)
+            notes = self._recover(running)
             print(" ".join([f"Interrupted {describe_ranks(running)}.", *notes]), file=sys.stderr)
             raise
         finally:
@@ -106,7 +108,7 @@ class CellRun:
             if isinstance(reply, Exception)
         }
         if failures:
-            notes = self.session.recover(self.released)
+            notes = self._recover(self.released)
             # the rank that failed while others still ran goes first; otherwise rank order
             first = self.first_failure[0] if self.first_failure and self.released else None
             raise RankError(failures, first=first, released=self.released, notes=notes)
@@ -117,33 +119,27 @@ class CellRun:
         release those still running (they are most likely waiting for the failed rank in a
         collective); a second release a second later breaks their communication outright."""
         now = time.monotonic()
-        running = []
-        for rank, child in zip(self.targets, self.ar._children):
-            if not child.done():
-                running.append(rank)
-            elif self.first_failure is None and isinstance(child.result(), Exception):
-                self.first_failure = (rank, now)
-        if self.first_failure is None or not running:
-            return
-        due = self.first_failure[1] + self.failure_grace if self._released_at is None else (
-            self._released_at + RELEASE_RETRY_SECONDS)
-        if now >= due and self._release_count < 2:
-            self.session.release(running)
-            self.released = sorted(set(self.released) | set(running))
-            self._released_at = now
-            self._release_count += 1
+        if self.first_failure is None:
+            failed = [r for r, what in ipp.outcomes(self.ar, self.targets).items()
+                      if what == "failed"]
+            if not failed:
+                return
+            self.first_failure = (failed[0], now)
+        running = ipp.still_running(self.ar, self.targets)
+        if running and now >= self.first_failure[1] + self.failure_grace and \
+                self.release.due(now):
+            self.release.send(running, now)
+            self.released = self.release.ranks
+
+    def _recover(self, released: list[int]) -> list[str]:
+        return recovery.recover(self.cluster, released, self.session.words.restart)
 
     def _warn_of_stall(self) -> None:
         if not self.stalls.waiting:
             return
-        doing = {}
-        for rank, child in zip(self.targets, self.ar._children):
-            if child.done():
-                doing[rank] = "failed" if isinstance(child.result(), Exception) else "finished"
-            else:
-                doing[rank] = "running"
+        doing = ipp.outcomes(self.ar, self.targets)
         if warning := self.stalls.check(time.monotonic(), doing):
-            _print_lines(self.merger.release(now=float("inf")))  # what came before goes first
+            _print_lines(self.merger.ready(now=float("inf")))  # what came before goes first
             print(warning, file=sys.stderr, flush=True)
 
     def _wait_for_output(self) -> None:
@@ -172,8 +168,8 @@ class CellRun:
             elif ev.kind == "metrics":
                 self.session.metrics.accept(ev.rank, ev.content)
             elif ev.kind == "display_data" and ev.rank == self.shown[0]:
-                report.publish(ev.content.get("data", {}), ev.content.get("metadata"))
-        _print_lines(self.merger.release())
+                display.publish(ev.content.get("data", {}), ev.content.get("metadata"))
+        _print_lines(self.merger.ready())
         self.live.update()
         return len(events)
 

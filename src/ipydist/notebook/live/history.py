@@ -98,7 +98,7 @@ class MetricHistory:
             self.batch_size = batch.get("batch_size", self.batch_size)
 
     def _append(self, points: dict) -> None:
-        """Append a batch's columns (see ``batching.to_columns``), NaN-padding the others."""
+        """Append a batch's columns (see ``protocol.to_columns``), NaN-padding the others."""
         before, n = len(self.steps), len(points["step"])
         if not n:
             return
@@ -114,14 +114,6 @@ class MetricHistory:
         for column in self.columns.values():
             if len(column) == before:
                 column.extend(array("d", [NAN]) * n)
-
-    @property
-    def missing(self) -> dict[int, list[int]]:
-        """Per rank, the batch numbers skipped so far (batches after them already arrived)."""
-        return {
-            rank: sorted(set(range(self._next.get(rank, 0), max(w))) - set(w))
-            for rank, w in self._waiting.items() if w
-        }
 
     def rows(self, start: int = 0, stop: int | None = None) -> list[dict]:
         """Rows ``start:stop`` as dicts, each with only the metrics logged at that step."""

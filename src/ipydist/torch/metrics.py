@@ -2,7 +2,7 @@
 
 Rank 0's values are the ones shown. Every rank also reports the time between its own
 successive ``log()`` calls and how much of it was spent waiting in ipydist's collectives
-(:func:`note_wait`), so a straggler shows: in synchronous training every rank's step takes as
+(``runtime.take_waited``), so a straggler shows: in synchronous training every rank's step takes as
 long as the slowest one's, but the slowest rank is the one that waits least.
 
 Points are buffered and sent at most about ten times a second as an ipyparallel
@@ -14,12 +14,17 @@ from __future__ import annotations
 
 import time
 
-from ipydist.live.batching import DATA_KEY, MetricBatcher
+import torch
+
+from ipydist.protocol import METRICS_KEY
+from ipydist.rank.batching import MetricBatcher
+from ipydist.rank.channel import publish
+from ipydist.torch import runtime
+from ipydist.torch.collectives import allreduce, rank
 
 _batcher = MetricBatcher()
 _last_call: float | None = None
 _next_step = 0
-_waited = 0.0
 _is_rank0: bool | None = None  # a process's MPI rank never changes: asked once
 
 
@@ -33,7 +38,7 @@ def log(step: int | None = None, total: int | None = None, reduce: str | None = 
     ``reduce="mean"`` averages every value over the ranks first (a collective: every rank
     must call it). Values must be plain numbers: pass ``loss.item()``, not ``loss``.
     """
-    global _last_call, _next_step, _waited
+    global _last_call, _next_step
     now = time.monotonic()
     since_last = None if _last_call is None else now - _last_call
     _last_call = now
@@ -59,25 +64,19 @@ def log(step: int | None = None, total: int | None = None, reduce: str | None = 
     if _is_rank0 is None:
         _first_call_setup()
     point = (step, time.time(), values) if _is_rank0 else None
-    waited, _waited = _waited, 0.0
-    batch = _batcher.add(point, since_last, waited)
+    batch = _batcher.add(point, since_last, runtime.take_waited())
     if batch is not None:
-        _publish(batch)
-
-
-def note_wait(seconds: float) -> None:
-    """Count ``seconds`` spent blocked in a collective (called by ipydist's own collectives)."""
-    global _waited
-    _waited += seconds
+        publish(METRICS_KEY, batch)
 
 
 def flush() -> None:
     """Send what was not sent yet; the next step's time starts with the next cell."""
-    global _last_call, _waited
-    _last_call, _waited = None, 0.0
+    global _last_call
+    _last_call = None
+    runtime.take_waited()
     batch = _batcher.flush()
     if batch is not None:
-        _publish(batch)
+        publish(METRICS_KEY, batch)
 
 
 def _is_number(v) -> bool:
@@ -89,26 +88,14 @@ def _is_number(v) -> bool:
 
 
 def _mean_over_ranks(metrics: dict) -> dict:
-    import torch
-
-    from ipydist.torch.collectives import allreduce
-
     names = sorted(metrics)
     values = allreduce(torch.tensor([float(metrics[n]) for n in names], dtype=torch.float64))
     return dict(zip(names, values.tolist()))
 
 
-def _publish(batch: dict) -> None:
-    from ipydist.engine import publish
-
-    publish(DATA_KEY, batch)
-
-
 def _first_call_setup() -> None:
     """Learn this rank's number, and flush at the end of every cell from now on."""
     global _is_rank0
-    from ipydist.torch.collectives import rank
-
     _is_rank0 = rank() == 0
     try:
         from IPython import get_ipython

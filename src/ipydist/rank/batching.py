@@ -1,4 +1,4 @@
-"""Rank side: collect metric points and step timings, release them in throttled numbered batches.
+"""Collect metric points and step timings, release them in throttled numbered batches.
 
 ``log()`` may be called every step, so adding a point must cost a few microseconds; sending is
 what costs, so points are released at most every ``interval`` seconds (about 10 messages a
@@ -12,20 +12,14 @@ as a sum per batch, not per step, so N ranks logging a million steps send a few 
 from __future__ import annotations
 
 import time
-from array import array
 
-NAN = float("nan")
-
-#: Key under which batches travel in an ipyparallel data_message.
-DATA_KEY = "ipydist.metrics"
+from ipydist.protocol import to_columns
 
 
 class MetricBatcher:
     """Buffers points and timings; hands out batches when ``interval`` has passed.
 
-    A batch is ``{"seq", "points": columns (see :func:`to_columns`), "timing": (steps, sum of
-    step seconds, longest step, seconds waiting in collectives), "total", "batch_size",
-    "sent"}``.
+    Batches are in the format :mod:`ipydist.protocol` describes.
     """
 
     def __init__(self, interval: float = 0.1, clock=time.monotonic):
@@ -82,22 +76,3 @@ class MetricBatcher:
         self._seq += 1
         self._reset()
         return batch
-
-
-def to_columns(points: list[tuple]) -> dict:
-    """``[(step, time, {name: value}), ...]`` as columns of doubles, NaN where a point did not
-    have a metric: ``{"step": array, "time": array, "values": {name: array}}``.
-
-    Arrays travel as raw bytes and the notebook side appends them in one call each, so a
-    batch of 100,000 points costs little to send, unpack and store.
-    """
-    n = len(points)
-    values: dict[str, array] = {}
-    for i, (_, _, metrics) in enumerate(points):
-        for name, v in metrics.items():
-            column = values.get(name)
-            if column is None:
-                column = values[name] = array("d", [NAN]) * n
-            column[i] = v
-    return {"step": array("d", [p[0] for p in points]),
-            "time": array("d", [p[1] for p in points]), "values": values}

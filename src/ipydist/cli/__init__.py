@@ -8,8 +8,8 @@ notebooks in ``notebooks/`` double as end-to-end tests and as something to read 
 Each subcommand is a pair: ``_add_<name>(subparsers)`` declares its arguments and sets
 ``handler``; the handler takes the parsed arguments and raises :class:`CliError` on failure.
 Adding one means writing that pair and listing it in :data:`_COMMANDS`. The work of
-``install-kernel``/``uninstall-kernel`` is in :mod:`ipydist.kernelspec`, that of ``doctor`` in
-:mod:`ipydist.doctor`.
+``install-kernel``/``uninstall-kernel`` is in :mod:`ipydist.cli.kernelspec`, that of ``doctor``
+in :mod:`ipydist.cli.doctor`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ipydist._version import __version__
+from ipydist.cli import doctor, kernelspec
+from ipydist.specs import SpecError, parse_np
 
 QUICKSTART = "01-quickstart.ipynb"
 DEFAULT_CELL_TIMEOUT = 600.0
@@ -164,7 +166,8 @@ def find_quickstart() -> Path:
     """The quickstart notebook: under ./notebooks, else in the source checkout ipydist runs from."""
     candidates = [
         Path.cwd() / "notebooks" / QUICKSTART,
-        Path(__file__).resolve().parents[2] / "notebooks" / QUICKSTART,
+        # src/ipydist/cli/__init__.py -> the checkout
+        Path(__file__).resolve().parents[3] / "notebooks" / QUICKSTART,
     ]
     for path in candidates:
         if path.is_file():
@@ -192,16 +195,6 @@ def accuracy_line(nb_path: Path) -> str | None:
 # --- subcommands ---------------------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, not {text!r}")
-    return n
-
-
 def _shown(path: Path) -> str:
     """``path`` relative to the current directory when it is under it (shorter to read)."""
     try:
@@ -217,7 +210,7 @@ def _add_run(sub) -> None:
         "the executed copy (default: <notebook dir>/executed/<name>).",
     )
     p.add_argument("notebook", type=Path, help="the .ipynb file to run")
-    p.add_argument("--np", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--np", default=None, metavar="N",
                    help="run %%dist_start with N ranks instead of the notebook's own --np")
     p.add_argument("--output", type=Path, default=None, metavar="PATH",
                    help="where to write the executed copy")
@@ -237,7 +230,7 @@ def _add_demo(sub) -> None:
         description=f"Run notebooks/{QUICKSTART}: start the ranks, train an MLP on the "
         "digits data set with gradients averaged by allreduce, stop the ranks.",
     )
-    p.add_argument("--np", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--np", default=None, metavar="N",
                    help="number of ranks (default: the notebook's, 4)")
     p.set_defaults(handler=_cmd_demo)
 
@@ -257,8 +250,6 @@ def _cmd_demo(args: argparse.Namespace) -> None:
 
 
 def _add_install_kernel(sub) -> None:
-    from ipydist import kernelspec
-
     p = sub.add_parser(
         "install-kernel", help="install the 'Python 3 (ipydist)' Jupyter kernel",
         description="Install a Jupyter kernelspec that starts an ordinary IPython kernel with "
@@ -276,14 +267,12 @@ def _add_install_kernel(sub) -> None:
                    help="the kernelspec's name (default: %(default)s)")
     p.add_argument("--display-name", default=None, metavar="TEXT",
                    help=f"the name shown in Jupyter (default: {kernelspec.DEFAULT_DISPLAY_NAME})")
-    p.add_argument("--np", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--np", default=None, metavar="N",
                    help="start N ranks on first use (a cell that needs them)")
     p.set_defaults(handler=_cmd_install_kernel)
 
 
 def _cmd_install_kernel(args: argparse.Namespace) -> None:
-    from ipydist import kernelspec
-
     prefix = sys.prefix if args.sys_prefix else args.prefix
     try:
         folder = kernelspec.install(args.name, args.display_name, args.np,
@@ -295,8 +284,6 @@ def _cmd_install_kernel(args: argparse.Namespace) -> None:
 
 
 def _add_uninstall_kernel(sub) -> None:
-    from ipydist import kernelspec
-
     p = sub.add_parser("uninstall-kernel", help="remove a kernelspec install-kernel installed",
                        description="Remove an ipydist kernelspec (never any other kernel).")
     p.add_argument("--name", default=kernelspec.DEFAULT_NAME,
@@ -305,8 +292,6 @@ def _add_uninstall_kernel(sub) -> None:
 
 
 def _cmd_uninstall_kernel(args: argparse.Namespace) -> None:
-    from ipydist import kernelspec
-
     try:
         folder = kernelspec.uninstall(args.name)
     except kernelspec.KernelSpecError as e:
@@ -322,14 +307,12 @@ def _add_doctor(sub) -> None:
         "kernelspec; then start 2 ranks and run one allreduce. Exit code 0 only when "
         "nothing failed.",
     )
-    p.add_argument("--np", type=_positive_int, default=2, metavar="N",
+    p.add_argument("--np", default="2", metavar="N",
                    help="ranks for the test cluster (default: %(default)s)")
     p.set_defaults(handler=_cmd_doctor)
 
 
 def _cmd_doctor(args: argparse.Namespace) -> None:
-    from ipydist import doctor
-
     if not doctor.run(np=args.np):
         raise CliError("some checks failed; each FAIL line above says how to fix it.")
 
@@ -359,7 +342,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = build_parser().parse_args(None if argv is None else [str(a) for a in argv])
     try:
+        if getattr(args, "np", None) is not None:
+            args.np = parse_np(args.np)
         args.handler(args)
+    except SpecError as e:
+        print(f"ipydist {args.command}: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     except CliError as e:
         print(f"ipydist {args.command}: {e}", file=sys.stderr)
         raise SystemExit(1) from None

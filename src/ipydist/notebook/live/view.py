@@ -14,9 +14,10 @@ import math
 import time
 import uuid
 
-from ipydist.live.history import MetricHistory, downsample
-from ipydist.live.static import fallback_html, summary_line
-from ipydist.live.summary import summarize
+from ipydist.notebook.display import in_kernel
+from ipydist.notebook.live.history import MetricHistory, downsample
+from ipydist.notebook.live.static import fallback_html, summary_line
+from ipydist.notebook.live.summary import summarize
 
 #: At most this many points per metric in one update message (min/max decimated beyond).
 APPEND_MAX_POINTS = 500
@@ -30,7 +31,7 @@ class LiveView:
         self.history = history
         self.world_size = world_size
         self.interval = interval
-        self.widgets = _in_kernel() if widgets is None else widgets
+        self.widgets = in_kernel() if widgets is None else widgets
         self.start = self._sent = history.begin_cell()
         self.widget = None
         self._static = None
@@ -79,7 +80,7 @@ class LiveView:
     def _open(self) -> None:
         from IPython.display import display
 
-        from ipydist.live.widget import MetricsWidget
+        from ipydist.notebook.live.widget import MetricsWidget
 
         key = uuid.uuid4().hex[:12]
         self.widget = MetricsWidget(key=key)
@@ -99,12 +100,3 @@ class LiveView:
                 xs, ys = downsample(xs, ys, max_points)
                 out[name] = (xs, [float(f"{y:.6g}") for y in ys])  # 6 digits: plenty to draw
         return out
-
-
-def _in_kernel() -> bool:
-    """Whether a Jupyter kernel (and so a front end that can show widgets) runs this code."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    return getattr(get_ipython(), "kernel", None) is not None

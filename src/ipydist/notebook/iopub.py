@@ -1,29 +1,25 @@
-"""What the ranks print, brought into the notebook live and tagged by rank.
+"""Everything the ranks send during one cell, as events on a queue, tagged by rank.
 
-Two parts. :class:`OutputCollector` hooks into ipyparallel's IOPub dispatch for one cell and
-turns each rank's messages into events on a queue, losing none and showing none twice.
-:class:`LineMerger` is pure logic: it buffers each rank's lines for a moment so that a line
-every rank prints (``epoch 3 done``) is shown once as ``[all ranks]`` instead of N times.
+:class:`IOPubCollector` hooks into ipyparallel's IOPub dispatch for one cell and turns each
+rank's messages -- printed text, rich output, its last value, and the data messages of
+:mod:`ipydist.protocol` (metric batches, collective waits) -- into :class:`Event` objects,
+losing none and showing none twice. The cell loop (:mod:`ipydist.notebook.cell`) drains them.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 from ipyparallel.serialize import deserialize_object
 
-from ipydist.live.batching import DATA_KEY
-from ipydist.stall import STATE_KEY
+from ipydist.notebook import ipp
+from ipydist.protocol import METRICS_KEY, STATE_KEY
 
 #: Data-message keys the ranks send, and the kind of event each becomes.
-_DATA_EVENTS = {DATA_KEY: "metrics", STATE_KEY: "state"}
-
-ALL = "all ranks"
+_DATA_EVENTS = {METRICS_KEY: "metrics", STATE_KEY: "state"}
 
 
 @dataclass
@@ -34,7 +30,7 @@ class Event:
     content: Any
 
 
-class OutputCollector:
+class IOPubCollector:
     """Collects one cell's IOPub output from every rank into a thread-safe queue.
 
     Output can reach the client's IO thread before our callbacks are attached (the request is
@@ -51,7 +47,7 @@ class OutputCollector:
         self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._started: set[int] = set()
-        self._futures = dict(zip(ranks, async_result._children))
+        self._futures = ipp.per_rank(async_result, ranks)
         self._callbacks = []
         for rank, future in self._futures.items():
             callback = self._make_callback(rank, future)
@@ -120,60 +116,3 @@ class OutputCollector:
                 pass
         for rank, future in self._futures.items():
             self._snapshot(rank, future)
-
-
-class LineMerger:
-    """Buffers each rank's stream text and releases tagged lines.
-
-    A complete line that is at the head of every rank's buffer, and identical on all of them,
-    is released once with the tag ``"all ranks"``. Any other line is released with its rank's
-    tag once it has waited ``hold`` seconds (or at :meth:`flush`), so nothing is held back long.
-    """
-
-    def __init__(self, ranks: list[int], hold: float = 0.25):
-        self.ranks = list(ranks)
-        self.hold = hold
-        self._partial: dict[tuple[int, str], str] = {}
-        self._lines: dict[tuple[int, str], deque[tuple[float, str]]] = {
-            (r, s): deque() for r in self.ranks for s in ("stdout", "stderr")
-        }
-
-    def feed(self, rank: int, stream: str, text: str, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
-        key = (rank, stream)
-        text = self._partial.pop(key, "") + text
-        *complete, rest = text.split("\n")
-        for line in complete:
-            self._lines[key].append((now, line + "\n"))
-        if rest:
-            self._partial[key] = rest
-
-    def release(self, now: float | None = None) -> list[tuple[str, str, str]]:
-        """Lines ready to show now, as (tag, stream, line)."""
-        now = time.monotonic() if now is None else now
-        out: list[tuple[str, str, str]] = []
-        for stream in ("stdout", "stderr"):
-            queues = [self._lines[(r, stream)] for r in self.ranks]
-            while True:
-                if len(self.ranks) > 1 and all(queues):
-                    heads = {q[0][1] for q in queues}
-                    if len(heads) == 1:
-                        out.append((ALL, stream, queues[0][0][1]))
-                        for q in queues:
-                            q.popleft()
-                        continue
-                released = False
-                for r, q in zip(self.ranks, queues):
-                    if q and now - q[0][0] >= self.hold:
-                        out.append((f"rank {r}", stream, q.popleft()[1]))
-                        released = True
-                if not released:
-                    break
-        return out
-
-    def flush(self) -> list[tuple[str, str, str]]:
-        """Everything still buffered, partial lines included (the cell has ended)."""
-        for key, rest in list(self._partial.items()):
-            self._lines[key].append((float("-inf"), rest + "\n"))
-        self._partial.clear()
-        return self.release(now=float("inf"))

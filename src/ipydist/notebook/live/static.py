@@ -10,7 +10,7 @@ from __future__ import annotations
 import html
 import math
 
-from ipydist.live.history import downsample
+from ipydist.notebook.live.history import downsample
 
 WIDTH, HEIGHT = 560, 140
 LEFT, RIGHT, TOP, BOTTOM = 58, 10, 24, 22

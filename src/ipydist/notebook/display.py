@@ -1,4 +1,5 @@
-"""Showing things in the notebook: tables, progress lines, rank output.
+"""Showing things in the notebook: tables, progress lines, rank output, and whether there is
+a front end that shows rich output at all.
 
 Everything degrades to plain text, so the same calls read well in a terminal IPython, in a
 notebook, and in a notebook saved and opened without a kernel.
@@ -42,13 +43,13 @@ class Table:
 
 
 def in_kernel() -> bool:
-    """Whether we run inside a Jupyter kernel (rich display) rather than a terminal."""
+    """Whether a Jupyter kernel (and so a front end that shows rich output and widgets) runs
+    this code, rather than a terminal IPython or a script."""
     try:
         from IPython import get_ipython
     except ImportError:
         return False
-    ip = get_ipython()
-    return ip is not None and getattr(ip, "kernel", None) is not None
+    return getattr(get_ipython(), "kernel", None) is not None
 
 
 def show(obj) -> None:

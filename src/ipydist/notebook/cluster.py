@@ -1,0 +1,246 @@
+"""One running cluster, and everything it started: the owner of every process handle.
+
+:class:`Cluster` starts ipyparallel's controller and mpiexec's ranks at the same time (the
+ranks import torch and build the process group while the controller comes up), then waits for
+every rank to register while watching mpiexec, so that a launch that fails ends the wait at once
+with MPI's own message instead of running into ``--timeout``. It keeps the client, the
+controller and mpiexec launchers, the ranks' pids, the watchdog and the profile folder, and
+:meth:`Cluster.stop` ends all of them, as ipyparallel's own ``Cluster`` does for what it starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+from ipydist import protocol
+from ipydist.errors import ClusterError
+from ipydist.notebook import ipp, mpiexec, processes, watchdog
+from ipydist.specs import describe_ranks, parse_ranks
+
+#: Controller heartbeat: a rank is declared gone after HEARTBEAT_MS * HEARTBEAT_MISSES ms.
+HEARTBEAT_MS = 200
+HEARTBEAT_MISSES = 50
+
+
+class Cluster:
+    """The controller, mpiexec and its ranks, the client, and the watchdog of one cluster."""
+
+    def __init__(self, plan: mpiexec.Plan, np: int, timeout: float):
+        self.plan = plan
+        self.np = np
+        self.timeout = timeout
+        #: One dict per rank, in rank order (see ``ipydist.rank.calls.info``).
+        self.ranks: list[dict] = []
+        self.profile_dir: str | None = None
+        self.client = None
+        self._ipp = None  # ipyparallel.Cluster: controller and mpiexec launchers
+        self._watchdog = None  # (process, pipe write end): see ipydist.notebook.watchdog
+        self._views: dict[tuple[int, ...], object] = {}
+        self._rank_procs: list = []  # psutil processes of the ranks on this host
+
+    # --- starting ----------------------------------------------------------------------------
+
+    def start(self, progress, deadline: float) -> None:
+        """Start the controller and mpiexec at once, the watchdog, and wait for every rank.
+
+        On failure the caller must still :meth:`stop`, which ends whatever did start.
+        """
+        self._launch()
+        self._watchdog = watchdog.start(self.pids())
+        self._wait_for_ranks(progress, deadline)
+
+    def _launch(self) -> None:
+        import ipyparallel
+
+        ip, location = mpiexec.controller_address(self.plan.multi_host)
+        self.profile_dir = tempfile.mkdtemp(prefix="ipydist-")
+        cluster = self._ipp = ipyparallel.Cluster(
+            profile_dir=self.profile_dir,
+            n=self.np,
+            engines="mpi",
+            controller_ip=ip,
+            controller_location=location or "",
+            delay=0,
+            send_engines_connection_env=False,
+            log_level=logging.ERROR,  # failures are reported by us, with MPI's output
+            engine_timeout=int(self.timeout),
+            controller_args=[
+                # Registration completes on the first heartbeat after an engine connects;
+                # ipyparallel's 3 s period would add up to 6 s to every start.
+                f"--HeartMonitor.period={HEARTBEAT_MS}",
+                f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
+            ],
+        )
+        log_level = os.environ.get(protocol.ENGINE_LOG_LEVEL_ENV,
+                                   protocol.DEFAULT_ENGINE_LOG_LEVEL)
+        cfg = cluster.config.MPIEngineSetLauncher
+        cfg.mpi_cmd = [self.plan.mpiexec]
+        cfg.mpi_args = self.plan.args
+        cfg.engine_cmd = [sys.executable, "-m", protocol.RANK_MODULE]
+        cfg.engine_args = [
+            f"--IPEngine.wait_for_url_file={self.timeout}",
+            f"--log-level={log_level}",
+            # ipyparallel's nanny (one more Python process per rank) exists to signal engines
+            # on other hosts; on one host we signal the rank's pid ourselves.
+            f"--IPEngine.enable_nanny={self.plan.multi_host}",
+        ]
+        cfg.environment = self.plan.env
+        cluster.start_controller_sync()
+        cluster.start_engines_sync()
+
+    def _wait_for_ranks(self, progress, deadline: float) -> None:
+        """Wait for registration, watching mpiexec so that a failed launch ends the wait."""
+        launcher = self._mpiexec_launcher()
+        client_file = os.path.join(
+            self.profile_dir, "security", f"ipcontroller-{self._ipp.cluster_id}-client.json")
+        while True:
+            if self.client is None and os.path.exists(client_file):
+                self.client = self._ipp.connect_client_sync()
+            registered = len(self.client.ids) if self.client is not None else 0
+            if registered >= self.np:
+                break
+            if not processes.alive(launcher.process):
+                raise ClusterError(self._launch_failure(
+                    f"mpiexec exited before the {self.np} ranks started"))
+            if time.perf_counter() > deadline:
+                raise ClusterError(self._launch_failure(
+                    f"only {registered} of {self.np} ranks started within --timeout "
+                    f"{self.timeout:g} s"))
+            progress.update(f"Starting {self.np} ranks with {self.plan.flavor} mpiexec: "
+                            f"{registered}/{self.np} ready")
+            time.sleep(0.02)
+        infos = self.client[:].apply_sync(protocol.on_rank, "info")
+        self.ranks = sorted(infos, key=lambda i: i["rank"])
+        mismatched = [i["rank"] for i, eid in zip(infos, self.client.ids) if i["rank"] != eid]
+        if mismatched:
+            raise ClusterError(
+                f"engine ids do not match MPI ranks for {describe_ranks(mismatched)}")
+
+    def _launch_failure(self, what: str) -> str:
+        """The message for a launch that failed, from what mpiexec and the ranks printed."""
+        code = processes.exit_code(self._mpiexec_launcher().process)
+        return mpiexec.describe_failure(what, self.mpiexec_output(), code, self.plan.mpiexec)
+
+    # --- while it runs -----------------------------------------------------------------------
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def controller_pid(self) -> int | None:
+        return getattr(self._ipp.controller, "pid", None) if self._ipp else None
+
+    @property
+    def mpiexec_pid(self) -> int | None:
+        launcher = self._mpiexec_launcher()
+        return getattr(launcher, "pid", None)
+
+    def view(self, targets: list[int]):
+        """One DirectView per set of targets, reused: making one costs more than a small cell."""
+        key = tuple(targets)
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = self.client[list(targets)]
+        return view
+
+    def call(self, name: str, *args, timeout: float):
+        """``ipydist.rank.calls.<name>(*args)`` on every rank; the replies in rank order."""
+        ranks = list(range(self.size))
+        return self.view(ranks).apply_async(protocol.on_rank, name, *args).get(timeout=timeout)
+
+    def pids(self) -> list[int]:
+        """Every process of the cluster that we know of: ranks, nannies, controller, mpiexec."""
+        pids = [p for info in self.ranks for p in (info["pid"], info.get("nanny_pid")) if p]
+        if self._ipp is not None:
+            for launcher in [self._ipp.controller, *self._ipp.engines.values()]:
+                if launcher is not None and getattr(launcher, "pid", -1) > 0:
+                    pids.append(launcher.pid)
+        return pids
+
+    def watchdog_pid(self) -> int | None:
+        return self._watchdog[0].pid if self._watchdog else None
+
+    def dead_ranks(self) -> list[dict]:
+        """The ranks whose process is gone (ranks on this host; the heartbeat covers others)."""
+        if len(self._rank_procs) != len(self.ranks):  # looked up once per cluster
+            self._rank_procs = [processes.local_process(info) for info in self.ranks]
+        return [info for info, proc in zip(self.ranks, self._rank_procs)
+                if proc is not None and not processes.alive(proc)]
+
+    def rank_state(self, rank: int) -> tuple[str, object]:
+        """(``"idle"``, ``"busy"`` or ``"dead"``, the rank's psutil process or None)."""
+        proc = processes.local_process(self.ranks[rank])
+        alive = rank in set(self.client.ids) and (proc is None or processes.alive(proc))
+        if not alive:
+            return "dead", None
+        busy = ipp.has_pending_requests(self.client, rank)
+        return ("busy" if busy else "idle"), proc
+
+    def signal(self, sig: int, ranks: list[int] | None = None) -> None:
+        """Send ``sig`` to ranks: directly to local pids, through ipyparallel's nanny otherwise."""
+        remote = []
+        for r in parse_ranks(ranks, self.size):
+            proc = processes.local_process(self.ranks[r])
+            if proc is None:
+                remote.append(r)
+            elif processes.alive(proc):
+                proc.send_signal(sig)
+        if remote:
+            self.client.send_signal(sig, targets=remote, block=False)
+
+    def mpiexec_output(self, wait_for_exit: float = 0.0) -> str:
+        """What mpiexec and the ranks printed (after waiting up to ``wait_for_exit`` seconds for
+        a mpiexec that is ending the job, which prints its report as it goes)."""
+        launcher = self._mpiexec_launcher()
+        deadline = time.monotonic() + wait_for_exit
+        while processes.alive(launcher.process) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not processes.alive(launcher.process):
+            # ipyparallel reads (and deletes) the output file when it notices the exit.
+            deadline = time.monotonic() + 2
+            while not launcher.stop_data and time.monotonic() < deadline:
+                time.sleep(0.02)
+        if launcher.stop_data:
+            return launcher.get_output(remove=False)
+        return processes.read_text(launcher.output_file)
+
+    def _mpiexec_launcher(self):
+        """ipyparallel's launcher of mpiexec (it holds mpiexec's process and output)."""
+        return next(iter(self._ipp.engines.values()), None) if self._ipp else None
+
+    # --- stopping ----------------------------------------------------------------------------
+
+    def stop(self, quiet: bool = False) -> None:
+        """Stop engines, mpiexec and the controller, and make sure none of them is left."""
+        pids = self.pids()
+        if self.client is not None:
+            try:
+                self.client.close()
+            except Exception:
+                pass
+        if self._ipp is not None:
+            try:
+                self._ipp.stop_cluster_sync()
+            except Exception as e:  # carry on: the pid sweep below still ends the processes
+                if not quiet:
+                    print(f"ipydist: stopping the cluster: {e}", file=sys.stderr)
+        processes.reap(pids)
+        if self._watchdog is not None:
+            proc, pipe = self._watchdog
+            os.close(pipe)  # the watchdog finds nothing left to end, and exits
+            try:
+                proc.wait(timeout=5)
+            except Exception:
+                proc.kill()
+            self._watchdog = None
+        if self.profile_dir:
+            shutil.rmtree(self.profile_dir, ignore_errors=True)
+        self._ipp = self.client = self.profile_dir = None
+        self._views = {}
+        self._rank_procs = []

@@ -1,0 +1,131 @@
+"""The contract between the notebook side and the ranks: stdlib only, imported by both.
+
+Everything that crosses from one side to the other is named here, once:
+
+- :class:`RankConfig`: what ``%dist_start`` tells every rank, as ``IPYDIST_*`` environment
+  variables that mpiexec forwards (the ranks read them back before anything else runs);
+- the data-message keys a rank sends on its IOPub channel (metrics, collective waits), and the
+  metric batch format (:func:`to_columns`);
+- the prefix of the one-line message a rank prints when it cannot start;
+- the signal the notebook sends to release a rank;
+- :func:`on_rank`: how the notebook calls a function of ``ipydist.rank.calls`` on the ranks
+  without importing rank code (which imports torch) into the kernel.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+from array import array
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+# --- notebook -> rank: the environment every rank starts with ---------------------------------
+
+GPUS_ENV = "IPYDIST_GPUS"
+BACKEND_ENV = "IPYDIST_BACKEND"
+INIT_ENV = "IPYDIST_INIT"
+#: Seconds a collective may wait before it raises (torch's process-group timeout); users set it
+#: with ``--env IPYDIST_PG_TIMEOUT=S``.
+PG_TIMEOUT_ENV = "IPYDIST_PG_TIMEOUT"
+#: Overrides the address ranks use for the process-group rendezvous (``--env``).
+MASTER_ADDR_ENV = "IPYDIST_MASTER_ADDR"
+DEFAULT_PG_TIMEOUT = 600.0
+
+
+@dataclass(frozen=True)
+class RankConfig:
+    """What every rank is told at start; :meth:`to_env` and :meth:`from_env` are inverses."""
+
+    #: ``auto``, ``none`` or a comma-separated list of GPU indices (as ``--gpus`` takes it).
+    gpus: str = "auto"
+    #: ``auto``, ``nccl``, ``gloo`` or ``mpi`` (as ``--backend`` takes it).
+    backend: str = "auto"
+    #: Whether the bootstrap creates the default process group (``--no-init``: False).
+    init: bool = True
+    pg_timeout: float = DEFAULT_PG_TIMEOUT
+    #: Empty: the bootstrap finds rank 0's address itself.
+    master_addr: str = ""
+
+    def to_env(self) -> dict[str, str]:
+        env = {GPUS_ENV: self.gpus, BACKEND_ENV: self.backend, INIT_ENV: "1" if self.init else "0"}
+        if self.pg_timeout != DEFAULT_PG_TIMEOUT:
+            env[PG_TIMEOUT_ENV] = f"{self.pg_timeout:g}"
+        if self.master_addr:
+            env[MASTER_ADDR_ENV] = self.master_addr
+        return env
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> RankConfig:
+        env = os.environ if env is None else env
+        return cls(
+            gpus=env.get(GPUS_ENV, "auto"),
+            backend=env.get(BACKEND_ENV, "auto"),
+            init=env.get(INIT_ENV, "1") == "1",
+            pg_timeout=float(env.get(PG_TIMEOUT_ENV) or DEFAULT_PG_TIMEOUT),
+            master_addr=env.get(MASTER_ADDR_ENV, ""),
+        )
+
+
+# --- what the notebook side reads from its own environment -----------------------------------
+
+#: The mpiexec to use when ``--mpi`` is not given.
+MPIEXEC_ENV = "IPYDIST_MPIEXEC"
+#: The ipyparallel engines' log level (default WARN; DEBUG for detail).
+ENGINE_LOG_LEVEL_ENV = "IPYDIST_ENGINE_LOG_LEVEL"
+DEFAULT_ENGINE_LOG_LEVEL = "WARN"
+#: Set by ``ipydist install-kernel --np N``: the ranks the kernel starts on first use.
+KERNEL_NP_ENV = "IPYDIST_KERNEL_NP"
+
+# --- rank -> notebook ------------------------------------------------------------------------
+
+#: How a rank runs: ``python -m ipydist.rank``, then ipyparallel's engine arguments.
+RANK_MODULE = "ipydist.rank"
+#: Start of the one-line message a rank prints when it cannot start
+#: (``ipydist: rank 1 on HOST: what to fix``); the notebook shows these lines first.
+ERROR_PREFIX = "ipydist: rank"
+#: Data-message key of a metrics batch from ``hvd.log()`` (see :func:`to_columns`).
+METRICS_KEY = "ipydist.metrics"
+#: Data-message key of "waiting in collective X for N s" / "no longer waiting" reports.
+STATE_KEY = "ipydist.state"
+
+# A metrics batch is a dict:
+#   "seq": int             batch number on this rank, from 0 (the notebook orders by it)
+#   "points": dict         rank 0's points as columns (see to_columns); empty on other ranks
+#   "timing": tuple        (steps, sum of step seconds, longest step, seconds in collectives)
+#   "total", "batch_size"  what the cell's log() calls said, or None
+#   "sent": float          time.time() when it was sent
+
+
+def to_columns(points: list[tuple]) -> dict:
+    """``[(step, time, {name: value}), ...]`` as columns of doubles, NaN where a point did not
+    have a metric: ``{"step": array, "time": array, "values": {name: array}}``.
+
+    Arrays travel as raw bytes and the notebook side appends them in one call each, so a
+    batch of 100,000 points costs little to send, unpack and store.
+    """
+    n = len(points)
+    values: dict[str, array] = {}
+    for i, (_, _, metrics) in enumerate(points):
+        for name, v in metrics.items():
+            column = values.get(name)
+            if column is None:
+                column = values[name] = array("d", [float("nan")]) * n
+            column[i] = v
+    return {"step": array("d", [p[0] for p in points]),
+            "time": array("d", [p[1] for p in points]), "values": values}
+
+
+# --- notebook -> rank, while the cluster runs -------------------------------------------------
+
+#: Sent to a rank's process to release it from what it waits in (see ``ipydist.rank.watcher``).
+RELEASE_SIGNAL = signal.SIGUSR1
+#: The module whose functions the notebook calls on the ranks through :func:`on_rank`.
+RANK_CALLS = "ipydist.rank.calls"
+
+
+def on_rank(name: str, *args):
+    """Run ``ipydist.rank.calls.<name>(*args)``; the notebook sends this function through
+    ipyparallel's ``apply``, so only this module, not rank code, is imported in the kernel."""
+    return getattr(importlib.import_module(RANK_CALLS), name)(*args)

@@ -1,0 +1,17 @@
+"""``python -m ipydist.rank [ipengine arguments]``: what mpiexec starts on every rank.
+
+The heavy work (importing torch, pinning the GPU, the process-group rendezvous) happens in
+:func:`~ipydist.rank.bootstrap.bootstrap` while the notebook side is still starting the
+controller, so the first cell can run as soon as the engines register. Then the process
+becomes an ordinary ipyparallel engine, given the remaining arguments unchanged.
+"""
+
+from ipydist.rank.bootstrap import bootstrap
+
+# First, before ipyparallel is even imported: the release watcher must block its signal before
+# any other thread exists (threads inherit the mask).
+bootstrap()
+
+from ipyparallel.engine.app import IPEngine  # noqa: E402
+
+IPEngine.launch_instance()

@@ -1,0 +1,95 @@
+"""Setting a rank up before it becomes an ipyparallel engine: watcher, topology, threads,
+device, torchrun variables, process group.
+
+A rank that cannot start prints one line beginning ``protocol.ERROR_PREFIX``
+(``ipydist: rank N on HOST: ...``) and every rank exits non-zero, so mpiexec ends and
+``%dist_start`` shows that line instead of waiting.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+from ipydist import protocol
+from ipydist.errors import LaunchError
+from ipydist.rank import device, watcher
+from ipydist.specs import SpecError, format_gpus, parse_gpus
+
+
+def bootstrap(env: dict[str, str] | None = None):
+    """Set up this rank from the :class:`~ipydist.protocol.RankConfig` in its environment."""
+    watcher.install()  # first: its signal must be blocked in every thread started later
+    config = protocol.RankConfig.from_env(env)
+    from mpi4py import MPI  # after the watcher: MPI_Init may start threads
+
+    comm = MPI.COMM_WORLD
+    problem = None
+    try:
+        gpus = parse_gpus(config.gpus)
+    except SpecError as e:
+        gpus, problem = "none", str(e)
+    if isinstance(gpus, list):  # before torch touches CUDA
+        os.environ["CUDA_VISIBLE_DEVICES"] = format_gpus(gpus)
+
+    import torch  # after the watcher and CUDA_VISIBLE_DEVICES
+
+    from ipydist.torch import runtime
+
+    rt = runtime.topology_from_mpi(comm)
+    # OMP_NUM_THREADS from the user (--env) wins; otherwise share the host's cores.
+    threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or device.threads_per_rank(
+        os.cpu_count() or 1, rt.local_size
+    )
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # for processes the rank starts
+    rt.timeout_s = config.pg_timeout
+    if problem is None:
+        try:
+            count = torch.cuda.device_count() if gpus != "none" else 0
+            rt.device_index = device.plan_device(
+                gpus, rt.local_rank, rt.local_size, count, config.backend)
+            if rt.device_index is not None:
+                torch.cuda.set_device(rt.device_index)
+        except (LaunchError, RuntimeError) as e:
+            problem = str(e)
+    _fail_all(comm, rt.rank, rt.host, problem)
+
+    rt.backend = device.resolve_backend(config.backend, rt.device_index)
+    runtime.set_runtime(rt)
+    runtime.install_reuse_shim()
+    watcher.break_communication_with(runtime.break_communication)
+    if config.init:
+        try:
+            runtime.init_process_group(rt)
+        except Exception as e:  # the backend's own message is the useful part
+            print(
+                f"{protocol.ERROR_PREFIX} {rt.rank} on {rt.host}: could not create the "
+                f"{rt.backend} process group: {e}",
+                file=sys.stderr,
+                flush=True,
+            )
+            comm.Abort(1)
+    else:
+        rt.master_port = comm.bcast(_free_port(rt.master_addr) if rt.rank == 0 else 0, root=0)
+        runtime.export_torchrun_env(rt)
+    return rt
+
+
+def _fail_all(comm, rank: int, host: str, problem: str | None) -> None:
+    """Collective: if any rank has a problem, each one with a problem says so, and all exit."""
+    problems = comm.allgather(problem)
+    if not any(problems):
+        return
+    if problem:
+        print(f"{protocol.ERROR_PREFIX} {rank} on {host}: {problem}", file=sys.stderr,
+              flush=True)
+    sys.exit(1)
+
+
+def _free_port(addr: str) -> int:
+    """A port free now, for ``--no-init`` clusters whose user code rendezvous by itself."""
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]

@@ -1,0 +1,75 @@
+"""Helpers the tests import (``tests`` is on pytest's ``pythonpath``): running a cell in the
+shared shell, and finding the processes of ipydist clusters on this machine."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import psutil
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+NP = 4
+
+
+def plain(text: str) -> str:
+    """Text without terminal colour codes (rank tracebacks come coloured)."""
+    return ANSI.sub("", text)
+
+
+#: Set in the environment of a kernel a test starts (and so of its cluster), so that a test
+#: finds only its own processes, not another run's on the same machine.
+MARK_VAR = "IPYDIST_TEST_RUN"
+#: In the command line of every rank and of the mpiexec that starts them.
+RANK_COMMAND = "-m ipydist.rank"
+
+
+def cluster_processes(mark: str | None = None, ranks_only: bool = False) -> dict[int, str]:
+    """pid -> command line of the processes of ipydist clusters on this machine.
+
+    Without ``mark``: every rank, its mpiexec, and every controller of an ipydist profile.
+    With ``mark``: every process whose environment carries ``MARK_VAR=mark`` (a test's own
+    kernel and whatever it started). ``ranks_only``: only ranks (and their mpiexec).
+    """
+    found = {}
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if ranks_only and RANK_COMMAND not in cmd:
+            continue
+        if mark is None:
+            if RANK_COMMAND not in cmd and not ("ipydist-" in cmd and "ipyparallel" in cmd):
+                continue
+        else:
+            try:
+                if p.environ().get(MARK_VAR) != mark:
+                    continue
+            except psutil.Error:
+                continue
+        found[p.info["pid"]] = cmd
+    return found
+
+
+def wait_gone(pids, timeout: float = 10.0) -> list[int]:
+    """Wait until none of ``pids`` runs; return those still running after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    left = list(pids)
+    while left and time.monotonic() < deadline:
+        left = [p for p in left if _running(p)]
+        if left:
+            time.sleep(0.1)
+    return left
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def run_cell(shell, capsys, code: str):
+    """Run ``code`` as a cell; return (ExecutionResult, stdout, stderr), colours removed."""
+    capsys.readouterr()
+    result = shell.run_cell(code)
+    out, err = capsys.readouterr()
+    return result, plain(out), plain(err)
