@@ -1,0 +1,135 @@
+"""The package's layout keeps its promises: the notebook side never loads torch, imports run one
+way, and a module's path says which side of the wire it runs on.
+
+Imports are read from the source (every ``import`` statement, including those inside
+functions), so an import circle cannot hide behind a function-local import.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGE = SRC / "ipydist"
+
+#: What a user of the notebook side imports; none of it may load torch.
+NOTEBOOK_SIDE = ["ipydist", "ipydist.magics", "ipydist.session", "ipydist.errors",
+                 "ipydist.protocol", "ipydist.specs", "ipydist.cli"]
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def ipydist_imports(name: str) -> set[str]:
+    """The ipydist modules ``name`` imports, anywhere in its source."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]
+                                + ([base] if base else []))
+            # ``from ipydist.notebook import cluster`` imports the module ipydist.notebook.cluster
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base
+                       for a in node.names]
+        else:
+            continue
+        found |= {t for t in targets if t in MODULES and t != name}
+    return found
+
+
+GRAPH = {name: ipydist_imports(name) for name in MODULES}
+
+
+def side(name: str) -> str:
+    if name.startswith("ipydist.rank") or name.startswith("ipydist.torch"):
+        return "rank"
+    if name in ("ipydist.protocol", "ipydist.specs", "ipydist.errors", "ipydist._version"):
+        return "shared"
+    return "notebook"
+
+
+def test_the_layout_has_the_two_sides_and_the_wire():
+    assert {"ipydist.protocol", "ipydist.specs", "ipydist.rank.__main__",
+            "ipydist.notebook.cluster", "ipydist.notebook.cell"} <= set(MODULES)
+    notebook = [n for n in MODULES if side(n) == "notebook"]
+    rank = [n for n in MODULES if side(n) == "rank"]
+    assert len(notebook) > 10 and len(rank) > 10
+
+
+def test_no_import_circles():
+    """Depth-first search for a back edge; report the circle it closes."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(GRAPH[node]):
+            if state.get(nxt) == 1:
+                circle = path[path.index(nxt):] + [nxt]
+                pytest.fail("import circle: " + " -> ".join(circle))
+            if nxt not in state:
+                visit(nxt)
+        path.pop()
+        state[node] = 2
+
+    for name in sorted(GRAPH):
+        if name not in state:
+            visit(name)
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if side(n) == "notebook"))
+def test_the_notebook_side_imports_no_rank_module(name):
+    rank_imports = sorted(m for m in GRAPH[name] if side(m) == "rank")
+    assert rank_imports == [], f"{name} imports rank-side {rank_imports}"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if side(n) == "rank"))
+def test_the_rank_side_imports_no_notebook_module(name):
+    notebook_imports = sorted(m for m in GRAPH[name] if side(m) == "notebook")
+    assert notebook_imports == [], f"{name} imports notebook-side {notebook_imports}"
+
+
+@pytest.mark.parametrize("name", ["ipydist.protocol", "ipydist.specs", "ipydist.errors"])
+def test_the_wire_contract_needs_only_the_standard_library(name):
+    allowed = set(sys.stdlib_module_names) | {"ipydist", "__future__"}
+    tree = ast.parse(MODULES[name].read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree)
+                if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.module and not node.level}
+    assert imported <= allowed, f"{name} imports {sorted(imported - allowed)}"
+    assert all(side(m) == "shared" for m in GRAPH[name]), GRAPH[name]
+
+
+def test_importing_the_notebook_side_leaves_torch_out():
+    notebook_modules = [n for n in MODULES if side(n) != "rank" and not n.endswith("__main__")]
+    code = (
+        "import importlib, sys\n"
+        f"for name in {NOTEBOOK_SIDE + notebook_modules!r}:\n"
+        "    importlib.import_module(name)\n"
+        "import ipydist\n"
+        "ipydist.metrics()\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"torch was imported: {out.stdout.strip()[:300]}"
