@@ -221,3 +221,47 @@ time.sleep(60)
     timer.join()
     assert isinstance(result.error_in_exec, KeyboardInterrupt) and "copied" not in err, err
 
+
+def test_the_classic_recipe_is_resynchronised_too(shell, capsys, fast_cluster):
+    """Horovod's classic recipe: broadcast_parameters(model.state_dict()) and a plain optimizer.
+    The state_dict's tensors die with the dict; the model's weights must stay tracked."""
+    run_cell(shell, capsys, """%%everyrank
+model = torch.nn.Linear(8, 2)
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+""")
+    timer = threading.Timer(1.0, _thread.interrupt_main)
+    timer.start()
+    result, _, err = run_cell(shell, capsys, """%%everyrank
+if hvd.rank() == 2:
+    with torch.no_grad():
+        model.bias.add_(1.0)
+time.sleep(60)
+""")
+    timer.join()
+    assert isinstance(result.error_in_exec, KeyboardInterrupt), err
+    assert "1 parameter or optimizer-state tensor differed" in err, err
+    result, out, err = run_cell(shell, capsys,
+                                "%everyrank print(round(model.bias.sum().item(), 5))")
+    assert out.startswith("[all ranks] "), f"the ranks' weights differ:\n{out}"
+
+
+def test_tracking_lasts_as_long_as_the_model():
+    import gc
+
+    import torch
+
+    from ipydist.torch import consistency
+
+    model = torch.nn.Linear(3, 2)
+    before = len(consistency.tracked())
+    consistency.track_tensors(list(model.state_dict().values()))
+    gc.collect()
+    tracked = consistency.tracked()
+    assert len(tracked) == before + 2, "the state_dict's views died, the model did not"
+    weight = next(t for t in tracked if t.shape == (2, 3))
+    weight.add_(1.0)
+    assert torch.equal(weight, model.weight.data), "a tracked view is the model's memory"
+    del model, weight, tracked
+    gc.collect()
+    assert len(consistency.tracked()) == before, "a deleted model is no longer tracked"

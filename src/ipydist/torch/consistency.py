@@ -7,6 +7,12 @@ remembers (weakly) the tensors that are meant to be the same everywhere -- what
 ``DistributedOptimizer`` -- and after an interrupted or failed cell the notebook side calls
 :func:`resync`: compare a checksum of each across ranks, and broadcast rank 0's copy of any
 that differ.
+
+What ``broadcast_parameters`` is given is usually ``model.state_dict()``, whose tensors are
+fresh detached views that die with the dict, while the model lives on. So a tensor is
+remembered by a weak reference to its storage (torch keeps a storage's Python object alive as
+long as any tensor uses the storage) plus where it sits in it, and a view is made again when
+needed: tracking lasts exactly as long as the model's memory does.
 """
 
 from __future__ import annotations
@@ -17,13 +23,32 @@ import weakref
 import torch
 import torch.distributed as dist
 
-_tensors: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+#: (storage pointer, offset, shape, dtype) -> (weak reference to the storage, stride)
+_tensors: dict[tuple, tuple[weakref.ref, tuple[int, ...]]] = {}
 _optimizers: weakref.WeakSet = weakref.WeakSet()
+
+
+def _key(t: torch.Tensor) -> tuple:
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
 
 
 def track_tensors(tensors) -> None:
     for t in tensors:
-        _tensors[id(t)] = t
+        _tensors[_key(t)] = (weakref.ref(t.untyped_storage()), tuple(t.stride()))
+
+
+def _tracked_views() -> dict[tuple, torch.Tensor]:
+    """A tensor for every tracked tensor whose memory still exists (forgetting the others)."""
+    views = {}
+    for key, (storage_ref, stride) in list(_tensors.items()):
+        storage = storage_ref()
+        if storage is None:
+            del _tensors[key]
+            continue
+        _, offset, shape, dtype = key
+        view = torch.empty(0, dtype=dtype, device=storage.device)
+        views[key] = view.set_(storage, offset, shape, stride)
+    return views
 
 
 def track_optimizer(optimizer) -> None:
@@ -42,16 +67,15 @@ def abandon_pending() -> None:
 def tracked() -> list[torch.Tensor]:
     """Every tracked tensor, once, in an order every rank agrees on (creation order is not
     guaranteed the same, so tensors are sorted by shape and dtype, then by their order here)."""
-    seen: dict[int, torch.Tensor] = dict(_tensors.items())
+    seen = _tracked_views()
     for opt in list(_optimizers):
         for group in opt.param_groups:
             for p in group["params"]:
-                seen.setdefault(id(p), p)
+                seen.setdefault(_key(p), p.data)
                 for value in opt.state.get(p, {}).values():
                     if isinstance(value, torch.Tensor):
-                        seen.setdefault(id(value), value)
-    tensors = [t.data if isinstance(t, torch.nn.Parameter) else t for t in seen.values()]
-    return sorted(tensors, key=lambda t: (tuple(t.shape), str(t.dtype)))
+                        seen.setdefault(_key(value), value)
+    return sorted(seen.values(), key=lambda t: (tuple(t.shape), str(t.dtype)))
 
 
 def resync(root_rank: int = 0) -> int:
