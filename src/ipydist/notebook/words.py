@@ -28,5 +28,5 @@ class Words:
 MAGICS = Words(start="%dist_start --np N", stop="%dist_stop", restart="%dist_restart",
                cell="an %%everyrank cell", timeout="%%everyrank --timeout S")
 PYTHON = Words(start="Session(np=N).start()", stop="Session.stop()",
-               restart="Session.restart()", cell="Session.run(code)",
+               restart="Session.restart()", cell="code passed to Session.run()",
                timeout="Session.run(code, timeout=S)")
