@@ -20,6 +20,8 @@ from helpers import NP, plain, run_cell, wait_gone
 from IPython.core.error import UsageError
 
 from ipydist.errors import CellTimeout, RankError
+from ipydist.protocol import RELEASE_SIGNAL
+from ipydist.specs import parse_ranks
 
 GRACE = 1.0  # the tests' failure grace (the default is 10 s)
 RUNS = 10
@@ -59,7 +61,16 @@ hvd.allreduce_(t)
     assert elapsed < GRACE + 4, f"the cell took {elapsed:.1f} s"
     message = str(error)
     assert message.startswith(f"rank {NP - 1} raised in the cell: ValueError: bad batch"), message
-    assert f"Ranks 0-{NP - 2} were waiting in all_reduce, and were released." in message
+    # each released rank was in all_reduce when its release came, or had just left it with the
+    # error a peer's release caused (the releases reach the ranks one after another); none was
+    # interrupted in Python code
+    waiting = re.search(r"Ranks? ([\d,-]+) (?:was|were) waiting in all_reduce, and", message)
+    stopped = re.search(r"Ranks? ([\d,-]+) stopped by (?:itself|themselves) as the others",
+                        message)
+    accounted = [r for found in (waiting, stopped) if found
+                 for r in parse_ranks(found.group(1), NP)]
+    assert sorted(accounted) == list(range(NP - 1)), message
+    assert "running Python code" not in message, message
     assert "process group was rebuilt" in message
     lines = error._render_traceback_()
     sections = [line for line in lines if line.startswith("--- rank")]
@@ -265,3 +276,20 @@ def test_tracking_lasts_as_long_as_the_model():
     del model, weight, tracked
     gc.collect()
     assert len(consistency.tracked()) == before, "a deleted model is no longer tracked"
+
+
+
+def test_a_release_after_the_cell_ended_interrupts_nothing(shell, capsys, cluster):
+    """A release that reaches a rank whose cell then ends by itself must not interrupt what the
+    rank does next: here a request ipyparallel sends outside any cell (as recovery's calls
+    are), which a late KeyboardInterrupt would fail at once on this rank only."""
+    run_cell(shell, capsys, "%everyrank import time")
+    timer = threading.Timer(0.05, cluster.signal, (RELEASE_SIGNAL, [3]))
+    timer.start()
+    cluster.run("time.sleep(0.15)", ranks=[3])  # ends by itself, released or not
+    timer.join()
+    # the rank gets well past the release's settling time inside this request
+    replies = cluster.cluster.view([3]).apply_async(time.sleep, 1.0).get(timeout=30)
+    assert replies == [None]
+    result, out, err = run_cell(shell, capsys, "%everyrank print('next')")
+    assert "[all ranks] next" in out, (out, err)

@@ -114,7 +114,7 @@ class Cluster:
             progress.update(f"Starting {self.np} ranks with {self.plan.flavor} mpiexec: "
                             f"{registered}/{self.np} ready")
             time.sleep(0.02)
-        infos = self.client[:].apply_sync(protocol.on_rank, "info")
+        infos = self.client[:].apply_sync(protocol.on_rank, "attach")
         self.ranks = sorted(infos, key=lambda i: i["rank"])
         mismatched = [i["rank"] for i, eid in zip(infos, self.client.ids) if i["rank"] != eid]
         if mismatched:

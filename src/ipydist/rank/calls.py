@@ -11,13 +11,21 @@ import os
 import socket
 
 import torch.distributed as dist
+from IPython import get_ipython
 
 from ipydist.rank import watcher
 from ipydist.torch import consistency, runtime
 
 
+def attach() -> dict:
+    """Right after the ranks register: follow the engine's cells (see ``watcher.attach``), and
+    say what this rank is, for the table the notebook shows."""
+    watcher.attach(get_ipython())
+    return info()
+
+
 def info() -> dict:
-    """What the notebook shows about this rank; asked once, right after the ranks register."""
+    """What the notebook shows about this rank."""
     rt = runtime.get()
     nanny_pid = None
     try:

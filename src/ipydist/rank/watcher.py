@@ -10,7 +10,14 @@ inherit the mask from the bootstrap). On the signal it looks at what the main th
 - in a collective (a torch.distributed call, or ipydist's gradient wait): it breaks this rank's
   communication -- shuts down the sockets of its gloo connections, or aborts the NCCL
   communicator -- so the collective raises at once, here and on the ranks waiting for this one;
-- anywhere else: it sends the main thread SIGINT (a KeyboardInterrupt, as Ctrl-C would).
+- anywhere else in the cell's code: it sends the main thread SIGINT (a KeyboardInterrupt, as
+  Ctrl-C would);
+- outside a cell (it ended, or has not begun): nothing. A KeyboardInterrupt while ipykernel
+  receives, dispatches or replies would lose the cell's reply, and the notebook would wait for
+  it forever. So the rank knows when it runs a cell's code (IPython's pre_run_cell and
+  post_run_cell events, hooked by :func:`attach`), the watcher sends SIGINT only then, and the
+  SIGINT handler it installs for the cell raises only then too: a signal that was on its way
+  as the cell ended interrupts nothing. Either way the rank logs it on its own stderr.
 
 Between signals the watcher also looks at the main thread's stack once a second, to tell the
 notebook when this rank has been waiting in one collective for a while
@@ -38,8 +45,12 @@ from ipydist.rank import channel, sampler
 
 #: How long a release waits for a rank in Python code to end its cell by itself (see _settle).
 SETTLE_SECONDS = 0.3
+#: ... and at most this long while the rank shows the cell's error (it is ending by itself).
+ERROR_REPORT_SECONDS = 5.0
 
 _main_ident: int | None = None
+#: True while the main thread runs a cell's code (between pre_run_cell and post_run_cell).
+_in_cell = False
 #: What the last release found, for the notebook's message: {"what", "broke", "time"}.
 _last: dict | None = None
 _released_this_cell = 0
@@ -56,6 +67,40 @@ def install() -> None:
     _main_ident = threading.get_ident()
     signal.pthread_sigmask(signal.SIG_BLOCK, {RELEASE_SIGNAL})
     threading.Thread(target=_watch, name="ipydist-watcher", daemon=True).start()
+
+
+def attach(shell) -> None:
+    """Follow ``shell``'s cells (call once the engine's shell exists, from the main thread)."""
+    if _cell_started not in shell.events.callbacks["pre_run_cell"]:
+        shell.events.register("pre_run_cell", _cell_started)
+        shell.events.register("post_run_cell", _cell_ended)
+
+
+def _cell_started(*_) -> None:
+    global _in_cell
+    # ipykernel set SIGINT to the default handler for this request; ours raises only in a cell
+    # (ipykernel puts its own back after the reply)
+    signal.signal(signal.SIGINT, _interrupt_cell)
+    _in_cell = True
+
+
+def _cell_ended(*_) -> None:
+    global _in_cell
+    _in_cell = False
+
+
+def _interrupt_cell(signum, frame) -> None:
+    if _in_cell:
+        raise KeyboardInterrupt
+    _log("an interrupt arrived after the cell ended: ignored")
+
+
+def _log(text: str) -> None:
+    """To the rank's own stderr (mpiexec's output), never to a cell's output."""
+    try:
+        print(f"ipydist: rank watcher: {text}", file=sys.__stderr__, flush=True)
+    except Exception:
+        pass
 
 
 def break_communication_with(breaker: Callable[[], bool]) -> None:
@@ -78,16 +123,19 @@ def _watch() -> None:
             elif report := collectives.sample(_main_frame(), time.monotonic()):
                 channel.publish(STATE_KEY, report)
         except Exception as e:  # never let the watcher die
-            print(f"ipydist: rank watcher: {e}", file=sys.stderr, flush=True)
+            _log(str(e))
 
 
 def _main_frame():
     return sys._current_frames().get(_main_ident) if _main_ident else None
 
 
-def _on_release() -> dict:
+def _on_release() -> dict | None:
     """Get the main thread out of whatever it waits in (see the module docstring)."""
     global _last, _released_this_cell
+    if not _in_cell:  # the cell ended (or has not begun): a release must not touch the rest
+        _log("a release arrived outside a cell: nothing to release")
+        return None
     _released_this_cell += 1
     force = _released_this_cell > 1
     what, ended = _settle(0.0 if force else SETTLE_SECONDS)
@@ -96,7 +144,8 @@ def _on_release() -> dict:
         broke = _break_communication() if _break_communication is not None else False
     if what is None and not ended:
         # a real SIGINT aimed at the main thread: it also cuts short a blocking call such as
-        # time.sleep (interrupt_main() would wait for that call to return)
+        # time.sleep (interrupt_main() would wait for that call to return); the handler checks
+        # once more that the cell is still running
         signal.pthread_kill(_main_ident, signal.SIGINT)
     _last = {"what": what, "broke": broke, "ended": ended, "time": time.time()}
     return _last
@@ -109,30 +158,44 @@ def _settle(seconds: float) -> tuple[str | None, bool]:
     When a peer's release broke a collective, this rank's collective fails at once, often
     before this rank's own signal is handled: its main thread is then in Python code, on its
     way out of the cell with the collective's error. A SIGINT now would only replace that
-    error with a KeyboardInterrupt, so wait a moment for the cell to end (IPython counts a
-    finished cell) or for the main thread to enter a collective (which is then broken).
+    error with a KeyboardInterrupt, so wait a moment for the cell to end or for the main thread
+    to enter a collective (which is then broken).
     """
-    shell = _shell()
-    count = getattr(shell, "execution_count", None)
-    deadline = time.monotonic() + seconds
+    start = time.monotonic()
+    deadline = start + seconds
     while True:
-        found = sampler.collective_frame(_main_frame())
+        frame = _main_frame()
+        found = sampler.collective_frame(frame)
         what = found[1] if found else None
         if what is not None:
             return what, False
-        if count is not None and shell.execution_count != count:
+        if not _in_cell:
             return None, True
-        if time.monotonic() >= deadline:
+        now = time.monotonic()
+        if _showing_an_error(frame):
+            # the cell is ending with its error (even when a second release insists): the
+            # first traceback a rank formats can take over a second on a busy machine
+            deadline = min(max(deadline, now + SETTLE_SECONDS), start + ERROR_REPORT_SECONDS)
+        if now >= deadline:
             return None, False
         time.sleep(0.01)
 
 
-def _shell():
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return None
-    return get_ipython()
+#: IPython's and ipykernel's functions that format or send a cell's exception (IPython 9
+#: formats it twice: for display, and for the history).
+_SHOWING_ERROR = {"showtraceback", "_showtraceback", "structured_traceback",
+                  "_format_exception_for_storage"}
+
+
+def _showing_an_error(frame) -> bool:
+    """Whether the main thread is formatting or sending the cell's exception."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name in _SHOWING_ERROR and (
+                "IPython" in code.co_filename or "ipykernel" in code.co_filename):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def take_report() -> dict | None:
