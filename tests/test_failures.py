@@ -293,3 +293,34 @@ def test_a_release_after_the_cell_ended_interrupts_nothing(shell, capsys, cluste
     assert replies == [None]
     result, out, err = run_cell(shell, capsys, "%everyrank print('next')")
     assert "[all ranks] next" in out, (out, err)
+
+
+def test_peers_blocked_in_a_collective_are_released_at_once(shell, capsys, cluster):
+    """With the default 10 s failure grace: ranks that all wait in a collective for a rank
+    that failed are released as soon as they report it, not after the grace."""
+    assert cluster.failure_grace >= 10
+    run_cell(shell, capsys, "%everyrank import time, torch, ipydist.torch as hvd")
+    t0 = time.monotonic()
+    result, _, err = run_cell(shell, capsys, f"""%%everyrank
+if hvd.rank() == {NP - 1}:
+    raise ValueError("bad batch on the last rank")
+hvd.allreduce_(torch.ones(4))
+""")
+    elapsed = time.monotonic() - t0
+    assert isinstance(result.error_in_exec, RankError), err
+    assert elapsed < 6, f"the cell took {elapsed:.1f} s: released after the grace?"
+    assert_collectives_work(shell, capsys)
+
+
+def test_peers_still_computing_keep_the_grace(shell, capsys, fast_cluster):
+    """A peer that is computing, not waiting, gets the grace to finish by itself."""
+    result, out, err = run_cell(shell, capsys, f"""%%everyrank
+if hvd.rank() == {NP - 1}:
+    raise ValueError("bad batch on the last rank")
+if hvd.rank() == 0:
+    time.sleep(0.5)  # less than the grace: it finishes, unreleased
+    print("finished")
+""")
+    assert isinstance(result.error_in_exec, RankError), err
+    assert "[rank 0] finished" in out, out
+    assert "released" not in str(result.error_in_exec), str(result.error_in_exec)

@@ -115,9 +115,10 @@ class CellRun:
         return self.result
 
     def _contain_failure(self) -> None:
-        """Once a rank has failed, give the others ``failure_grace`` seconds to finish, then
-        release those still running (they are most likely waiting for the failed rank in a
-        collective); a second release a second later breaks their communication outright."""
+        """Once a rank has failed, release the ranks still running: at once when every one of
+        them waits in a collective (which can no longer complete), otherwise after
+        ``failure_grace`` seconds, so that peers still computing can finish by themselves. A
+        second release a second later breaks their communication outright."""
         now = time.monotonic()
         if self.first_failure is None:
             failed = [r for r, what in ipp.outcomes(self.ar, self.targets).items()
@@ -126,8 +127,10 @@ class CellRun:
                 return
             self.first_failure = (failed[0], now)
         running = ipp.still_running(self.ar, self.targets)
-        if running and now >= self.first_failure[1] + self.failure_grace and \
-                self.release.due(now):
+        if not running or not self.release.due(now):
+            return
+        blocked = all(rank in self.stalls.waiting for rank in running)
+        if blocked or now >= self.first_failure[1] + self.failure_grace:
             self.release.send(running, now)
             self.released = self.release.ranks
 

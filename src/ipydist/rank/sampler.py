@@ -1,9 +1,10 @@
 """What the main thread waits in: the rank half of stall warnings and of release.
 
 The watcher thread (:mod:`ipydist.rank.watcher`) feeds :class:`CollectiveSampler` the main
-thread's stack once a second. When the same collective call has been running for a second, it
-says so (one small data message, ``protocol.STATE_KEY``), and again when it returns. Sampling
-rather than hooking sees collectives called from any code, and a training loop pays nothing.
+thread's stack every SAMPLE_SECONDS. When the same collective call has run for
+REPORT_AFTER_SECONDS, it says so (one small data message, ``protocol.STATE_KEY``), and again
+when it returns. Sampling rather than hooking sees collectives called from any code, and a
+training loop pays nothing.
 
 A collective is a public function of ``torch.distributed``, or a function of ipydist's marked
 with :func:`waits_for_peers` (the optimizer's gradient wait).
@@ -12,9 +13,10 @@ with :func:`waits_for_peers` (the optimizer's gradient wait).
 from __future__ import annotations
 
 #: How often the watcher thread looks at the main thread's stack.
-SAMPLE_SECONDS = 1.0
-#: A rank reports a collective call once it has been in it this long (shorter calls are normal).
-REPORT_AFTER_SECONDS = 1.0
+SAMPLE_SECONDS = 0.5
+#: A rank reports a collective call once it has been in it this long (shorter calls are normal;
+#: the notebook releases at once ranks that all wait in a collective after another failed).
+REPORT_AFTER_SECONDS = 0.5
 
 #: Code objects of ipydist's own functions that wait for other ranks -> what to call them.
 _WAITS_FOR_PEERS: dict[object, str] = {}

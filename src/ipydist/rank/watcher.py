@@ -19,7 +19,7 @@ inherit the mask from the bootstrap). On the signal it looks at what the main th
   SIGINT handler it installs for the cell raises only then too: a signal that was on its way
   as the cell ended interrupts nothing. Either way the rank logs it on its own stderr.
 
-Between signals the watcher also looks at the main thread's stack once a second, to tell the
+Between signals the watcher also looks at the main thread's stack twice a second, to tell the
 notebook when this rank has been waiting in one collective for a while
 (:mod:`ipydist.rank.sampler`).
 
