@@ -85,23 +85,28 @@ def test_interrupt_stops_ranks_in_a_collective_and_in_python(shell, capsys, fast
     timer = threading.Timer(0.5, _thread.interrupt_main)
     timer.start()
     t0 = time.monotonic()
-    result, _, err = run_cell(shell, capsys, f"""%%everyrank
+    result, out, err = run_cell(shell, capsys, f"""%%everyrank
 if hvd.rank() == {NP - 1}:
     time.sleep(60)
 hvd.allreduce_(torch.ones(10))
 """)
     stopped = time.monotonic() - t0 - 0.5
     timer.join()
-    assert isinstance(result.error_in_exec, KeyboardInterrupt), err
+    error = result.error_in_exec
+    assert isinstance(error, KeyboardInterrupt), err
     assert stopped < 2.0, f"every rank stopped {stopped:.2f} s after the interrupt"
-    assert f"Interrupted ranks 0-{NP - 1}." in err
-    assert "waiting in all_reduce" in err and "running Python code" in err
+    message = str(error)
+    assert message.startswith(f"Interrupted ranks 0-{NP - 1}."), message
+    assert "waiting in all_reduce" in message and "running Python code" in message
+    # one line, no traceback through magics, session, cell and ipyparallel
+    assert error._render_traceback_() == [f"CellInterrupted: {message}"]
+    assert "Traceback" not in out + err and "File " not in out + err, out + err
     assert_collectives_work(shell, capsys)
 
 
 def test_timeout_ends_a_cell_stuck_in_a_collective(shell, capsys, fast_cluster):
     t0 = time.monotonic()
-    result, _, _ = run_cell(shell, capsys, """%%everyrank --timeout 2
+    result, out, err = run_cell(shell, capsys, """%%everyrank --timeout 2
 if hvd.rank() == 0:
     time.sleep(60)
 hvd.barrier()
@@ -112,6 +117,9 @@ hvd.barrier()
     assert elapsed < 2 + 3, f"the cell took {elapsed:.1f} s"
     assert f"interrupted ranks 0-{NP - 1}." in str(error)
     assert "waiting in barrier" in str(error)
+    assert "DistributedDataParallel" not in str(error), "no DDP model: nothing to wrap again"
+    assert error._render_traceback_() == [f"CellTimeout: {error}"]
+    assert "Traceback" not in out + err, out + err
     assert_collectives_work(shell, capsys)
 
 
@@ -220,7 +228,7 @@ time.sleep(60)
 """)
     timer.join()
     assert isinstance(result.error_in_exec, KeyboardInterrupt), err
-    assert "copied to every rank" in err, err
+    assert "copied to every rank" in str(result.error_in_exec), result.error_in_exec
     result, out, err = run_cell(shell, capsys,
                                 "%everyrank print(round(model.weight.sum().item(), 5))")
     assert result.error_in_exec is None, err
@@ -230,7 +238,8 @@ time.sleep(60)
     timer.start()
     result, _, err = run_cell(shell, capsys, "%everyrank time.sleep(60)")
     timer.join()
-    assert isinstance(result.error_in_exec, KeyboardInterrupt) and "copied" not in err, err
+    assert isinstance(result.error_in_exec, KeyboardInterrupt), err
+    assert "copied" not in str(result.error_in_exec), result.error_in_exec
 
 
 def test_the_classic_recipe_is_resynchronised_too(shell, capsys, fast_cluster):
@@ -251,7 +260,7 @@ time.sleep(60)
 """)
     timer.join()
     assert isinstance(result.error_in_exec, KeyboardInterrupt), err
-    assert "1 parameter or optimizer-state tensor differed" in err, err
+    assert "1 parameter or optimizer-state tensor differed" in str(result.error_in_exec), err
     result, out, err = run_cell(shell, capsys,
                                 "%everyrank print(round(model.bias.sum().item(), 5))")
     assert out.startswith("[all ranks] "), f"the ranks' weights differ:\n{out}"
@@ -324,3 +333,19 @@ if hvd.rank() == 0:
     assert isinstance(result.error_in_exec, RankError), err
     assert "[rank 0] finished" in out, out
     assert "released" not in str(result.error_in_exec), str(result.error_in_exec)
+
+
+def test_the_rebuild_note_asks_to_wrap_a_ddp_model_again_only_when_there_is_one(shell, capsys,
+                                                                               fast_cluster):
+    run_cell(shell, capsys, "%everyrank ddp_model = torch.nn.parallel."
+                            "DistributedDataParallel(torch.nn.Linear(4, 2))")
+    result, _, err = run_cell(shell, capsys, f"""%%everyrank
+if hvd.rank() == {NP - 1}:
+    raise ValueError("bad batch on the last rank")
+hvd.allreduce_(torch.ones(4))
+""")
+    message = str(result.error_in_exec)
+    assert "process group was rebuilt" in message, message
+    assert "Wrap your DistributedDataParallel model again" in message, message
+    run_cell(shell, capsys, "%everyrank del ddp_model; import gc; gc.collect()")
+    assert_collectives_work(shell, capsys)

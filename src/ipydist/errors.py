@@ -70,3 +70,14 @@ def _same_error(a, b) -> bool:
 
 class CellTimeout(TimeoutError):
     """A cell ran past its ``--timeout``; the ranks still running were interrupted."""
+
+    def _render_traceback_(self) -> list[str]:  # the message says it all: no traceback
+        return [f"{type(self).__name__}: {self}"]
+
+
+class CellInterrupted(KeyboardInterrupt):
+    """The user interrupted a cell (the stop button, Ctrl-C); the message says which ranks
+    were interrupted and what recovery did."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"{type(self).__name__}: {self}"]

@@ -13,7 +13,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from ipydist.errors import CellTimeout, RankDied, RankError
+from ipydist.errors import CellInterrupted, CellTimeout, RankDied, RankError
 from ipydist.notebook import display, ipp, recovery
 from ipydist.notebook.iopub import IOPubCollector
 from ipydist.notebook.lines import LineMerger
@@ -94,8 +94,8 @@ class CellRun:
         except KeyboardInterrupt:
             running = recovery.interrupt(self.release, ar, self.targets)
             notes = self._recover(running)
-            print(" ".join([f"Interrupted {describe_ranks(running)}.", *notes]), file=sys.stderr)
-            raise
+            raise CellInterrupted(
+                " ".join([f"Interrupted {describe_ranks(running)}.", *notes])) from None
         finally:
             self.collector.finish()
             self._show()

@@ -90,11 +90,11 @@ def recover(cluster, released: list[int], restart: str) -> list[str]:
         except Exception as e:
             notes.append(f"Rebuilding the process group failed ({e}): run {restart}.")
             return notes
-        notes.append(
-            f"The process group was rebuilt on every rank in {time.perf_counter() - t0:.1f} s, "
-            "so collectives work in the next cell. Wrap a DistributedDataParallel model again: "
-            "it keeps the old group."
-        )
+        note = (f"The process group was rebuilt on every rank in "
+                f"{time.perf_counter() - t0:.1f} s, so collectives work in the next cell.")
+        if any(s.get("ddp") for s in states):
+            note += " Wrap your DistributedDataParallel model again: it keeps the old group."
+        notes.append(note)
     if released:
         try:
             fixed = cluster.call("resync", timeout=120)[0]

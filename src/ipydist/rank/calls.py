@@ -7,11 +7,13 @@ process group, put drifted tensors back in step.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 
 import torch.distributed as dist
 from IPython import get_ipython
+from torch.nn.parallel import DistributedDataParallel
 
 from ipydist.rank import watcher
 from ipydist.torch import consistency, runtime
@@ -51,10 +53,12 @@ def info() -> dict:
 
 def state() -> dict:
     """After a failed or interrupted cell: what a release found, whether the group is broken,
-    and the group's collective count (ranks whose counts differ must rebuild)."""
+    the group's collective count (ranks whose counts differ must rebuild), and whether a DDP
+    model exists (it keeps the old group, so the user must wrap it again)."""
     consistency.abandon_pending()  # the failed cell's half-done gradient averaging is void
     rt = runtime.get()
-    out = {"release": watcher.take_report(), "broken": bool(rt and rt.broken), "seq": None}
+    out = {"release": watcher.take_report(), "broken": bool(rt and rt.broken), "seq": None,
+           "ddp": any(isinstance(o, DistributedDataParallel) for o in gc.get_objects())}
     if rt is not None and rt.group is not None and not rt.broken:
         try:
             out["seq"] = rt.group._get_sequence_number_for_group()
