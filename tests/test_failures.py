@@ -17,9 +17,8 @@ import time
 
 import pytest
 from helpers import NP, plain, run_cell, wait_gone
-from IPython.core.error import UsageError
 
-from ipydist.errors import CellTimeout, RankError
+from ipydist.errors import CellTimeout, RankDied, RankError
 from ipydist.protocol import RELEASE_SIGNAL
 from ipydist.specs import parse_ranks
 
@@ -187,7 +186,8 @@ def test_a_killed_rank_is_reported_within_5_s_and_restart_starts_fresh(shell, ca
     elapsed = time.monotonic() - t0 - 1.0
     killer.join()
     error = result.error_in_exec
-    assert isinstance(error, UsageError), error  # the magics show it as one clear message
+    assert isinstance(error, RankDied), error  # its own error type, shown as one line
+    assert error._render_traceback_() == [f"RankDied: {error}"]
     assert elapsed < 5, f"reported {elapsed:.1f} s after the kill"
     assert str(error).startswith(
         f"rank 2 (pid {victim} on {fast_cluster.ranks[2]['host']}) died: killed by signal 9 "

@@ -441,9 +441,11 @@ def test_a_dead_rank_is_reported_shown_dead_and_the_cluster_restarts(failures):
     nb = failures[0]
     first = _rank_pids(_cell(nb, "%dist_start --np 4 --stall-warning 3"))
     assert sorted(first) == [0, 1, 2, 3]
-    report = _stream(_cell(nb, "os.kill(os.getpid(), signal.SIGKILL)"), "stderr")
-    match = re.search(r"UsageError: rank 2 \(pid (\d+) on \S+\) died: killed by signal 9 "
-                      r"\(SIGKILL\)", report)
+    error = _error(_cell(nb, "os.kill(os.getpid(), signal.SIGKILL)"))
+    assert error.ename == "RankDied", error.ename
+    report = error.evalue
+    match = re.match(r"rank 2 \(pid (\d+) on \S+\) died: killed by signal 9 \(SIGKILL\)",
+                     report)
     assert match and int(match.group(1)) == first[2], report
     assert "%dist_restart" in report
     status = _text(_cell(nb, "%dist_status"))

@@ -17,7 +17,11 @@ class ClusterError(RuntimeError):
 
 
 class RankDied(ClusterError):
-    """A rank's process is gone (killed, crashed); the cluster must be restarted."""
+    """A rank's process is gone (killed, crashed); the cluster must be restarted. Shown as
+    its own one-line error (which rank, how it died, what to run), not a usage error."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"{type(self).__name__}: {self}"]
 
 
 class RankError(RuntimeError):

@@ -11,7 +11,7 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from ipydist import protocol
-from ipydist.errors import ClusterError, LaunchError
+from ipydist.errors import ClusterError, LaunchError, RankDied
 from ipydist.notebook import words
 from ipydist.notebook.stall import STALL_WARNING_SECONDS
 from ipydist.session import DEFAULT_START_TIMEOUT, Session
@@ -142,6 +142,8 @@ class DistMagics(Magics):
             print(f"[%dist_mode everyrank: ranks {format_ranks(range(session.size))}]")
         try:
             result = session.run(code, ranks=args.ranks, timeout=args.timeout, output=args.output)
+        except RankDied:
+            raise
         except _USER_ERRORS as e:
             raise UsageError(str(e)) from None
         except SyntaxError as e:
@@ -224,6 +226,8 @@ class DistMagics(Magics):
         args = parse_argstring(self.dist_pull, line)
         try:
             return self._session().pull(args.name, rank=args.rank)
+        except RankDied:
+            raise
         except _USER_ERRORS as e:
             raise UsageError(str(e)) from None
         except NameError as e:
