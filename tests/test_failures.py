@@ -44,6 +44,16 @@ def assert_collectives_work(shell, capsys):
     assert f"[all ranks] {float(sum(range(NP)))}" in out, out
 
 
+def run_interrupted(shell, capsys, code: str, after: float = 1.0):
+    """Run ``code`` as a cell and press the stop button ``after`` seconds in."""
+    timer = threading.Timer(after, _thread.interrupt_main)
+    timer.start()
+    try:
+        return run_cell(shell, capsys, code)
+    finally:
+        timer.join()
+
+
 @pytest.mark.parametrize("run", range(RUNS))
 def test_a_rank_that_raises_releases_the_others_from_allreduce(shell, capsys, fast_cluster,
                                                                run):
@@ -218,15 +228,12 @@ model(torch.ones(4, 8)).sum().backward()
 opt.step()
 """)
     # an interrupt between one rank's update and the others'
-    timer = threading.Timer(1.0, _thread.interrupt_main)
-    timer.start()
-    result, _, err = run_cell(shell, capsys, """%%everyrank
+    result, _, err = run_interrupted(shell, capsys, """%%everyrank
 if hvd.rank() == 1:
     with torch.no_grad():
         model.weight.add_(1.0)
 time.sleep(60)
 """)
-    timer.join()
     assert isinstance(result.error_in_exec, KeyboardInterrupt), err
     assert "copied to every rank" in str(result.error_in_exec), result.error_in_exec
     result, out, err = run_cell(shell, capsys,
@@ -234,10 +241,7 @@ time.sleep(60)
     assert result.error_in_exec is None, err
     assert out.startswith("[all ranks] "), f"the ranks' weights differ:\n{out}"
     # nothing differs: nothing is said
-    timer = threading.Timer(1.0, _thread.interrupt_main)
-    timer.start()
-    result, _, err = run_cell(shell, capsys, "%everyrank time.sleep(60)")
-    timer.join()
+    result, _, err = run_interrupted(shell, capsys, "%everyrank time.sleep(60)")
     assert isinstance(result.error_in_exec, KeyboardInterrupt), err
     assert "copied" not in str(result.error_in_exec), result.error_in_exec
 
@@ -250,15 +254,12 @@ model = torch.nn.Linear(8, 2)
 hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 """)
-    timer = threading.Timer(1.0, _thread.interrupt_main)
-    timer.start()
-    result, _, err = run_cell(shell, capsys, """%%everyrank
+    result, _, err = run_interrupted(shell, capsys, """%%everyrank
 if hvd.rank() == 2:
     with torch.no_grad():
         model.bias.add_(1.0)
 time.sleep(60)
 """)
-    timer.join()
     assert isinstance(result.error_in_exec, KeyboardInterrupt), err
     assert "1 parameter or optimizer-state tensor differed" in str(result.error_in_exec), err
     result, out, err = run_cell(shell, capsys,
