@@ -17,6 +17,7 @@ import time
 
 import pytest
 from helpers import NP, plain, run_cell, wait_gone
+from IPython.core.error import UsageError
 
 from ipydist.errors import CellTimeout, RankDied, RankError
 from ipydist.protocol import RELEASE_SIGNAL
@@ -349,4 +350,25 @@ hvd.allreduce_(torch.ones(4))
     assert "process group was rebuilt" in message, message
     assert "Wrap your DistributedDataParallel model again" in message, message
     run_cell(shell, capsys, "%everyrank del ddp_model; import gc; gc.collect()")
+    assert_collectives_work(shell, capsys)
+
+
+def test_a_dead_controller_ends_the_cell_within_5_s_and_restart_works(shell, capsys, cluster):
+    controller = cluster.cluster.controller_pid
+    old = cluster.cluster.pids()
+    killer = threading.Timer(1.0, os.kill, (controller, signal.SIGKILL))
+    killer.start()
+    t0 = time.monotonic()
+    result, _, err = run_cell(shell, capsys, "%everyrank import time; time.sleep(60)")
+    elapsed = time.monotonic() - t0 - 1.0
+    killer.join()
+    error = result.error_in_exec
+    assert isinstance(error, UsageError), error  # the magics show a ClusterError as one line
+    assert f"the ipyparallel controller (pid {controller}) is gone" in str(error), str(error)
+    assert "%dist_restart" in str(error)
+    assert elapsed < 5, f"reported {elapsed:.1f} s after the kill"
+    result, _, err = run_cell(shell, capsys, "%dist_restart")
+    assert result.error_in_exec is None, err
+    assert wait_gone(old) == [], "nothing of the old cluster keeps running"
+    run_cell(shell, capsys, "%everyrank import time, torch, ipydist.torch as hvd")
     assert_collectives_work(shell, capsys)

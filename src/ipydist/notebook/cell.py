@@ -13,7 +13,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from ipydist.errors import CellInterrupted, CellTimeout, RankDied, RankError
+from ipydist.errors import CellInterrupted, CellTimeout, ClusterError, RankDied, RankError
 from ipydist.notebook import display, ipp, recovery
 from ipydist.notebook.iopub import IOPubCollector
 from ipydist.notebook.lines import LineMerger
@@ -78,6 +78,11 @@ class CellRun:
                 if time.monotonic() >= next_alive_check:
                     if death := self.session.death_report():
                         raise RankDied(death)
+                    if not self.cluster.controller_alive():
+                        raise ClusterError(
+                            f"the ipyparallel controller (pid {self.cluster.controller_pid}) is "
+                            "gone, so the ranks can no longer be reached. Run "
+                            f"{self.session.words.restart} to start a fresh cluster.")
                     next_alive_check = time.monotonic() + ALIVE_CHECK_SECONDS
                 if self.deadline is not None and time.perf_counter() > self.deadline:
                     running = recovery.interrupt(self.release, ar, self.targets)

@@ -42,6 +42,7 @@ class Cluster:
         self._watchdog = None  # (process, pipe write end): see ipydist.notebook.watchdog
         self._views: dict[tuple[int, ...], object] = {}
         self._rank_procs: list = []  # psutil processes of the ranks on this host
+        self._controller_proc = None
 
     # --- starting ----------------------------------------------------------------------------
 
@@ -173,6 +174,12 @@ class Cluster:
         return [info for info, proc in zip(self.ranks, self._rank_procs)
                 if proc is not None and not processes.alive(proc)]
 
+    def controller_alive(self) -> bool:
+        """Whether the controller, through which every message to the ranks goes, still runs."""
+        if self._controller_proc is None and self.controller_pid:
+            self._controller_proc = processes.process(self.controller_pid)
+        return self._controller_proc is None or processes.alive(self._controller_proc)
+
     def rank_state(self, rank: int) -> tuple[str, object]:
         """(``"idle"``, ``"busy"`` or ``"dead"``, the rank's psutil process or None)."""
         proc = processes.local_process(self.ranks[rank])
@@ -244,3 +251,4 @@ class Cluster:
         self._ipp = self.client = self.profile_dir = None
         self._views = {}
         self._rank_procs = []
+        self._controller_proc = None

@@ -23,8 +23,13 @@ def local_process(info: dict):
     """The psutil process of a rank on this host; None for a rank on another host."""
     if info["host"] != socket.gethostname():
         return None
+    return process(info["pid"])
+
+
+def process(pid: int):
+    """The psutil process of ``pid`` on this host, or a stand-in that is not running."""
     try:
-        return psutil.Process(info["pid"])
+        return psutil.Process(pid)
     except psutil.Error:
         return _Gone()
 
