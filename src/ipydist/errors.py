@@ -24,6 +24,14 @@ class RankDied(ClusterError):
         return [f"{type(self).__name__}: {self}"]
 
 
+class ReplyLost(ClusterError):
+    """A rank ended the cell, but its reply never reached the notebook; the rank is idle and
+    the cluster usable. One line: which rank, and that running the cell again is safe."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"{type(self).__name__}: {self}"]
+
+
 class RankError(RuntimeError):
     """Code raised on one or more ranks.
 

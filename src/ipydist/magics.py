@@ -11,7 +11,7 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from ipydist import protocol
-from ipydist.errors import ClusterError, LaunchError, RankDied
+from ipydist.errors import ClusterError, LaunchError, RankDied, ReplyLost
 from ipydist.notebook import words
 from ipydist.notebook.stall import STALL_WARNING_SECONDS
 from ipydist.session import DEFAULT_START_TIMEOUT, Session
@@ -142,7 +142,7 @@ class DistMagics(Magics):
             print(f"[%dist_mode everyrank: ranks {format_ranks(range(session.size))}]")
         try:
             result = session.run(code, ranks=args.ranks, timeout=args.timeout, output=args.output)
-        except RankDied:
+        except (RankDied, ReplyLost):  # one-line errors of their own
             raise
         except _USER_ERRORS as e:
             raise UsageError(str(e)) from None

@@ -89,6 +89,9 @@ ERROR_PREFIX = "ipydist: rank"
 METRICS_KEY = "ipydist.metrics"
 #: Data-message key of "waiting in collective X for N s" / "no longer waiting" reports.
 STATE_KEY = "ipydist.state"
+#: Data-message key of ``"started"`` / ``"ended"``, sent as a rank begins and ends a cell's
+#: code (the end before the reply: the notebook can tell a lost reply from a busy rank).
+CELL_KEY = "ipydist.cell"
 
 # A metrics batch is a dict:
 #   "seq": int             batch number on this rank, from 0 (the notebook orders by it)
@@ -121,6 +124,14 @@ def to_columns(points: list[tuple]) -> dict:
 
 #: Sent to a rank's process to release it from what it waits in (see ``ipydist.rank.watcher``).
 RELEASE_SIGNAL = signal.SIGUSR1
+#: A recovery (``ipydist.rank.calls.recover``) after a failed or interrupted cell: every rank
+#: must have joined it by ARRIVE seconds after it took the request, rebuilt the process group
+#: by REBUILD, and checked its tensors by RESYNC; a rank late for a step gives up. The
+#: notebook waits RECOVERY_WAIT_SECONDS for the replies, more than a rank can take.
+RECOVERY_ARRIVE_SECONDS = 10.0
+RECOVERY_REBUILD_SECONDS = 20.0
+RECOVERY_RESYNC_SECONDS = 30.0
+RECOVERY_WAIT_SECONDS = RECOVERY_RESYNC_SECONDS + 10.0
 #: The module whose functions the notebook calls on the ranks through :func:`on_rank`.
 RANK_CALLS = "ipydist.rank.calls"
 

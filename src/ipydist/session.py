@@ -21,7 +21,7 @@ import weakref
 
 from ipydist import protocol
 from ipydist.errors import ClusterError, RankDied, RankError
-from ipydist.notebook import display, mpiexec, words
+from ipydist.notebook import display, mpiexec, recovery, words
 from ipydist.notebook.cell import CellRun, RunResult
 from ipydist.notebook.cluster import Cluster
 from ipydist.notebook.live.history import MetricHistory
@@ -191,6 +191,15 @@ class Session:
         if output not in ("all", "rank0"):
             raise SpecError(f"--output {output}: expected all or rank0.")
         _check_syntax(code)
+        waits_for = list(range(self.size)) if cluster.recovery_owed is not None else targets
+        if cluster.busy_ranks(waits_for):
+            if report := self.death_report():  # a dead rank never answers: say that instead
+                raise RankDied(report)
+            _wait_until_idle(cluster, waits_for, self.words.restart)
+        if cluster.recovery_owed is not None:  # the last cell ended before every rank stopped
+            released, cluster.recovery_owed = cluster.recovery_owed, None
+            for note in recovery.recover(cluster, released, self.words.restart):
+                print(f"ipydist: before this cell: {note}", file=sys.stderr, flush=True)
         started = time.perf_counter()
         ar = cluster.view(targets).execute(code, silent=False, block=False)
         return CellRun(self, ar, targets, output, timeout, started).wait()
@@ -262,6 +271,25 @@ def _transformer():
     from IPython.core.inputtransformer2 import TransformerManager
 
     return TransformerManager()
+
+
+#: How long a cell waits for ranks still busy with an earlier request before it says so.
+BUSY_WAIT_SECONDS = 2.0
+
+
+def _wait_until_idle(cluster: Cluster, targets: list[int], restart: str) -> None:
+    """A cell sent to a rank still busy (an earlier cell that did not stop when released, or
+    a recovery that has not ended) would queue behind it and seem to hang: say so instead."""
+    deadline = time.monotonic() + BUSY_WAIT_SECONDS
+    while busy := cluster.busy_ranks(targets):
+        if time.monotonic() > deadline:
+            one = len(busy) == 1
+            raise ClusterError(
+                f"{describe_ranks(busy)} {'is' if one else 'are'} still running an earlier "
+                "request (a cell that did not stop when released, or a recovery), so this cell "
+                f"would wait behind it. Wait for {'it' if one else 'them'} to finish, "
+                f"or run {restart}.")
+        time.sleep(0.05)
 
 
 @functools.lru_cache(maxsize=256)

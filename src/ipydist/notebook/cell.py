@@ -13,7 +13,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from ipydist.errors import CellInterrupted, CellTimeout, ClusterError, RankDied, RankError
+from ipydist.errors import (
+    CellInterrupted,
+    CellTimeout,
+    ClusterError,
+    RankDied,
+    RankError,
+    ReplyLost,
+)
 from ipydist.notebook import display, ipp, recovery
 from ipydist.notebook.iopub import IOPubCollector
 from ipydist.notebook.lines import LineMerger
@@ -28,6 +35,8 @@ ALIVE_CHECK_SECONDS = 0.5
 FIRST_ALIVE_CHECK_SECONDS = 0.1
 #: After the ranks replied, how long to wait for more of their output when none is coming.
 OUTPUT_STALL_SECONDS = 2.0
+#: A rank that said it ended the cell but whose reply has not come after this long lost it.
+REPLY_LOST_SECONDS = 5.0
 
 
 @dataclass
@@ -60,33 +69,32 @@ class CellRun:
         #: A failing rank's peers get this long to finish by themselves before release.
         self.failure_grace = float(timeout) if timeout else session.failure_grace
         self.first_failure: tuple[int, float] | None = None  # (rank, when)
-        self.release = recovery.Release(self.cluster)
+        self.release = recovery.Release(self.cluster, async_result, targets)
         #: Ranks released because another failed: their errors are a consequence.
         self.released: list[int] = []
+        #: rank -> when it said it ended the cell's code (its reply should follow at once)
+        self.ended: dict[int, float] = {}
+        #: Ranks whose reply was lost on the way (they ended the cell, and are idle).
+        self.lost: list[int] = []
+        #: Ranks released that did not stop in time (they still run the cell).
+        self.unstopped: list[int] = []
 
     def wait(self) -> RunResult:
         """Block until every rank finished the cell; raise RankError if any raised."""
-        ar = self.ar
         try:
             # a rank that died: first checked soon (a cell sent to a dead cluster), then every
             # ALIVE_CHECK_SECONDS; a cell that ends sooner costs nothing
             next_alive_check = time.monotonic() + FIRST_ALIVE_CHECK_SECONDS
-            while not ar.wait(POLL_SECONDS):
+            while not self._all_done():
                 self._show()
                 self._contain_failure()
                 self._warn_of_stall()
                 if time.monotonic() >= next_alive_check:
-                    if death := self.session.death_report():
-                        raise RankDied(death)
-                    if not self.cluster.controller_alive():
-                        raise ClusterError(
-                            f"the ipyparallel controller (pid {self.cluster.controller_pid}) is "
-                            "gone, so the ranks can no longer be reached. Run "
-                            f"{self.session.words.restart} to start a fresh cluster.")
+                    self._check_alive()
                     next_alive_check = time.monotonic() + ALIVE_CHECK_SECONDS
                 if self.deadline is not None and time.perf_counter() > self.deadline:
-                    running = recovery.interrupt(self.release, ar, self.targets)
-                    if self.first_failure is not None and ar.ready():
+                    running = self._stop()
+                    if self.first_failure is not None and not self.unstopped:
                         # a rank raised before the deadline: its error is the story, and the
                         # others were released as after the failure grace
                         self.released = sorted(set(self.released) | set(running))
@@ -95,9 +103,10 @@ class CellRun:
                     raise CellTimeout(" ".join([
                         f"the cell ran past --timeout {self.timeout:g} s; interrupted "
                         f"{describe_ranks(running)}.", *notes]))
-            self._wait_for_output()
+            if not self.unstopped:
+                self._wait_for_output()
         except KeyboardInterrupt:
-            running = recovery.interrupt(self.release, ar, self.targets)
+            running = self._stop()
             notes = self._recover(running)
             raise CellInterrupted(
                 " ".join([f"Interrupted {describe_ranks(running)}.", *notes])) from None
@@ -107,17 +116,94 @@ class CellRun:
             _print_lines(self.merger.flush())
             self.live.finish()
         self.result.elapsed = time.perf_counter() - self.started
-        replies = ar.get(return_exceptions=True)
-        failures = {
-            rank: reply for rank, reply in zip(self.targets, replies)
-            if isinstance(reply, Exception)
-        }
-        if failures:
+        replies = ipp.replies(self.ar, self.targets)
+        failures = {rank: _as_failure(reply) for rank, reply in replies.items()
+                    if isinstance(reply, Exception)}
+        if failures or self.unstopped:
             notes = self._recover(self.released)
             # the rank that failed while others still ran goes first; otherwise rank order
             first = self.first_failure[0] if self.first_failure and self.released else None
+            if not failures:  # only ranks that would not stop: say so
+                raise ClusterError(" ".join(notes))
             raise RankError(failures, first=first, released=self.released, notes=notes)
+        if self.lost:
+            raise ReplyLost(self._lost_note())
         return self.result
+
+    def _all_done(self) -> bool:
+        """Whether every rank replied, or can no longer: it lost its reply, or was released and
+        did not stop in time."""
+        if self.ar.wait(POLL_SECONDS):
+            return True
+        now = time.monotonic()
+        running = ipp.still_running(self.ar, self.targets)
+        self.lost = [r for r in running
+                     if r in self.ended and now - self.ended[r] > REPLY_LOST_SECONDS]
+        if self.release.given_up(now):
+            self.unstopped = [r for r in running if r not in self.lost]
+        else:
+            self.unstopped = []
+        if set(running) > set(self.lost) | set(self.unstopped):
+            return False
+        for rank in self.lost:  # so the rank no longer counts as busy with it
+            ipp.forget(self.cluster.client, ipp.msg_id(self.ar, self.targets, rank))
+        return True
+
+    def _check_alive(self) -> None:
+        if death := self.session.death_report():
+            raise RankDied(death)
+        if not self.cluster.controller_alive():
+            raise ClusterError(
+                f"the ipyparallel controller (pid {self.cluster.controller_pid}) is gone, so "
+                f"the ranks can no longer be reached. Run {self.session.words.restart} to "
+                "start a fresh cluster.")
+
+    def _stop(self) -> list[int]:
+        """Stop the ranks still running the cell (Ctrl-C, ``--timeout``): release them, again a
+        second later for those still running, and wait up to STOP_WAIT_SECONDS for them
+        (showing their output, and releasing a rank that begins the cell only now). Returns
+        the ranks that were running."""
+        running = ipp.still_running(self.ar, self.targets)
+        if running:
+            self._release(running, time.monotonic())
+        while not self._all_done():
+            self._show()
+            now = time.monotonic()
+            still = [r for r in ipp.still_running(self.ar, self.targets) if r not in self.lost]
+            if still and self.release.due(now):
+                self._release(still, now)
+        return running
+
+    def _release(self, ranks: list[int], now: float) -> None:
+        for rank in ranks:  # a rank that began the cell a moment ago: its event may be queued
+            if rank not in self.release.began and self.collector.cell_state(rank):
+                self.release.rank_began(rank)
+        self.release.send(ranks, now)
+
+    def _recover(self, released: list[int]) -> list[str]:
+        notes = []
+        if self.lost:
+            notes.append(self._lost_note())
+        if self.unstopped:
+            # the ranks cannot recover together while some still run the cell: the next cell
+            # has them recover first, once every rank is idle
+            self.cluster.recovery_owed = sorted(set(released) | set(self.unstopped))
+            one = len(self.unstopped) == 1
+            return [*notes, (
+                f"{describe_ranks(self.unstopped)} did not stop within "
+                f"{recovery.STOP_WAIT_SECONDS:g} s of being released (code that ignores "
+                f"interrupts?) and {'runs' if one else 'run'} the cell on; the next cell "
+                f"recovers the ranks once {'it ends' if one else 'they end'}. If "
+                f"{'it never does' if one else 'they never do'}, run "
+                f"{self.session.words.restart}.")]
+        return notes + recovery.recover(self.cluster, released, self.session.words.restart)
+
+    def _lost_note(self) -> str:
+        one = len(self.lost) == 1
+        return (f"{describe_ranks(self.lost)} finished the cell, but {'its' if one else 'their'} "
+                "reply never reached the notebook (lost on the way); what it printed is "
+                f"above. The rank{'' if one else 's'} and the cluster are fine: run the cell "
+                "again if you need its result.")
 
     def _contain_failure(self) -> None:
         """Once a rank has failed, release the ranks still running: at once when every one of
@@ -131,16 +217,13 @@ class CellRun:
             if not failed:
                 return
             self.first_failure = (failed[0], now)
-        running = ipp.still_running(self.ar, self.targets)
+        running = [r for r in ipp.still_running(self.ar, self.targets) if r not in self.lost]
         if not running or not self.release.due(now):
             return
         blocked = all(rank in self.stalls.waiting for rank in running)
         if blocked or now >= self.first_failure[1] + self.failure_grace:
-            self.release.send(running, now)
+            self._release(running, now)
             self.released = self.release.ranks
-
-    def _recover(self, released: list[int]) -> list[str]:
-        return recovery.recover(self.cluster, released, self.session.words.restart)
 
     def _warn_of_stall(self) -> None:
         if not self.stalls.waiting:
@@ -173,6 +256,10 @@ class CellRun:
                 self.result.execute_results[ev.rank] = ev.content
             elif ev.kind == "state":
                 self.stalls.accept(ev.rank, ev.content, time.monotonic())
+            elif ev.kind == "cell":
+                self.release.rank_began(ev.rank)
+                if ev.content == "ended":
+                    self.ended.setdefault(ev.rank, time.monotonic())
             elif ev.kind == "metrics":
                 self.session.metrics.accept(ev.rank, ev.content)
             elif ev.kind == "display_data" and ev.rank == self.shown[0]:
@@ -185,3 +272,17 @@ class CellRun:
 def _print_lines(lines) -> None:
     for tag, stream, line in lines:
         print(f"[{tag}] {line}", end="", file=sys.stderr if stream == "stderr" else sys.stdout)
+
+
+class _Failure:
+    """What RankError needs of a reply that is not a rank's own exception (a request the
+    engine cancelled because its rank was released before it began)."""
+
+    def __init__(self, error: Exception):
+        self.ename = type(error).__name__
+        self.evalue = str(error) or "cancelled before the rank began the cell"
+        self.traceback = None
+
+
+def _as_failure(reply: Exception):
+    return reply if hasattr(reply, "ename") else _Failure(reply)

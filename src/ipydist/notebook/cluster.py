@@ -34,6 +34,9 @@ class Cluster:
         self.plan = plan
         self.np = np
         self.timeout = timeout
+        #: Ranks released by a cell that ended before every rank stopped: the ranks recover
+        #: (``recovery.recover``) before the next cell, once all are idle.
+        self.recovery_owed: list[int] | None = None
         #: One dict per rank, in rank order (see ``ipydist.rank.calls.info``).
         self.ranks: list[dict] = []
         self.profile_dir: str | None = None
@@ -151,9 +154,22 @@ class Cluster:
         return view
 
     def call(self, name: str, *args, timeout: float):
-        """``ipydist.rank.calls.<name>(*args)`` on every rank; the replies in rank order."""
+        """``ipydist.rank.calls.<name>(*args)`` on every rank; the replies in rank order.
+
+        Raises TimeoutError naming the ranks that did not answer within ``timeout``; their
+        request is cancelled where it has not begun, so nothing queues behind it.
+        """
         ranks = list(range(self.size))
-        return self.view(ranks).apply_async(protocol.on_rank, name, *args).get(timeout=timeout)
+        ar = self.view(ranks).apply_async(protocol.on_rank, name, *args)
+        if not ar.wait(timeout):
+            late = ipp.still_running(ar, ranks)
+            ipp.abort(self.client, [ipp.msg_id(ar, ranks, r) for r in late], late)
+            raise TimeoutError(f"{describe_ranks(late)} did not answer within {timeout:g} s")
+        return ar.get()
+
+    def busy_ranks(self, ranks: list[int]) -> list[int]:
+        """Those of ``ranks`` still running (or queueing) a request of ours."""
+        return [r for r in ranks if ipp.has_pending_requests(self.client, r)]
 
     def pids(self) -> list[int]:
         """Every process of the cluster that we know of: ranks, nannies, controller, mpiexec."""

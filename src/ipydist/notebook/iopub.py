@@ -16,16 +16,16 @@ from typing import Any
 from ipyparallel.serialize import deserialize_object
 
 from ipydist.notebook import ipp
-from ipydist.protocol import METRICS_KEY, STATE_KEY
+from ipydist.protocol import CELL_KEY, METRICS_KEY, STATE_KEY
 
 #: Data-message keys the ranks send, and the kind of event each becomes.
-_DATA_EVENTS = {METRICS_KEY: "metrics", STATE_KEY: "state"}
+_DATA_EVENTS = {METRICS_KEY: "metrics", STATE_KEY: "state", CELL_KEY: "cell"}
 
 
 @dataclass
 class Event:
     rank: int
-    # "stdout" | "stderr" | "display_data" | "execute_result" | "metrics" | "state"
+    # "stdout" | "stderr" | "display_data" | "execute_result" | "metrics" | "state" | "cell"
     kind: str
     content: Any
 
@@ -98,6 +98,11 @@ class IOPubCollector:
                     self.events.put(Event(rank, _DATA_EVENTS[key], value))
 
         return on_iopub
+
+    def cell_state(self, rank: int) -> str | None:
+        """What ``rank`` last said of the cell ("started", "ended" or None), read straight
+        from what ipyparallel has received (an event may not have been queued yet)."""
+        return (self._futures[rank].output.metadata.get("data") or {}).get(CELL_KEY)
 
     def drain(self) -> list[Event]:
         out = []

@@ -1,8 +1,9 @@
 """The few ipyparallel internals ipydist relies on, in one place.
 
-ipyparallel has no public API for "which of this request's engines are done" or "does this
-client have a request pending on engine N"; both are read from attributes that have been
-stable since ipyparallel 7. If a release changes them, this module is the one to adapt.
+ipyparallel has no public API for "which of this request's engines are done", "does this
+client have a request pending on engine N" or "stop waiting for this reply"; all are read from
+(or written to) attributes that have been stable since ipyparallel 7. If a release changes
+them, this module is the one to adapt.
 """
 
 from __future__ import annotations
@@ -37,3 +38,28 @@ def has_pending_requests(client, engine_id: int) -> bool:
     """
     uuid = client._engines.get(engine_id)
     return bool(uuid and client._outstanding_dict.get(uuid))
+
+
+def msg_id(async_result, targets: list[int], rank: int) -> str:
+    """The id of ``rank``'s request within ``async_result`` (a request sent to ``targets``)."""
+    return async_result.msg_ids[targets.index(rank)]
+
+
+def replies(async_result, targets: list[int]) -> dict[int, object]:
+    """rank -> reply (a result, or the exception it raised) for the ranks that replied."""
+    return {rank: child.result() for rank, child in per_rank(async_result, targets).items()
+            if child.done()}
+
+
+def abort(client, msg_ids: list[str], ranks: list[int]) -> None:
+    """Ask ``ranks`` to skip these requests if they have not begun them (the engine answers
+    "aborted" when it reaches one); a request already running goes on."""
+    client.abort(jobs=list(msg_ids), targets=list(ranks), block=False)
+
+
+def forget(client, msg_id: str) -> None:
+    """Stop waiting for a reply that will never come (it was lost on the way), so the engine
+    no longer counts as busy with it."""
+    client.outstanding.discard(msg_id)
+    for pending in client._outstanding_dict.values():
+        pending.discard(msg_id)

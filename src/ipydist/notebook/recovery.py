@@ -1,18 +1,23 @@
 """Notebook side of failure containment: release stuck ranks, then make the cluster usable.
 
 A rank that raised leaves the others waiting in a collective that cannot complete; an
-interrupted rank may be stuck the same way. A :class:`Release` sends each still-running rank
-``protocol.RELEASE_SIGNAL`` (``ipydist.rank.watcher`` on the rank turns it into a
+interrupted rank may be stuck the same way. A :class:`Release` sends each rank still running
+the cell ``protocol.RELEASE_SIGNAL`` (``ipydist.rank.watcher`` on the rank turns it into a
 KeyboardInterrupt in Python code, or breaks the connections of a collective), and once more a
-second later for ranks still running. :func:`recover` then asks every rank what it was doing,
-and rebuilds the process group on all of them when a release broke it or when the ranks no
-longer agree on how many collectives the group has run -- so nothing half-sent crosses into
-the next cell.
+second later for ranks still running. A signal only acts on a rank that is running the cell's
+code, so a rank that has not begun the cell when released has its request cancelled, and is
+signalled the moment it says it began, should the cancel come too late.
+
+:func:`recover` then has every rank recover together (``ipydist.rank.calls.recover``): they
+agree over MPI whether to rebuild the process group (a release broke it, or the ranks no
+longer agree on how many collectives it ran), rebuild it, and put drifted tensors back in
+step -- all of them or none, within deadlines, so nothing half-sent crosses into the next cell
+and no rank is left waiting.
 """
 
 from __future__ import annotations
 
-import time
+import itertools
 
 from ipydist import protocol
 from ipydist.notebook import ipp
@@ -20,57 +25,74 @@ from ipydist.specs import describe_ranks
 
 #: After a release, how long before a second one, which breaks communication regardless.
 RELEASE_RETRY_SECONDS = 1.0
-#: How long an interrupt waits in all for the ranks to stop.
-INTERRUPT_WAIT_SECONDS = 4.0
+#: How long, after the first release, released ranks get to stop before the cell ends anyway.
+STOP_WAIT_SECONDS = 8.0
+
+#: Numbers recoveries, whose messages between ranks are tagged with it (see rank.consensus).
+_recovery_numbers = itertools.count()
 
 
 class Release:
     """Releases the ranks still running one cell: at most twice, the second time no sooner
     than RELEASE_RETRY_SECONDS after the first."""
 
-    def __init__(self, cluster):
+    def __init__(self, cluster, async_result, targets: list[int]):
         self.cluster = cluster
+        self.ar = async_result
+        self.targets = targets
         self.count = 0
+        self.first: float | None = None
         self.last: float | None = None
         #: Every rank released so far.
         self.ranks: list[int] = []
+        #: Ranks that said they began the cell's code (only those a signal can release).
+        self.began: set[int] = set()
+        #: Released before they began: their request was cancelled; signalled if they begin.
+        self.before_start: set[int] = set()
 
     def due(self, now: float) -> bool:
         """Whether a (further) release may be sent now."""
         return self.count < 2 and (self.last is None or now >= self.last + RELEASE_RETRY_SECONDS)
 
     def send(self, ranks: list[int], now: float) -> None:
-        self.cluster.signal(protocol.RELEASE_SIGNAL, ranks)
+        begun = [r for r in ranks if r in self.began]
+        if begun:
+            self.cluster.signal(protocol.RELEASE_SIGNAL, begun)
+        waiting = [r for r in ranks if r not in self.began and r not in self.before_start]
+        if waiting:
+            ipp.abort(self.cluster.client,
+                      [ipp.msg_id(self.ar, self.targets, r) for r in waiting], waiting)
+            self.before_start.update(waiting)
         self.ranks = sorted(set(self.ranks) | set(ranks))
+        self.first = now if self.first is None else self.first
         self.last = now
         self.count += 1
 
+    def rank_began(self, rank: int) -> None:
+        """``rank`` said it began the cell's code: release it now if it was released before."""
+        self.began.add(rank)
+        if rank in self.before_start:
+            self.before_start.discard(rank)
+            self.cluster.signal(protocol.RELEASE_SIGNAL, [rank])
 
-def interrupt(release: Release, ar, targets: list[int]) -> list[int]:
-    """Stop the ranks still running the cell (Ctrl-C, ``--timeout``): release them, again a
-    second later if any is still running, and wait a little for them."""
-    running = ipp.still_running(ar, targets)
-    if not running:
-        return running
-    release.send(running, time.monotonic())
-    if not ar.wait(RELEASE_RETRY_SECONDS):
-        release.send(ipp.still_running(ar, targets), time.monotonic())
-        ar.wait(INTERRUPT_WAIT_SECONDS - RELEASE_RETRY_SECONDS)
-    return running
+    def given_up(self, now: float) -> bool:
+        """Whether released ranks had their time to stop (the cell then ends without them)."""
+        return self.first is not None and now >= self.first + STOP_WAIT_SECONDS
 
 
 def recover(cluster, released: list[int], restart: str) -> list[str]:
-    """After a failed or interrupted cell: what the released ranks were doing, and a rebuilt
-    process group where needed. Returns lines for the cell's message; ``restart`` names how
-    the user starts a fresh cluster, should rebuilding fail."""
+    """After a failed or interrupted cell, with every rank idle: what the released ranks were
+    doing, and the ranks back in step. Returns lines for the cell's message; ``restart``
+    names how the user starts a fresh cluster, should the recovery fail."""
     try:
-        states = cluster.call("state", timeout=10)
+        replies = cluster.call("recover", next(_recovery_numbers), bool(released),
+                               timeout=protocol.RECOVERY_WAIT_SECONDS)
     except Exception as e:  # a rank that died or hangs: its own report says more
-        return [f"could not check the ranks' process group afterwards: {e}"]
+        return [f"The ranks could not recover together ({e}): run {restart}."]
     notes = []
     doing: dict[str, list[int]] = {}  # what a released rank was doing -> those ranks
-    for rank, state in enumerate(states):
-        found = state["release"]
+    for rank, reply in enumerate(replies):
+        found = reply["release"]
         if found is not None and rank in released:
             doing.setdefault(_what_it_was_doing(found), []).append(rank)
     for what, who in doing.items():
@@ -82,31 +104,22 @@ def recover(cluster, released: list[int], restart: str) -> list[str]:
             verb = "was" if one else "were"
             note = f"{describe_ranks(who)} {verb} {what}, and {verb} released."
         notes.append(note[0].upper() + note[1:])
-    seqs = {s["seq"] for s in states if s["seq"] is not None}
-    if any(s["broken"] for s in states) or len(seqs) > 1:
-        t0 = time.perf_counter()
-        try:
-            cluster.call("repair", timeout=120)
-        except Exception as e:
-            notes.append(f"Rebuilding the process group failed ({e}): run {restart}.")
-            return notes
-        note = (f"The process group was rebuilt on every rank in "
-                f"{time.perf_counter() - t0:.1f} s, so collectives work in the next cell.")
-        if any(s.get("ddp") for s in states):
+    failed = sorted({reply["failed"] for reply in replies if reply["failed"]})
+    if failed:
+        notes.append(f"Recovery gave up on every rank ({'; '.join(failed)}), so collectives "
+                     f"will not work: run {restart}.")
+        return notes
+    if replies[0]["rebuilt"]:
+        note = "The process group was rebuilt on every rank, so collectives work in the next cell."
+        if any(reply["ddp"] for reply in replies):
             note += " Wrap your DistributedDataParallel model again: it keeps the old group."
         notes.append(note)
-    if released:
-        try:
-            fixed = cluster.call("resync", timeout=120)[0]
-        except Exception as e:
-            notes.append(f"Checking that the ranks' models are still identical failed ({e}).")
-        else:
-            if fixed:
-                notes.append(
-                    f"{fixed} parameter or optimizer-state tensor{'s' if fixed > 1 else ''} "
-                    "differed between ranks after the interruption; rank 0's values were "
-                    "copied to every rank."
-                )
+    fixed = replies[0]["fixed"]
+    if fixed:
+        notes.append(
+            f"{fixed} parameter or optimizer-state tensor{'s' if fixed > 1 else ''} differed "
+            "between ranks after the interruption; rank 0's values were copied to every rank."
+        )
     return notes
 
 

@@ -59,6 +59,7 @@ def bootstrap(env: dict[str, str] | None = None):
     rt.backend = device.resolve_backend(config.backend, rt.device_index)
     runtime.set_runtime(rt)
     runtime.install_reuse_shim()
+    runtime.track_ddp_models()
     watcher.break_communication_with(runtime.break_communication)
     if config.init:
         try:

@@ -1,21 +1,21 @@
 """The functions the notebook runs on every rank, by name, through
 :func:`ipydist.protocol.on_rank` (so the kernel never imports this module, nor torch).
 
-Each is a small question or repair: what the rank is, what a release found, rebuild the
-process group, put drifted tensors back in step.
+Each is a small question or repair: what the rank is, and after a failed or interrupted cell
+what a release found and bringing the ranks back in step (collectively, with a deadline).
 """
 
 from __future__ import annotations
 
-import gc
 import os
 import socket
+import time
 
 import torch.distributed as dist
 from IPython import get_ipython
-from torch.nn.parallel import DistributedDataParallel
 
-from ipydist.rank import watcher
+from ipydist import protocol
+from ipydist.rank import consensus, watcher
 from ipydist.torch import consistency, runtime
 
 
@@ -51,27 +51,87 @@ def info() -> dict:
     }
 
 
-def state() -> dict:
-    """After a failed or interrupted cell: what a release found, whether the group is broken,
-    the group's collective count (ranks whose counts differ must rebuild), and whether a DDP
-    model exists (it keeps the old group, so the user must wrap it again)."""
+#: Recovery's deadlines, in seconds from when a rank takes the request (see protocol).
+ARRIVE_SECONDS = protocol.RECOVERY_ARRIVE_SECONDS
+REBUILD_SECONDS = protocol.RECOVERY_REBUILD_SECONDS
+RESYNC_SECONDS = protocol.RECOVERY_RESYNC_SECONDS
+
+
+def recover(number: int, resync: bool) -> dict:
+    """After a failed or interrupted cell, on every rank at once: report what the release
+    found, and bring the ranks back in step -- together or not at all.
+
+    The ranks first agree (over MPI, which a release never breaks: ``consensus.agree``)
+    whether the process group must be rebuilt: a release broke it, or the ranks no longer
+    agree on how many collectives it ran. Then they rebuild it, agree that every rank
+    succeeded, and, when ``resync`` (ranks were released mid-cell), put drifted parameters
+    back in step. Each step has a deadline; a rank that misses one, or hears that another
+    did, drops the group and says why (the notebook tells the user to restart), so nothing
+    the recovery started lives on and no rank waits for the others past RECOVERY_SECONDS.
+    ``number`` is this recovery's number (the notebook counts them), which tags its messages.
+    """
+    start = time.monotonic()
     consistency.abandon_pending()  # the failed cell's half-done gradient averaging is void
     rt = runtime.get()
-    out = {"release": watcher.take_report(), "broken": bool(rt and rt.broken), "seq": None,
-           "ddp": any(isinstance(o, DistributedDataParallel) for o in gc.get_objects())}
-    if rt is not None and rt.group is not None and not rt.broken:
+    out = {"release": watcher.take_report(), "rebuilt": False, "fixed": 0, "failed": None,
+           "ddp": runtime.has_ddp_model()}
+    if rt is None or rt.control_comm is None:
+        return out  # not started by mpiexec: a world of one, nothing to agree on
+    comm = rt.control_comm
+    broken = bool(rt.broken)
+    seq = _collective_count(rt)
+    votes = consensus.agree(comm, number, 0, [int(broken), seq], start + ARRIVE_SECONDS)
+    if votes is None:
+        return _give_up(out, "not every rank joined the recovery in time")
+    if any(b for b, _ in votes) or len({s for _, s in votes}) > 1:
+        failure = None
         try:
-            out["seq"] = rt.group._get_sequence_number_for_group()
-        except Exception:
-            pass
+            runtime.rebuild_process_group(
+                timeout_s=max(REBUILD_SECONDS - (time.monotonic() - start), 1.0))
+        except Exception as e:
+            failure = f"rebuilding the process group failed on rank {rt.rank}: {e}"
+        votes = consensus.agree(comm, number, 2, [int(failure is None)],
+                                start + REBUILD_SECONDS)
+        if votes is None or not all(ok for (ok,) in votes):
+            return _give_up(out, failure or "rebuilding the process group failed on "
+                            + _who(votes, "another rank"))
+        out["rebuilt"] = True
+    if resync:
+        failure, fixed = None, 0
+        try:
+            fixed = consistency.resync(
+                timeout_s=RESYNC_SECONDS - (time.monotonic() - start))
+        except Exception as e:
+            failure = f"checking that the models are identical failed on rank {rt.rank}: {e}"
+        votes = consensus.agree(comm, number, 3, [int(failure is None)],
+                                start + RESYNC_SECONDS)
+        if votes is None or not all(ok for (ok,) in votes):
+            return _give_up(out, failure or "checking that the models are identical failed on "
+                            + _who(votes, "another rank"))
+        out["fixed"] = fixed
     return out
 
 
-def repair() -> None:
-    """Rebuild the default process group (collective: every rank calls it at once)."""
-    runtime.rebuild_process_group()
+def _collective_count(rt) -> int:
+    """How many collectives the group has run (-1 when unknown or broken)."""
+    if rt.group is None or rt.broken:
+        return -1
+    try:
+        return int(rt.group._get_sequence_number_for_group())
+    except Exception:
+        return -1
 
 
-def resync() -> int:
-    """Copy rank 0's values of tracked tensors that differ (collective); how many differed."""
-    return consistency.resync()
+def _who(votes, fallback: str) -> str:
+    if votes is None:
+        return fallback
+    bad = [str(r) for r, (ok,) in enumerate(votes) if not ok]
+    return f"rank{'s' if len(bad) > 1 else ''} {', '.join(bad)}" if bad else fallback
+
+
+def _give_up(out: dict, why: str) -> dict:
+    """Leave the process group dropped (collectives then raise, saying to restart)."""
+    watcher.log(f"recovery gave up: {why}")
+    runtime.abandon_process_group()
+    out["failed"] = why
+    return out

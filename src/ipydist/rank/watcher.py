@@ -24,7 +24,7 @@ notebook when this rank has been waiting in one collective for a while
 (:mod:`ipydist.rank.sampler`).
 
 A second signal in the same cell does both. Either way the process group is then marked
-broken, and the notebook side rebuilds it on every rank (``ipydist.rank.calls.repair``) before
+broken, and the notebook side rebuilds it on every rank (``ipydist.rank.calls.recover``) before
 the next cell, so no half-finished collective's bytes cross into it.
 
 This module imports neither torch nor MPI: it is installed before either starts a thread. The
@@ -40,7 +40,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ipydist.protocol import RELEASE_SIGNAL, STATE_KEY
+from ipydist.protocol import CELL_KEY, RELEASE_SIGNAL, STATE_KEY
 from ipydist.rank import channel, sampler
 
 #: How long a release waits for a rank in Python code to end its cell by itself (see _settle).
@@ -82,20 +82,23 @@ def _cell_started(*_) -> None:
     # (ipykernel puts its own back after the reply)
     signal.signal(signal.SIGINT, _interrupt_cell)
     _in_cell = True
+    channel.publish(CELL_KEY, "started")
 
 
 def _cell_ended(*_) -> None:
     global _in_cell
     _in_cell = False
+    # before the reply: if the reply is lost, the notebook knows the rank is done all the same
+    channel.publish(CELL_KEY, "ended")
 
 
 def _interrupt_cell(signum, frame) -> None:
     if _in_cell:
         raise KeyboardInterrupt
-    _log("an interrupt arrived after the cell ended: ignored")
+    log("an interrupt arrived after the cell ended: ignored")
 
 
-def _log(text: str) -> None:
+def log(text: str) -> None:
     """To the rank's own stderr (mpiexec's output), never to a cell's output."""
     try:
         print(f"ipydist: rank watcher: {text}", file=sys.__stderr__, flush=True)
@@ -123,7 +126,7 @@ def _watch() -> None:
             elif report := collectives.sample(_main_frame(), time.monotonic()):
                 channel.publish(STATE_KEY, report)
         except Exception as e:  # never let the watcher die
-            _log(str(e))
+            log(str(e))
 
 
 def _main_frame():
@@ -134,7 +137,7 @@ def _on_release() -> dict | None:
     """Get the main thread out of whatever it waits in (see the module docstring)."""
     global _last, _released_this_cell
     if not _in_cell:  # the cell ended (or has not begun): a release must not touch the rest
-        _log("a release arrived outside a cell: nothing to release")
+        log("a release arrived outside a cell: nothing to release")
         return None
     _released_this_cell += 1
     force = _released_this_cell > 1
@@ -142,12 +145,14 @@ def _on_release() -> dict | None:
     broke = False
     if what is not None or force:
         broke = _break_communication() if _break_communication is not None else False
-    if what is None and not ended:
+    if not ended and (what is None or force):
         # a real SIGINT aimed at the main thread: it also cuts short a blocking call such as
         # time.sleep (interrupt_main() would wait for that call to return); the handler checks
-        # once more that the cell is still running
+        # once more that the cell is still running. The second release sends it even to a rank
+        # in a collective: whatever the collective does next, the rank then leaves the cell.
         signal.pthread_kill(_main_ident, signal.SIGINT)
     _last = {"what": what, "broke": broke, "ended": ended, "time": time.time()}
+
     return _last
 
 

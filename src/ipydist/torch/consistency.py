@@ -17,6 +17,7 @@ needed: tracking lasts exactly as long as the model's memory does.
 
 from __future__ import annotations
 
+import datetime
 import gc
 import weakref
 
@@ -78,32 +79,48 @@ def tracked() -> list[torch.Tensor]:
     return sorted(seen.values(), key=lambda t: (tuple(t.shape), str(t.dtype)))
 
 
-def resync(root_rank: int = 0) -> int:
+def resync(root_rank: int = 0, timeout_s: float | None = None) -> int:
     """Broadcast ``root_rank``'s copy of every tracked tensor that differs between ranks
-    (collective). Returns how many differed; 0 when the ranks were in step already."""
+    (collective). Returns how many differed; 0 when the ranks were in step already. With
+    ``timeout_s``, each collective raises after waiting that long (recovery's deadline)."""
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=max(timeout_s, 0.1))
+
+    def wait(work) -> None:
+        if timeout is None:
+            work.wait()
+        else:
+            work.wait(timeout)
+
     if not dist.is_initialized():
         return 0
-    # A model or optimizer the user replaced may still sit in a reference cycle (optimizer
-    # hooks refer back to it), waiting for the cycle collector, which runs at a different
-    # moment on each rank: collect now, so every rank tracks the same live tensors.
-    gc.collect()
     tensors = tracked()
-    # the largest and (negated) smallest count, so every rank reaches the same verdict
-    counts = torch.tensor([len(tensors), -len(tensors)], dtype=torch.int64)
-    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
-    if int(counts[0]) != -int(counts[1]):
-        raise RuntimeError("the ranks track different tensors: resynchronise by hand with "
-                           "hvd.broadcast_parameters(model.state_dict(), root_rank=0)")
+    if not _same_everywhere(len(tensors), wait):
+        # A model or optimizer the user replaced may still sit in a reference cycle (optimizer
+        # hooks refer back to it), waiting for the cycle collector, which runs at a different
+        # moment on each rank: collect, so every rank tracks the same live tensors. Only then:
+        # a full collection takes a second on a busy machine.
+        gc.collect()
+        tensors = tracked()
+        if not _same_everywhere(len(tensors), wait):
+            raise RuntimeError("the ranks track different tensors: resynchronise by hand with "
+                               "hvd.broadcast_parameters(model.state_dict(), root_rank=0)")
     if not tensors:
         return 0
     sums = torch.stack([_checksum(t) for t in tensors])
     lo, hi = sums.clone(), sums.clone()
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    wait(dist.all_reduce(lo, op=dist.ReduceOp.MIN, async_op=True))
+    wait(dist.all_reduce(hi, op=dist.ReduceOp.MAX, async_op=True))
     differ = [t for t, a, b in zip(tensors, lo.unbind(), hi.unbind()) if not torch.equal(a, b)]
     for t in differ:
-        dist.broadcast(t, src=root_rank)
+        wait(dist.broadcast(t, src=root_rank, async_op=True))
     return len(differ)
+
+
+def _same_everywhere(count: int, wait) -> bool:
+    """Whether every rank has ``count`` (collective): the largest and negated smallest."""
+    counts = torch.tensor([count, -count], dtype=torch.int64)
+    wait(dist.all_reduce(counts, op=dist.ReduceOp.MAX, async_op=True))
+    return int(counts[0]) == -int(counts[1])
 
 
 def _checksum(t: torch.Tensor) -> torch.Tensor:

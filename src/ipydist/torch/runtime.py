@@ -16,6 +16,7 @@ import inspect
 import os
 import socket
 import sys
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,14 @@ class Runtime:
     master_port: int = 0
     timeout_s: float = protocol.DEFAULT_PG_TIMEOUT
     comm: Any = None  # mpi4py communicator, when launched by mpiexec
+    #: The rendezvous store (a TCPStore served by rank 0), made once: every group after the
+    #: first meets under a prefix of its own (see :func:`init_process_group`).
+    base_store: Any = None
+    #: How many groups this rank has made (the prefix of the next one's rendezvous keys).
+    generation: int = 0
+    #: A duplicate of ``comm`` for ipydist's own messages (recovery's votes), so they never
+    #: meet user code's MPI calls.
+    control_comm: Any = None
     store: Any = None
     group: Any = None
     #: File descriptors of the group's gloo connections (what a release shuts down).
@@ -113,7 +122,7 @@ def topology_from_mpi(comm) -> Runtime:
     master_addr = os.environ.get(protocol.MASTER_ADDR_ENV) or master_addr
     return Runtime(
         rank=comm.rank, size=comm.size, local_rank=local_rank, local_size=local_size,
-        host=host, master_addr=master_addr, comm=comm,
+        host=host, master_addr=master_addr, comm=comm, control_comm=comm.Dup(),
     )
 
 
@@ -144,59 +153,89 @@ def export_torchrun_env(rt: Runtime) -> None:
     )
 
 
-def _make_store(rt: Runtime):
+def _make_store(rt: Runtime, timeout_s: float):
     """A TCPStore: rank 0 listens on a free port and tells the others over MPI."""
-    timeout = datetime.timedelta(seconds=rt.timeout_s)
+    timeout = datetime.timedelta(seconds=timeout_s)
     if rt.comm is None:
         if rt.size == 1 and not rt.master_port:
             return dist.TCPStore(rt.master_addr, 0, 1, True, timeout=timeout)
         return dist.TCPStore(
             rt.master_addr, rt.master_port, rt.size, rt.rank == 0, timeout=timeout
         )
+    def share_port(port: int) -> int:
+        return rt.comm.bcast(port, root=0)
+
     store = None
     port = 0
     if rt.rank == 0:
-        store = dist.TCPStore(
-            rt.master_addr, 0, rt.size, True, timeout=timeout, wait_for_workers=False
-        )
-        port = store.port
-    port = rt.comm.bcast(port, root=0)
+        try:
+            store = dist.TCPStore(
+                rt.master_addr, 0, rt.size, True, timeout=timeout, wait_for_workers=False
+            )
+            port = store.port
+        except Exception:
+            share_port(-1)  # the others must not wait for a port that will never come
+            raise
+    port = share_port(port)
+    if port < 0:
+        raise RuntimeError("rank 0 could not open the rendezvous store")
     if rt.rank != 0:
         store = dist.TCPStore(rt.master_addr, port, rt.size, False, timeout=timeout)
     rt.master_port = port
     return store
 
 
-def init_process_group(rt: Runtime, backend: str | None = None) -> None:
-    """Create the default process group for ``rt`` (collective: every rank calls it)."""
+def init_process_group(rt: Runtime, backend: str | None = None,
+                       timeout_s: float | None = None) -> None:
+    """Create the default process group for ``rt`` (collective: every rank calls it).
+
+    The first group makes the rendezvous store; later ones (a rebuild after a release, user
+    code that destroyed the group and makes it again) meet in the same store under a prefix
+    of their own, so no new port is opened and no old listener is left behind (a replaced
+    group is kept alive: see ``_retired_groups``). ``timeout_s`` bounds the rendezvous
+    (default: the group's own timeout).
+    """
     if rt.group is not None:
         _retire(rt.group)
     rt.backend = backend or rt.backend
-    rt.store = _make_store(rt)
+    rendezvous = datetime.timedelta(seconds=timeout_s or rt.timeout_s)
+    if rt.base_store is None:
+        rt.base_store = _make_store(rt, rendezvous.total_seconds())
+    else:
+        rt.base_store.set_timeout(rendezvous)
+    rt.generation += 1
+    rt.store = dist.PrefixStore(f"ipydist/group-{rt.generation}/", rt.base_store)
     export_torchrun_env(rt)
-    before = _connected_fds()
-    _original_init_process_group(
-        backend=rt.backend,
-        store=rt.store,
-        rank=rt.rank,
-        world_size=rt.size,
-        timeout=datetime.timedelta(seconds=rt.timeout_s),
-    )
+    before = _connections()
+    try:
+        _original_init_process_group(
+            backend=rt.backend,
+            store=rt.store,
+            rank=rt.rank,
+            world_size=rt.size,
+            timeout=datetime.timedelta(seconds=rt.timeout_s),
+        )
+    finally:  # the rendezvous is over: later store waits get the usual time
+        rt.base_store.set_timeout(datetime.timedelta(seconds=rt.timeout_s))
     rt.group = dist.group.WORLD
-    rt.comm_fds = sorted(_connected_fds() - before)
+    rt.comm_fds = sorted({fd for fd, local, remote in _connections() - before
+                          if rt.master_port not in (local[1], remote[1])})
     rt.broken = False
 
 
-def _connected_fds() -> set[int]:
-    """This process's connected TCP sockets: the group's gloo pairs are the ones its
-    creation adds (listening sockets excluded: shutting one down kills gloo's listener)."""
+def _connections() -> set[tuple]:
+    """This process's connected TCP sockets, as (fd, local address, remote address): the
+    group's gloo pairs are the ones its creation adds, less the rendezvous store's (listening
+    sockets excluded: shutting one down kills gloo's listener). The addresses matter: a socket
+    closed during the creation frees its fd number for a new pair, so fds alone would miss it."""
     import psutil
 
     try:
         connections = psutil.Process().net_connections(kind="tcp")
     except psutil.Error:  # some systems need privileges to list sockets: no release by socket
         return set()
-    return {c.fd for c in connections if c.fd != -1 and c.status == psutil.CONN_ESTABLISHED}
+    return {(c.fd, tuple(c.laddr), tuple(c.raddr)) for c in connections
+            if c.fd != -1 and c.status == psutil.CONN_ESTABLISHED}
 
 
 #: Groups that were destroyed or replaced, kept referenced for the life of the rank. Freeing a
@@ -247,14 +286,62 @@ def break_communication() -> bool:
     return True
 
 
-def rebuild_process_group() -> None:
-    """Replace the default process group with a new one (collective: every rank calls it)."""
+def rebuild_process_group(timeout_s: float | None = None) -> None:
+    """Replace the default process group with a new one (collective: every rank calls it),
+    its rendezvous bounded by ``timeout_s``. If that fails, the group stays broken."""
     if _runtime is None:
         return
-    if dist.is_initialized():
+    abandon_process_group()
+    init_process_group(_runtime, timeout_s=timeout_s)
+
+
+def abandon_process_group() -> None:
+    """Drop the default group ipydist made (it stays broken until rebuilt): what a recovery
+    that could not finish leaves, so that nothing it started lives on."""
+    rt = _runtime
+    if rt is None:
+        return
+    rt.broken = rt.group is not None or rt.broken
+    if owns_default_group(rt):
         _retire(dist.group.WORLD)  # kept referenced: see _retired_groups
         dist.destroy_process_group()
-    init_process_group(_runtime)
+    rt.group, rt.store, rt.comm_fds = None, None, []  # the base store stays, for a rebuild
+
+
+#: How often a wait for a collective looks whether a release broke the group meanwhile.
+_WAIT_POLL = datetime.timedelta(seconds=0.1)
+RELEASED_MESSAGE = ("this rank was released (a peer failed, or the cell was interrupted or "
+                    "timed out): its process group is broken until the cell ends and the ranks "
+                    "recover")
+
+
+def check_usable() -> None:
+    """Raise at once if a release broke the group: gloo may never complete an operation
+    posted on a connection it has already closed, so a rank that goes on calling collectives
+    after its release (a training loop) must not post another."""
+    if _runtime is not None and _runtime.broken and _runtime.group is not None:
+        raise RuntimeError(RELEASED_MESSAGE)
+
+
+def wait_for(work) -> None:
+    """Wait for a collective started with ``async_op=True``, raising at once if a release
+    breaks the group meanwhile (see :func:`check_usable`; NCCL's abort ends the wait itself)."""
+    if _runtime is None or _runtime.backend == "nccl":
+        work.wait()
+        return
+    while True:
+        try:
+            work.wait(_WAIT_POLL)
+            return
+        except RuntimeError as e:
+            if "timed out" not in str(e).lower():
+                raise
+            check_usable()
+
+
+def broken_message() -> str:
+    return ("this rank's process group was broken by a release (an interrupted or failed "
+            "cell) and could not be rebuilt: restart the cluster (%dist_restart)")
 
 
 def ensure_process_group() -> Runtime:
@@ -266,6 +353,8 @@ def ensure_process_group() -> Runtime:
         _runtime.device_index = _default_device_index(_runtime)
         _runtime.backend = "nccl" if _runtime.device_index is not None else "gloo"
     if not dist.is_initialized():
+        if _runtime.broken:  # a recovery gave up on it: a rebuild by one rank alone would hang
+            raise RuntimeError(broken_message())
         init_process_group(_runtime)
     return _runtime
 
@@ -332,6 +421,33 @@ def _plain_backend(asked, rt: Runtime | None) -> str | None:
     if name == "cpu:gloo,cuda:nccl" and rt.device_index is not None:
         return "nccl"
     return None
+
+
+#: Every DistributedDataParallel model made on this rank (see :func:`track_ddp_models`).
+_ddp_models: weakref.WeakSet = weakref.WeakSet()
+
+
+def track_ddp_models() -> None:
+    """Remember each DistributedDataParallel model made from now on, weakly: after a rebuild
+    the notebook asks the user to wrap one again, and only when one exists (looking through
+    every object instead takes a second on a busy machine)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    init = DistributedDataParallel.__init__
+    if getattr(init, "_ipydist_tracks", False):
+        return
+
+    @functools.wraps(init)
+    def tracking_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        _ddp_models.add(self)
+
+    tracking_init._ipydist_tracks = True
+    DistributedDataParallel.__init__ = tracking_init
+
+
+def has_ddp_model() -> bool:
+    return len(_ddp_models) > 0
 
 
 def install_reuse_shim() -> None:
