@@ -31,6 +31,9 @@ INIT_ENV = "IPYDIST_INIT"
 PG_TIMEOUT_ENV = "IPYDIST_PG_TIMEOUT"
 #: Overrides the address ranks use for the process-group rendezvous (``--env``).
 MASTER_ADDR_ENV = "IPYDIST_MASTER_ADDR"
+#: ``0`` turns off the check that every rank calls the same collective with the same shapes
+#: and dtypes before its data moves (``ipydist.torch.agreement``); users set it with ``--env``.
+CHECK_COLLECTIVES_ENV = "IPYDIST_CHECK_COLLECTIVES"
 DEFAULT_PG_TIMEOUT = 600.0
 
 

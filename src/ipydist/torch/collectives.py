@@ -3,6 +3,11 @@
 Each call makes sure the default process group exists first (user code may have destroyed it
 in an earlier cell), so the API works in any cell. Tensors may live on the CPU or on the
 rank's GPU; the backend ``%dist_start`` chose (gloo or NCCL) handles both.
+
+Each call first checks with the other ranks that they make the same call, with the same shape
+and dtype (:mod:`ipydist.torch.agreement`), so a mismatch raises on every rank instead of
+crashing one, corrupting the result or hanging. Each is marked with the torch.distributed
+collective it stands for, the name stall warnings give a rank that waits in that check.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from ipydist.torch import runtime
+from ipydist.rank.sampler import waits_for_peers
+from ipydist.torch import agreement, runtime
 
 
 class ReduceOp(enum.Enum):
@@ -72,10 +78,13 @@ def device() -> torch.device:
     return _rt().device
 
 
+@waits_for_peers("barrier")
 def barrier() -> None:
-    """Wait until every rank gets here."""
+    """Wait until every rank gets here (the check that every rank called it is the wait)."""
     rt = _rt()
-    if rt.backend == "nccl" and rt.device_index is not None:
+    if agreement.enabled():
+        agreement.agree("barrier")
+    elif rt.backend == "nccl" and rt.device_index is not None:
         dist.barrier(device_ids=[rt.device_index])
     else:
         dist.barrier()
@@ -87,6 +96,7 @@ def _check_op(op: ReduceOp) -> ReduceOp:
     return op
 
 
+@waits_for_peers("all_reduce")
 def allreduce_(
     tensor: torch.Tensor,
     op: ReduceOp = Average,
@@ -100,11 +110,12 @@ def allreduce_(
     for Horovod compatibility; torch.distributed matches collectives by order, not by name.
     """
     op = _check_op(op)
-    _rt()
+    agreement.agree("allreduce", tensor, op=op, prescale=prescale_factor,
+                    postscale=postscale_factor)
     if prescale_factor != 1.0:
         tensor.mul_(prescale_factor)
     t0 = time.perf_counter()
-    dist.all_reduce(tensor, op=_TORCH_OPS[op])
+    runtime.wait_for(dist.all_reduce(tensor, op=_TORCH_OPS[op], async_op=True))
     runtime.note_wait(time.perf_counter() - t0)
     if op is Average:
         if tensor.is_floating_point() or tensor.is_complex():
@@ -127,34 +138,35 @@ def allreduce(
     return allreduce_(tensor.detach().clone(), op, name, prescale_factor, postscale_factor)
 
 
+@waits_for_peers("all_gather")
 def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along the first dimension, in rank order.
 
-    The first dimension may differ between ranks; the others must match.
+    The first dimension may differ between ranks; the others must match. Each rank's first
+    dimension travels in the check's header, so the check costs allgather nothing.
     """
-    _rt()
     tensor = tensor.detach()
     if tensor.dim() == 0:
         tensor = tensor.reshape(1)
     world = size()
-    lengths = torch.tensor([tensor.shape[0]], dtype=torch.int64, device=tensor.device)
-    all_lengths = [torch.empty_like(lengths) for _ in range(world)]
-    dist.all_gather(all_lengths, lengths)
-    counts = [int(n.item()) for n in all_lengths]
+    counts = agreement.agree("allgather", tensor, shape=tensor.shape[1:],
+                             carried=tensor.shape[0])
     longest = max(counts)
     padded = tensor
     if tensor.shape[0] < longest:
         pad = tensor.new_zeros((longest - tensor.shape[0], *tensor.shape[1:]))
         padded = torch.cat([tensor, pad])
     gathered = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(gathered, padded.contiguous())
+    runtime.wait_for(dist.all_gather(gathered, padded.contiguous(), async_op=True))
     return torch.cat([g[:n] for g, n in zip(gathered, counts)])
 
 
+@waits_for_peers("broadcast")
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
     """Overwrite ``tensor`` on every rank with ``root_rank``'s value, in place."""
     _check_root(root_rank)
-    dist.broadcast(tensor, src=root_rank)
+    agreement.agree("broadcast", tensor, root=root_rank)
+    runtime.wait_for(dist.broadcast(tensor, src=root_rank, async_op=True))
     return tensor
 
 

@@ -12,21 +12,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ipydist.torch import consistency
+from ipydist.rank.sampler import waits_for_peers
+from ipydist.torch import agreement, consistency, runtime
 from ipydist.torch.collectives import _check_root, _rt, rank, size
 
 
+@waits_for_peers("broadcast_object_list")
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
     """Return ``root_rank``'s ``obj`` on every rank (any picklable object)."""
     _check_root(root_rank)
+    agreement.agree("broadcast_object", root=root_rank)
     box = [obj if rank() == root_rank else None]
     dist.broadcast_object_list(box, src=root_rank, device=_object_device())
     return box[0]
 
 
+@waits_for_peers("all_gather_object")
 def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
     """Every rank's ``obj``, as a list in rank order."""
-    _rt()
+    agreement.agree("allgather_object")
     out: list[Any] = [None] * size()
     dist.all_gather_object(out, obj)
     return out
@@ -56,20 +60,29 @@ def _named_tensors(params) -> list[tuple[str, torch.Tensor]]:
 
 
 @torch.no_grad()
+@waits_for_peers("broadcast")  # inside no_grad: its wrapper's code is shared by every user
 def broadcast_parameters(params, root_rank: int = 0) -> None:
     """Overwrite parameters on every rank with ``root_rank``'s, in place.
 
     ``params``: ``model.state_dict()``, ``model.named_parameters()``, or a list of pairs.
+    One check covers the whole call: the ranks agree on every group's dtype and size first,
+    so a rank with a different model raises before any of its broadcasts starts.
     """
     _check_root(root_rank)
     groups: dict[tuple, list[torch.Tensor]] = {}
     for _, t in _named_tensors(params):
         t = t.data if isinstance(t, torch.nn.Parameter) else t
         groups.setdefault((t.dtype, t.device), []).append(t)
+    first = next(iter(groups), (None, None))
+    agreement.agree(
+        "broadcast_parameters", dtype=first[0], device=first[1],
+        shape=[sum(t.numel() for t in tensors) for tensors in groups.values()], root=root_rank,
+        extra=agreement.plan_hash([f"{dtype}@{device.type}" for dtype, device in groups]),
+    )
     for tensors in groups.values():
         consistency.track_tensors(tensors)  # kept in step after an interrupt, too
         flat = torch.cat([t.reshape(-1) for t in tensors])
-        dist.broadcast(flat, src=root_rank)
+        runtime.wait_for(dist.broadcast(flat, src=root_rank, async_op=True))
         offset = 0
         for t in tensors:
             n = t.numel()

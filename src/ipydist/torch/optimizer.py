@@ -13,6 +13,11 @@ Each bucket carries one extra number per parameter, "this rank had a gradient", 
 gradients. A parameter that got no gradient on some ranks therefore never blocks the others
 (its bucket is sent with zeros by ``step()``), and one that got no gradient anywhere keeps
 ``grad = None``, as it would in a single process.
+
+Before the first bucket of each step leaves, the ranks check that they all send the same
+buckets (:mod:`ipydist.torch.agreement`): a rank with a different model raises, with the
+others, instead of aborting on gloo's "message sizes differ". One check per step, not per
+bucket: a blocking check before each bucket would cost the overlap with backward.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ipydist.rank.sampler import waits_for_peers
-from ipydist.torch import consistency, runtime
+from ipydist.torch import agreement, consistency, runtime
 from ipydist.torch.collectives import Average, ReduceOp, Sum, _rt, size
 from ipydist.torch.compression import Compression, Compressor
 
@@ -96,6 +101,10 @@ class _DistributedMixin:
                       for i, p in enumerate(bucket.params)}
         self._passes_left = {id(p): self._passes for p in params}
         self._next_launch = 0
+        self._step_agreed = False  # this step's buckets were checked against the other ranks'
+        self._plan = agreement.plan_hash(
+            [(b.numel, str(b.params[0].dtype), b.params[0].device.type) for b in self._buckets]
+            + [compression.__name__])
         self._grad_marks: list | None = None  # gradients as the last synchronize() left them
         self._skip_sync = False
         hook = self._make_hook() if len(self._buckets) > 1 else None
@@ -141,6 +150,8 @@ class _DistributedMixin:
 
     def _launch(self, bucket: _Bucket) -> None:
         """Pack the bucket (gradients, then one had-gradient flag per parameter) and send it."""
+        if not self._step_agreed:
+            self._agree_on_step()
         if bucket.buffer is None:
             bucket.allocate()
         flat = bucket.buffer
@@ -167,6 +178,21 @@ class _DistributedMixin:
         bucket.wire, bucket.ctx = self._compression.compress(flat)
         bucket.work = dist.all_reduce(bucket.wire, op=dist.ReduceOp.SUM, async_op=True)
 
+    @waits_for_peers("allreduce of gradients (DistributedOptimizer)")
+    def _agree_on_step(self) -> None:
+        """Check that every rank sends the same buckets this step. A mismatch leaves nothing
+        in flight, so the optimizer works again once the ranks agree."""
+        first = self._buckets[0].params[0]  # _launch runs only when there are buckets
+        try:
+            agreement.agree(
+                "optimizer step", dtype=first.dtype, device=first.device,
+                shape=[b.numel for b in self._buckets], op=self._op,
+                prescale=self._prescale, postscale=self._postscale, extra=self._plan)
+        except BaseException:
+            self._abandon_pending()
+            raise
+        self._step_agreed = True
+
     # --- at step ------------------------------------------------------------------------------
 
     @waits_for_peers("allreduce of gradients (DistributedOptimizer)")
@@ -184,7 +210,7 @@ class _DistributedMixin:
             self._next_launch += 1
         for bucket in self._buckets:
             t0 = time.perf_counter()
-            bucket.work.wait()
+            runtime.wait_for(bucket.work)
             runtime.note_wait(time.perf_counter() - t0)  # for the live view's straggler strip
             flat = self._compression.decompress(bucket.wire, bucket.ctx)
             had_grad = flat[bucket.numel:].tolist()
@@ -211,6 +237,7 @@ class _DistributedMixin:
             bucket.work = bucket.wire = bucket.ctx = None
             bucket.ready.clear()
         self._next_launch = 0
+        self._step_agreed = False
         self._passes_left = dict.fromkeys(self._passes_left, self._passes)
         self._grad_marks = self._current_marks()
 
@@ -222,6 +249,7 @@ class _DistributedMixin:
             bucket.work = bucket.wire = bucket.ctx = None
             bucket.ready.clear()
         self._next_launch = 0
+        self._step_agreed = False
         self._passes_left = dict.fromkeys(self._passes_left, self._passes)
         self._grad_marks = None
 
