@@ -80,10 +80,14 @@ def recover(number: int, resync: bool) -> dict:
     comm = rt.control_comm
     broken = bool(rt.broken)
     seq = _collective_count(rt)
-    votes = consensus.agree(comm, number, 0, [int(broken), seq], start + ARRIVE_SECONDS)
+    votes = consensus.agree(comm, number, 0, [int(broken), seq, int(rt.check_pending)],
+                            start + ARRIVE_SECONDS)
     if votes is None:
         return _give_up(out, "not every rank joined the recovery in time")
-    if any(b for b, _ in votes) or len({s for _, s in votes}) > 1:
+    if any(pending for _, _, pending in votes):  # a collective check was left unfinished
+        if not runtime.replace_check_comm(start + REBUILD_SECONDS):
+            return _give_up(out, "replacing the communicator of collective checks timed out")
+    if any(b for b, _, _ in votes) or len({s for _, s, _ in votes}) > 1:
         failure = None
         try:
             runtime.rebuild_process_group(

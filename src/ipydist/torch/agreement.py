@@ -11,11 +11,15 @@ the call, so even ranks in two different kinds of call meet in it safely. Every 
 every header and reaches the same verdict, so on a mismatch all of them raise the same
 RuntimeError, no data has moved, and the process group is fine for the next call.
 
-The exchange goes through torch.distributed on the rank's own group (its GPU's, with NCCL), so
-a rank that waits in it is released like one in any collective. It costs one small collective
-per call (``benchmarks/agreement.py`` measures it); ``IPYDIST_CHECK_COLLECTIVES=0`` or
-:func:`set_enabled` turns it off on every rank for the last microsecond. It checks what ipydist's
-own collectives are asked to do; raw torch.distributed calls and DDP's buckets go unchecked.
+Under mpiexec the exchange is an MPI all-gather on a communicator kept for it (a few
+microseconds where a gloo collective takes a fraction of a millisecond), polled from Python so
+that a release ends the wait; a check left unfinished that way is why the recovery replaces the
+communicator. Elsewhere it goes through torch.distributed on the rank's own group (its GPU's,
+with NCCL). Either way the wait happens inside the ipydist function that asked for the check,
+which is marked as the collective it stands for, so stall warnings and releases treat it as
+one. ``benchmarks/agreement.py`` measures the cost; ``IPYDIST_CHECK_COLLECTIVES=0`` or
+:func:`set_enabled` turns it off on every rank. It checks what ipydist's own collectives are
+asked to do; raw torch.distributed calls and DDP's buckets go unchecked.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import time
 import zlib
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -261,11 +266,16 @@ def agree(kind: str, tensor: torch.Tensor | None = None, *, dtype: torch.dtype |
 def _exchange(rt: runtime.Runtime, words: list[int]) -> list[list[int]]:
     """Every rank's header, in rank order.
 
-    Started asynchronously and waited for here, so that the innermost collective on the stack
-    is the ipydist function that called :func:`agree` (marked with the torch.distributed name
-    it stands for, e.g. ``all_reduce``): stall warnings and release reports name what the user
-    called, not this exchange.
+    Over MPI when mpiexec started the ranks: a nonblocking all-gather on a communicator kept
+    for these checks, polled from Python, costs microseconds where a gloo collective costs a
+    fraction of a millisecond. Otherwise through the process group. Either way it is waited
+    for here, so that the innermost collective on the stack is the ipydist function that
+    called :func:`agree` (marked with the torch.distributed name it stands for, e.g.
+    ``all_reduce``): stall warnings and release reports name what the user called, and a
+    release ends the wait (see ``runtime.wait_for_mpi``).
     """
+    if rt.check_comm is not None:
+        return _exchange_over_mpi(rt, words)
     device = rt.device if rt.backend == "nccl" else _CPU
     every, rows = _buffers.get((device, rt.size)) or _allocate(device, rt.size)
     mine = torch.tensor(words, dtype=torch.int64, device=device)
@@ -274,6 +284,14 @@ def _exchange(rt: runtime.Runtime, words: list[int]) -> list[list[int]]:
     found = every.tolist()  # with NCCL this is where the rank waits
     runtime.note_wait(time.perf_counter() - t0)  # the straggler strip counts it as waiting
     return found
+
+
+def _exchange_over_mpi(rt: runtime.Runtime, words: list[int]) -> list[list[int]]:
+    every = np.empty((rt.size, HEADER_WORDS), dtype=np.int64)
+    t0 = time.perf_counter()
+    runtime.wait_for_mpi(rt.check_comm.Iallgather(np.asarray(words, dtype=np.int64), every))
+    runtime.note_wait(time.perf_counter() - t0)  # the straggler strip counts it as waiting
+    return every.tolist()
 
 
 def _allocate(device: torch.device, size: int) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -16,6 +16,7 @@ import inspect
 import os
 import socket
 import sys
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,10 +50,19 @@ class Runtime:
     #: A duplicate of ``comm`` for ipydist's own messages (recovery's votes), so they never
     #: meet user code's MPI calls.
     control_comm: Any = None
+    #: Another duplicate, for the check that every rank makes the same collective call
+    #: (``ipydist.torch.agreement``); replaced when a release left a check unfinished.
+    check_comm: Any = None
+    #: A check on ``check_comm`` began and has not finished (a release, or an interrupt, left
+    #: it behind): the communicator must be replaced on every rank before the next check.
+    check_pending: bool = False
     store: Any = None
     group: Any = None
     #: File descriptors of the group's gloo connections (what a release shuts down).
     comm_fds: list[int] = field(default_factory=list)
+    #: Threads the group's creation started (gloo's event loop and workers): see
+    #: :func:`_idle_threads_of_replaced_group`.
+    group_threads: list[int] = field(default_factory=list)
     #: A release broke the group's connections: it must be rebuilt before it is used again.
     broken: bool = False
 
@@ -123,6 +133,7 @@ def topology_from_mpi(comm) -> Runtime:
     return Runtime(
         rank=comm.rank, size=comm.size, local_rank=local_rank, local_size=local_size,
         host=host, master_addr=master_addr, comm=comm, control_comm=comm.Dup(),
+        check_comm=comm.Dup(),
     )
 
 
@@ -207,6 +218,7 @@ def init_process_group(rt: Runtime, backend: str | None = None,
     rt.store = dist.PrefixStore(f"ipydist/group-{rt.generation}/", rt.base_store)
     export_torchrun_env(rt)
     before = _connections()
+    threads_before = _thread_ids()
     try:
         _original_init_process_group(
             backend=rt.backend,
@@ -220,6 +232,7 @@ def init_process_group(rt: Runtime, backend: str | None = None,
     rt.group = dist.group.WORLD
     rt.comm_fds = sorted({fd for fd, local, remote in _connections() - before
                           if rt.master_port not in (local[1], remote[1])})
+    rt.group_threads = sorted(_thread_ids() - threads_before)
     rt.broken = False
 
 
@@ -301,11 +314,37 @@ def abandon_process_group() -> None:
     rt = _runtime
     if rt is None:
         return
+    _idle_threads_of_replaced_group(rt.group_threads)
     rt.broken = rt.group is not None or rt.broken
     if owns_default_group(rt):
         _retire(dist.group.WORLD)  # kept referenced: see _retired_groups
         dist.destroy_process_group()
-    rt.group, rt.store, rt.comm_fds = None, None, []  # the base store stays, for a rebuild
+    rt.group, rt.store, rt.comm_fds, rt.group_threads = None, None, [], []  # base store stays
+
+
+def _thread_ids() -> set[int]:
+    try:
+        return {int(t) for t in os.listdir("/proc/self/task")}
+    except OSError:  # not Linux
+        return set()
+
+
+def _idle_threads_of_replaced_group(threads: list[int]) -> None:
+    """Let a replaced group's threads run only when a core is otherwise idle.
+
+    A replaced group is kept alive (see ``_retired_groups``). When a release shut its
+    connections down -- on this rank or on a peer -- gloo's event loop for it can go on
+    waking for the closed connections, spinning on a core for the life of the rank. It cannot
+    be stopped from outside, so its threads move to SCHED_IDLE: training and the next group
+    never wait for them."""
+    policy = getattr(os, "SCHED_IDLE", None)
+    if policy is None:
+        return
+    for tid in threads:
+        try:
+            os.sched_setscheduler(tid, policy, os.sched_param(0))
+        except OSError:
+            pass  # the thread has ended
 
 
 #: How often a wait for a collective looks whether a release broke the group meanwhile.
@@ -337,6 +376,45 @@ def wait_for(work) -> None:
             if "timed out" not in str(e).lower():
                 raise
             check_usable()
+
+
+#: Polling an MPI request: yield the core for this long first (peers that arrive together
+#: finish in microseconds), then sleep a little between tests (a rank far behind keeps the
+#: others from spinning on cores it needs).
+_MPI_YIELD_SECONDS = 0.002
+_MPI_SLEEP_SECONDS = 0.0002
+
+
+def wait_for_mpi(request) -> None:
+    """Wait for a nonblocking MPI operation of ipydist's on ``check_comm``, polling from
+    Python: a release ends the wait (:func:`check_usable`, or the KeyboardInterrupt a
+    release sends), which a blocking MPI call would not allow. A wait left that way leaves
+    the operation pending, and the communicator is replaced by the recovery."""
+    rt = _runtime
+    rt.check_pending = True
+    start = time.monotonic()
+    while not request.Test():
+        check_usable()
+        if time.monotonic() - start < _MPI_YIELD_SECONDS:
+            os.sched_yield()
+        else:
+            time.sleep(_MPI_SLEEP_SECONDS)
+    rt.check_pending = False
+
+
+def replace_check_comm(deadline: float) -> bool:
+    """A fresh ``check_comm`` (collective, nonblocking, given up at ``deadline``): a check a
+    release left unfinished would otherwise be matched by the next one."""
+    rt = _runtime
+    if rt is None or rt.control_comm is None:
+        return True
+    fresh, request = rt.control_comm.Idup()
+    while not request.Test():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)
+    rt.check_comm, rt.check_pending = fresh, False
+    return True
 
 
 def broken_message() -> str:
