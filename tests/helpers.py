@@ -73,3 +73,22 @@ def run_cell(shell, capsys, code: str):
     result = shell.run_cell(code)
     out, err = capsys.readouterr()
     return result, plain(out), plain(err)
+
+
+def run_cell_killing_a_rank(shell, capsys, session, rank: int, after: float = 1.0):
+    """Run a cell in which ``rank`` is killed with SIGKILL ``after`` seconds in (the others
+    wait in a collective, then sleep); return (ExecutionResult, seconds from the kill to the
+    end of the cell, the killed pid)."""
+    import os
+    import signal
+    import threading
+
+    victim = session.ranks[rank]["pid"]
+    killer = threading.Timer(after, os.kill, (victim, signal.SIGKILL))
+    killer.start()
+    t0 = time.monotonic()
+    result, _, _ = run_cell(shell, capsys,
+                            "%everyrank hvd.allreduce_(torch.ones(2)); time.sleep(60)")
+    elapsed = time.monotonic() - t0 - after
+    killer.join()
+    return result, elapsed, victim

@@ -16,7 +16,7 @@ import threading
 import time
 
 import pytest
-from helpers import NP, plain, run_cell, wait_gone
+from helpers import NP, plain, run_cell, run_cell_killing_a_rank, wait_gone
 from IPython.core.error import UsageError
 
 from ipydist.errors import CellTimeout, RankDied, RankError
@@ -188,14 +188,7 @@ def test_same_error_everywhere_needs_no_release_and_no_rebuild(shell, capsys, fa
 def test_a_killed_rank_is_reported_within_5_s_and_restart_starts_fresh(shell, capsys,
                                                                        fast_cluster):
     old = fast_cluster.cluster.pids()
-    victim = fast_cluster.ranks[2]["pid"]
-    killer = threading.Timer(1.0, os.kill, (victim, signal.SIGKILL))
-    killer.start()
-    t0 = time.monotonic()
-    result, _, _ = run_cell(shell, capsys,
-                            "%everyrank hvd.allreduce_(torch.ones(2)); time.sleep(60)")
-    elapsed = time.monotonic() - t0 - 1.0
-    killer.join()
+    result, elapsed, victim = run_cell_killing_a_rank(shell, capsys, fast_cluster, rank=2)
     error = result.error_in_exec
     assert isinstance(error, RankDied), error  # its own error type, shown as one line
     assert error._render_traceback_() == [f"RankDied: {error}"]

@@ -20,14 +20,13 @@ import _thread
 import os
 import random
 import re
-import signal
 import subprocess
 import sys
 import threading
 import time
 
 import pytest
-from helpers import NP, run_cell, wait_gone
+from helpers import NP, run_cell, run_cell_killing_a_rank, wait_gone
 
 from ipydist.errors import CellInterrupted, CellTimeout, RankDied, RankError
 
@@ -163,14 +162,7 @@ print(hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item())
 def test_loaded_a_killed_rank_is_reported_within_5_s_and_restart_works(shell, capsys, loaded,
                                                                        trial):
     old = loaded.cluster.pids()
-    victim = loaded.ranks[1]["pid"]
-    killer = threading.Timer(1.0, os.kill, (victim, signal.SIGKILL))
-    killer.start()
-    t0 = time.monotonic()
-    result, _, _ = run_cell(shell, capsys,
-                            "%everyrank hvd.allreduce_(torch.ones(2)); time.sleep(60)")
-    elapsed = time.monotonic() - t0 - 1.0
-    killer.join()
+    result, elapsed, _ = run_cell_killing_a_rank(shell, capsys, loaded, rank=1)
     assert isinstance(result.error_in_exec, RankDied), result.error_in_exec
     _report(f"kill to report: {elapsed:.2f} s")
     assert elapsed < 5, f"reported {elapsed:.1f} s after the kill"

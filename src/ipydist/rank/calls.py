@@ -88,32 +88,36 @@ def recover(number: int, resync: bool) -> dict:
         if not runtime.replace_check_comm(start + REBUILD_SECONDS):
             return _give_up(out, "replacing the communicator of collective checks timed out")
     if any(b for b, _, _ in votes) or len({s for _, s, _ in votes}) > 1:
-        failure = None
-        try:
-            runtime.rebuild_process_group(
-                timeout_s=max(REBUILD_SECONDS - (time.monotonic() - start), 1.0))
-        except Exception as e:
-            failure = f"rebuilding the process group failed on rank {rt.rank}: {e}"
-        votes = consensus.agree(comm, number, 2, [int(failure is None)],
-                                start + REBUILD_SECONDS)
-        if votes is None or not all(ok for (ok,) in votes):
-            return _give_up(out, failure or "rebuilding the process group failed on "
-                            + _who(votes, "another rank"))
+        failed = _together(comm, number, 2, start + REBUILD_SECONDS,
+                           "rebuilding the process group", lambda: runtime.rebuild_process_group(
+                               timeout_s=max(REBUILD_SECONDS - (time.monotonic() - start), 1.0)))
+        if failed:
+            return _give_up(out, failed)
         out["rebuilt"] = True
     if resync:
-        failure, fixed = None, 0
-        try:
-            fixed = consistency.resync(
-                timeout_s=RESYNC_SECONDS - (time.monotonic() - start))
-        except Exception as e:
-            failure = f"checking that the models are identical failed on rank {rt.rank}: {e}"
-        votes = consensus.agree(comm, number, 3, [int(failure is None)],
-                                start + RESYNC_SECONDS)
-        if votes is None or not all(ok for (ok,) in votes):
-            return _give_up(out, failure or "checking that the models are identical failed on "
-                            + _who(votes, "another rank"))
-        out["fixed"] = fixed
+        fixed = []
+        failed = _together(comm, number, 3, start + RESYNC_SECONDS,
+                           "checking that the models are identical",
+                           lambda: fixed.append(consistency.resync(
+                               timeout_s=RESYNC_SECONDS - (time.monotonic() - start))))
+        if failed:
+            return _give_up(out, failed)
+        out["fixed"] = fixed[0]
     return out
+
+
+def _together(comm, number: int, step: int, deadline: float, what: str, action) -> str | None:
+    """Do ``action`` on this rank, then agree that it succeeded on every rank by
+    ``deadline``; None if it did, else why not (the same on every rank that heard)."""
+    failure = None
+    try:
+        action()
+    except Exception as e:
+        failure = f"{what} failed on rank {comm.Get_rank()}: {e}"
+    votes = consensus.agree(comm, number, step, [int(failure is None)], deadline)
+    if votes is not None and all(ok for (ok,) in votes):
+        return None
+    return failure or f"{what} failed on {_who(votes, 'another rank')}"
 
 
 def _collective_count(rt) -> int:

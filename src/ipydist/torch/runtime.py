@@ -379,10 +379,11 @@ def wait_for(work) -> None:
 
 
 #: Polling an MPI request: yield the core for this long first (peers that arrive together
-#: finish in microseconds), then sleep a little between tests (a rank far behind keeps the
-#: others from spinning on cores it needs).
+#: finish in microseconds), then sleep between tests, a twentieth of the time waited so far,
+#: at most _MPI_SLEEP_MAX (a rank far behind must not find its peers spinning on its cores,
+#: nor starve the engine's heartbeat).
 _MPI_YIELD_SECONDS = 0.002
-_MPI_SLEEP_SECONDS = 0.0002
+_MPI_SLEEP_MAX = 0.02
 
 
 def wait_for_mpi(request) -> None:
@@ -395,10 +396,11 @@ def wait_for_mpi(request) -> None:
     start = time.monotonic()
     while not request.Test():
         check_usable()
-        if time.monotonic() - start < _MPI_YIELD_SECONDS:
+        waited = time.monotonic() - start
+        if waited < _MPI_YIELD_SECONDS:
             os.sched_yield()
         else:
-            time.sleep(_MPI_SLEEP_SECONDS)
+            time.sleep(min(waited / 20, _MPI_SLEEP_MAX))
     rt.check_pending = False
 
 
