@@ -70,8 +70,6 @@ class CellRun:
         self.failure_grace = float(timeout) if timeout else session.failure_grace
         self.first_failure: tuple[int, float] | None = None  # (rank, when)
         self.release = recovery.Release(self.cluster, async_result, targets)
-        #: Ranks released because another failed: their errors are a consequence.
-        self.released: list[int] = []
         #: rank -> when it said it ended the cell's code (its reply should follow at once)
         self.ended: dict[int, float] = {}
         #: Ranks whose reply was lost on the way (they ended the cell, and are idle).
@@ -97,7 +95,6 @@ class CellRun:
                     if self.first_failure is not None and not self.unstopped:
                         # a rank raised before the deadline: its error is the story, and the
                         # others were released as after the failure grace
-                        self.released = sorted(set(self.released) | set(running))
                         break
                     notes = self._recover(running)
                     raise CellTimeout(" ".join([
@@ -129,6 +126,11 @@ class CellRun:
         if self.lost:
             raise ReplyLost(self._lost_note())
         return self.result
+
+    @property
+    def released(self) -> list[int]:
+        """Ranks released in this cell: after a failure their errors are a consequence."""
+        return self.release.ranks
 
     def _all_done(self) -> bool:
         """Whether every rank replied, or can no longer: it lost its reply, or was released and
@@ -223,7 +225,6 @@ class CellRun:
         blocked = all(rank in self.stalls.waiting for rank in running)
         if blocked or now >= self.first_failure[1] + self.failure_grace:
             self._release(running, now)
-            self.released = self.release.ranks
 
     def _warn_of_stall(self) -> None:
         if not self.stalls.waiting:
