@@ -67,6 +67,28 @@ def _running(pid: int) -> bool:
         return False
 
 
+#: A cell whose output shows that collectives work on every rank (after a failure, a restart).
+CHECK_NEXT_CELL = (
+    "%everyrank print(hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum).item())"
+)
+
+
+def assert_collectives_work(shell, capsys):
+    result, out, err = run_cell(shell, capsys, CHECK_NEXT_CELL)
+    assert result.error_in_exec is None, err
+    assert f"[all ranks] {float(sum(range(NP)))}" in out, out
+
+
+def restart_and_check(shell, capsys, old_pids, imports: str) -> None:
+    """``%dist_restart``; nothing of the old cluster keeps running; after ``imports``,
+    collectives work on the new one."""
+    result, _, err = run_cell(shell, capsys, "%dist_restart")
+    assert result.error_in_exec is None, err
+    assert wait_gone(old_pids) == [], "nothing of the old cluster keeps running"
+    run_cell(shell, capsys, f"%everyrank {imports}")
+    assert_collectives_work(shell, capsys)
+
+
 def run_cell(shell, capsys, code: str):
     """Run ``code`` as a cell; return (ExecutionResult, stdout, stderr), colours removed."""
     capsys.readouterr()

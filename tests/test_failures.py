@@ -16,7 +16,14 @@ import threading
 import time
 
 import pytest
-from helpers import NP, plain, run_cell, run_cell_killing_a_rank, wait_gone
+from helpers import (
+    NP,
+    assert_collectives_work,
+    plain,
+    restart_and_check,
+    run_cell,
+    run_cell_killing_a_rank,
+)
 from IPython.core.error import UsageError
 
 from ipydist.errors import CellTimeout, RankDied, RankError
@@ -26,23 +33,12 @@ from ipydist.specs import parse_ranks
 GRACE = 1.0  # the tests' failure grace (the default is 10 s)
 RUNS = 10
 
-CHECK_NEXT_CELL = (
-    "%everyrank print(hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum).item())"
-)
-
-
 @pytest.fixture
 def fast_cluster(cluster, shell, capsys):
     saved, cluster.failure_grace = cluster.failure_grace, GRACE
     run_cell(shell, capsys, "%everyrank import time, torch, ipydist.torch as hvd")
     yield cluster
     cluster.failure_grace = saved
-
-
-def assert_collectives_work(shell, capsys):
-    result, out, err = run_cell(shell, capsys, CHECK_NEXT_CELL)
-    assert result.error_in_exec is None, err
-    assert f"[all ranks] {float(sum(range(NP)))}" in out, out
 
 
 def run_interrupted(shell, capsys, code: str, after: float = 1.0):
@@ -204,11 +200,7 @@ def test_a_killed_rank_is_reported_within_5_s_and_restart_starts_fresh(shell, ca
     result, _, _ = run_cell(shell, capsys, "%everyrank 1")
     assert "died" in str(result.error_in_exec), "a cell on a dead cluster fails at once"
 
-    result, _, err = run_cell(shell, capsys, "%dist_restart")
-    assert result.error_in_exec is None, err
-    assert wait_gone(old) == [], "nothing of the old cluster keeps running"
-    run_cell(shell, capsys, "%everyrank import time, torch, ipydist.torch as hvd")
-    assert_collectives_work(shell, capsys)
+    restart_and_check(shell, capsys, old, "import time, torch, ipydist.torch as hvd")
 
 
 def test_after_an_interrupt_models_that_drifted_apart_are_resynchronised(shell, capsys,
@@ -360,8 +352,4 @@ def test_a_dead_controller_ends_the_cell_within_5_s_and_restart_works(shell, cap
     assert f"the ipyparallel controller (pid {controller}) is gone" in str(error), str(error)
     assert "%dist_restart" in str(error)
     assert elapsed < 5, f"reported {elapsed:.1f} s after the kill"
-    result, _, err = run_cell(shell, capsys, "%dist_restart")
-    assert result.error_in_exec is None, err
-    assert wait_gone(old) == [], "nothing of the old cluster keeps running"
-    run_cell(shell, capsys, "%everyrank import time, torch, ipydist.torch as hvd")
-    assert_collectives_work(shell, capsys)
+    restart_and_check(shell, capsys, old, "import time, torch, ipydist.torch as hvd")

@@ -19,26 +19,16 @@ import time
 
 import psutil
 import pytest
-from helpers import NP, run_cell
+from helpers import CHECK_NEXT_CELL, NP, assert_collectives_work, run_cell
 
 from ipydist.errors import CellTimeout, ReplyLost
 from ipydist.notebook import cell, mpiexec, recovery
-
-CHECK_NEXT_CELL = (
-    "%everyrank print(hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum).item())"
-)
 
 
 @pytest.fixture
 def ranks(cluster, shell, capsys):
     run_cell(shell, capsys, "%everyrank import signal, time, torch, ipydist.torch as hvd")
     return cluster
-
-
-def assert_collectives_work(shell, capsys):
-    result, out, err = run_cell(shell, capsys, CHECK_NEXT_CELL)
-    assert result.error_in_exec is None, err
-    assert f"[all ranks] {float(sum(range(NP)))}" in out, out
 
 
 def test_a_lost_reply_ends_the_cell_naming_the_rank(ranks, shell, capsys):

@@ -26,7 +26,13 @@ import threading
 import time
 
 import pytest
-from helpers import NP, run_cell, run_cell_killing_a_rank, wait_gone
+from helpers import (
+    NP,
+    assert_collectives_work,
+    restart_and_check,
+    run_cell,
+    run_cell_killing_a_rank,
+)
 
 from ipydist.errors import CellInterrupted, CellTimeout, RankDied, RankError
 
@@ -34,11 +40,6 @@ TRIALS = int(os.environ.get("IPYDIST_TEST_TRIALS", "2"))
 CHAOS_CELLS = int(os.environ.get("IPYDIST_TEST_CHAOS_CELLS", "10"))
 #: Seed of the chaos test's draws (printed, so a failure can be replayed).
 CHAOS_SEED = int(os.environ.get("IPYDIST_TEST_CHAOS_SEED", str(int(time.time()) % 100000)))
-
-CHECK_NEXT_CELL = (
-    "%everyrank print(hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum).item())"
-)
-
 
 @pytest.fixture
 def hogs():
@@ -63,12 +64,6 @@ def loaded(cluster, shell, capsys, hogs):
 def _report(line: str) -> None:
     """A measurement for whoever runs the tests (``make stress`` quotes them), past capture."""
     print(f"ipydist-measure: {line}", file=sys.__stderr__, flush=True)
-
-
-def assert_collectives_work(shell, capsys):
-    result, out, err = run_cell(shell, capsys, CHECK_NEXT_CELL)
-    assert result.error_in_exec is None, err
-    assert f"[all ranks] {float(sum(range(NP)))}" in out, out
 
 
 @pytest.mark.parametrize("trial", range(TRIALS))
@@ -166,11 +161,7 @@ def test_loaded_a_killed_rank_is_reported_within_5_s_and_restart_works(shell, ca
     assert isinstance(result.error_in_exec, RankDied), result.error_in_exec
     _report(f"kill to report: {elapsed:.2f} s")
     assert elapsed < 5, f"reported {elapsed:.1f} s after the kill"
-    result, _, err = run_cell(shell, capsys, "%dist_restart")
-    assert result.error_in_exec is None, err
-    assert wait_gone(old) == [], "nothing of the old cluster keeps running"
-    run_cell(shell, capsys, "%everyrank import sys, time, torch, ipydist.torch as hvd")
-    assert_collectives_work(shell, capsys)
+    restart_and_check(shell, capsys, old, "import sys, time, torch, ipydist.torch as hvd")
 
 
 CHAOS_SETUP = """%%everyrank
