@@ -15,7 +15,7 @@ import time
 import pytest
 from helpers import NP, run_cell
 
-from ipydist.errors import RankError
+from ipydist.errors import CellTimeout, RankError
 from ipydist.protocol import CHECK_COLLECTIVES_ENV
 from ipydist.torch import agreement
 
@@ -88,12 +88,16 @@ def test_a_mismatch_raises_on_every_rank(shell, capsys, hvd_cluster, code, expec
     assert_every_rank_raised(shell, capsys, f"%everyrank {code}", expected)
 
 
-@pytest.mark.parametrize("bucket_cap_mb, sizes, last_sizes", [
-    (25, "(58,)", "(65,)"),  # one bucket: no hooks, checked in step()
-    (1e-7, "(2, 16, 8, 32)", "(2, 18, 9, 36)"),  # a bucket per parameter: checked in backward
+@pytest.mark.parametrize("bucket_cap_mb, sizes, last_sizes, zeroed_by", [
+    # one bucket: no hooks; the check is sent at zero_grad(), collected in step()
+    (25, "(58,)", "(65,)", "opt"),
+    # a bucket per parameter: collected when the first bucket leaves, in backward
+    (1e-7, "(2, 16, 8, 32)", "(2, 18, 9, 36)", "opt"),
+    # the optimizer's zero_grad() not called: the check is made in step()
+    (25, "(58,)", "(65,)", "model"),
 ])
 def test_a_rank_with_a_different_model_raises_in_distributed_optimizer(
-        shell, capsys, hvd_cluster, bucket_cap_mb, sizes, last_sizes):
+        shell, capsys, hvd_cluster, bucket_cap_mb, sizes, last_sizes, zeroed_by):
     setup = f"""%%everyrank
 def make(width):
     torch.manual_seed(0)
@@ -106,7 +110,7 @@ def make(width):
 
 def train(steps):
     for _ in range(steps):
-        opt.zero_grad()
+        {zeroed_by}.zero_grad()
         model(torch.randn(3, 4)).sum().backward()
         opt.step()
 
@@ -129,21 +133,91 @@ print(bool(hvd.allreduce(w, op=hvd.Max).equal(hvd.allreduce(w, op=hvd.Min))))
     assert "[all ranks] True" in out, out
 
 
-def test_a_rank_that_calls_allreduce_while_the_others_step_raises_with_them(
+def test_the_recovery_ignores_an_optimizer_kept_alive_by_an_old_traceback(
         shell, capsys, hvd_cluster):
+    """After a mismatch, each rank's last traceback holds the optimizer of the model that
+    mismatched. A later release replaces that traceback on the released ranks only, so the
+    recovery's "same tensors everywhere?" must not count what only a traceback keeps alive."""
+    setup = f"""%%everyrank
+def make(width):
+    model = torch.nn.Linear(width, 2)
+    return model, hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                           named_parameters=model.named_parameters())
+
+def step():
+    model.zero_grad()  # not the optimizer's: the mismatch raises inside step()
+    model(torch.randn(3, model.in_features)).sum().backward()
+    opt.step()
+
+model, opt = make(4 + (hvd.rank() == {LAST}))
+step()
+"""
+    result, _, err = run_cell(shell, capsys, setup)
+    assert isinstance(result.error_in_exec, RankError), err
+    result, _, err = run_cell(shell, capsys, "%everyrank model, opt = make(4); step()")
+    assert result.error_in_exec is None, err
+    result, _, err = run_cell(
+        shell, capsys, "%%everyrank --timeout 3\nif hvd.rank() != 0:\n    hvd.barrier()\n")
+    assert isinstance(result.error_in_exec, CellTimeout), err
+    assert "Recovery gave up" not in str(result.error_in_exec), result.error_in_exec
+    result, out, err = run_cell(shell, capsys, NEXT_CELL)
+    assert result.error_in_exec is None, err
+    assert f"[all ranks] {float(NP)}" in out, out
+
+
+def test_a_rank_that_calls_allreduce_instead_of_a_step_raises_with_the_others(
+        shell, capsys, hvd_cluster):
+    """The others' step was announced at zero_grad(): it meets the allreduce's header there,
+    and every rank raises (see the next test for a call between zero_grad() and step())."""
     run_cell(shell, capsys, """%%everyrank
 model = torch.nn.Linear(4, 2)
 opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                named_parameters=model.named_parameters())
 """)
     assert_every_rank_raised(shell, capsys, f"""%%everyrank
-opt.zero_grad()
-model(torch.randn(3, 4)).sum().backward()
 if hvd.rank() == {LAST}:
     hvd.allreduce(torch.ones(1))
-opt.step()
+else:
+    opt.zero_grad()
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
 """, f"ranks called different collectives: ranks 0-{LAST - 1} optimizer step, rank {LAST} "
      "allreduce")
+
+
+def test_the_step_checked_at_zero_grad_lets_other_collectives_come_before_it(
+        shell, capsys, hvd_cluster):
+    """zero_grad() sends the step's check ahead; collectives the ranks all make before step()
+    (a metric, a broadcast) meet in order after it, and a step with no zero_grad() before it
+    is checked where its first bucket leaves."""
+    result, out, err = run_cell(shell, capsys, """%%everyrank
+from ipydist.torch import agreement, runtime
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 2)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                               named_parameters=model.named_parameters())
+sent = []
+real = agreement._exchange
+agreement._exchange = lambda *args: sent.append(1) or real(*args)
+try:
+    for i in range(3):
+        opt.zero_grad()
+        announced = runtime.get().announced and opt._announced is not None
+        model(torch.randn(3, 4) + hvd.rank()).sum().backward()
+        total = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item()
+        opt.step()
+    model.zero_grad()  # not the optimizer's: nothing is announced, step() checks itself
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+finally:
+    agreement._exchange = real
+w = model.weight.detach()
+same = bool(hvd.allreduce(w, op=hvd.Max).equal(hvd.allreduce(w, op=hvd.Min)))
+print(announced, total, len(sent), same, len(runtime.get().announced))
+""")
+    assert result.error_in_exec is None, err
+    # three allreduces and the last step exchanged headers on the spot; the announced ones not
+    assert f"[all ranks] True {float(NP)} 4 True 0" in out, out
 
 
 def test_a_rank_waiting_in_the_check_is_reported_in_the_collective_it_called(

@@ -149,6 +149,43 @@ if hvd.rank() != 0:
     assert f"[all ranks] {float(NP)}" in out, out
 
 
+def test_a_collective_between_zero_grad_and_step_on_one_rank_is_a_named_stall(
+        shell, capsys, stall_cluster):
+    """What the check sent ahead at zero_grad() cannot catch (see ipydist.torch.optimizer): the
+    extra call and the others' gradients wait for each other. No rank crashes, the warning
+    names both calls, the timeout ends the cell, and the optimizer trains on afterwards."""
+    last = NP - 1
+    # made beforehand: a process's first torch optimizer imports torch._dynamo (seconds)
+    result, out, err = run_cell(shell, capsys, """%%everyrank
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 2)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                               named_parameters=model.named_parameters())
+""")
+    assert result.error_in_exec is None, err
+    result, out, err = run_cell(shell, capsys, f"""%%everyrank --timeout 6
+opt.zero_grad()
+model(torch.randn(3, 4)).sum().backward()
+if hvd.rank() == {last}:
+    hvd.allreduce(torch.ones(1))
+opt.step()
+""")
+    assert isinstance(result.error_in_exec, CellTimeout), err
+    assert (f"different collectives (ranks 0-{last - 1} in allreduce of gradients "
+            f"(DistributedOptimizer); rank {last} in all_reduce)") in err, (
+        err, result.error_in_exec)
+    result, out, err = run_cell(shell, capsys, """%%everyrank
+for _ in range(3):
+    opt.zero_grad()
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+w = model.weight.detach()
+print(bool(hvd.allreduce(w, op=hvd.Max).equal(hvd.allreduce(w, op=hvd.Min))))
+""")
+    assert result.error_in_exec is None, err
+    assert "[all ranks] True" in out, out
+
+
 def test_a_busy_training_loop_raises_no_warning(shell, capsys, stall_cluster):
     shell.user_ns["THRESHOLD"] = THRESHOLD
     run_cell(shell, capsys, "%dist_push THRESHOLD")

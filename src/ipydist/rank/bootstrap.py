@@ -35,7 +35,7 @@ def bootstrap(env: dict[str, str] | None = None):
 
     import torch  # after the watcher and CUDA_VISIBLE_DEVICES
 
-    from ipydist.torch import runtime
+    from ipydist.torch import runtime, shims
 
     rt = runtime.topology_from_mpi(comm)
     # OMP_NUM_THREADS from the user (--env) wins; otherwise share the host's cores.
@@ -58,8 +58,8 @@ def bootstrap(env: dict[str, str] | None = None):
 
     rt.backend = device.resolve_backend(config.backend, rt.device_index)
     runtime.set_runtime(rt)
-    runtime.install_reuse_shim()
-    runtime.track_ddp_models()
+    shims.install_reuse_shim()
+    shims.track_ddp_models()
     watcher.break_communication_with(runtime.break_communication)
     if config.init:
         try:

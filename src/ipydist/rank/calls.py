@@ -16,7 +16,7 @@ from IPython import get_ipython
 
 from ipydist import protocol
 from ipydist.rank import consensus, watcher
-from ipydist.torch import consistency, runtime
+from ipydist.torch import consistency, runtime, shims, waiting
 
 
 def attach() -> dict:
@@ -74,18 +74,19 @@ def recover(number: int, resync: bool) -> dict:
     consistency.abandon_pending()  # the failed cell's half-done gradient averaging is void
     rt = runtime.get()
     out = {"release": watcher.take_report(), "rebuilt": False, "fixed": 0, "failed": None,
-           "ddp": runtime.has_ddp_model()}
+           "ddp": shims.has_ddp_model()}
     if rt is None or rt.control_comm is None:
         return out  # not started by mpiexec: a world of one, nothing to agree on
     comm = rt.control_comm
     broken = bool(rt.broken)
     seq = _collective_count(rt)
-    votes = consensus.agree(comm, number, 0, [int(broken), seq, int(rt.check_pending)],
+    checks_left = rt.check_pending or bool(rt.announced)
+    votes = consensus.agree(comm, number, 0, [int(broken), seq, int(checks_left)],
                             start + ARRIVE_SECONDS)
     if votes is None:
         return _give_up(out, "not every rank joined the recovery in time")
     if any(pending for _, _, pending in votes):  # a collective check was left unfinished
-        if not runtime.replace_check_comm(start + REBUILD_SECONDS):
+        if not waiting.replace_check_comm(start + REBUILD_SECONDS):
             return _give_up(out, "replacing the communicator of collective checks timed out")
     if any(b for b, _, _ in votes) or len({s for _, s, _ in votes}) > 1:
         failed = _together(comm, number, 2, start + REBUILD_SECONDS,

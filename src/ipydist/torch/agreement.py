@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from ipydist import protocol
 from ipydist.specs import describe_ranks
-from ipydist.torch import runtime
+from ipydist.torch import runtime, waiting
 
 #: The kinds of call that are checked; a header holds a kind's position here, plus one.
 KINDS = ("allreduce", "allgather", "broadcast", "broadcast_object", "allgather_object",
@@ -235,6 +235,66 @@ def _by_rank(values: list, show, verb: bool = True) -> str:
     return ", ".join(parts)
 
 
+class Announced:
+    """A header this rank sent ahead of its call (see :func:`announce`)."""
+
+    __slots__ = ("request", "mine", "every", "settled", "problem")
+
+    def __init__(self, request, mine: np.ndarray, every: np.ndarray) -> None:
+        self.request, self.mine, self.every = request, mine, every  # MPI reads them meanwhile
+        self.settled = False
+        self.problem: str | None = None
+
+
+def announce(words: np.ndarray) -> Announced | None:
+    """Send this rank's header for a call it will make soon, without waiting for the others.
+
+    The optimizer announces its step at ``zero_grad()``, so that by the time its first bucket
+    leaves, the exchange has long finished and the check costs a test, not a wait: a blocking
+    check there made every step wait for the slowest rank's backward plus a wake-up, 10 % of
+    a short step. Exchanges on ``check_comm`` are matched in the order they are posted, so an
+    announced header meets the other ranks' announced headers, and every later check is
+    matched after it. Only over MPI (a collective posted ahead through torch.distributed would
+    meet the data of the other ranks' next collective). ``words``: the call's :func:`header`
+    as int64 (a caller that announces often builds it once). None where nothing was sent.
+    """
+    rt = runtime.get()
+    if not _enabled or rt is None or rt.size == 1 or rt.check_comm is None or rt.broken:
+        return None
+    every = np.empty((rt.size, HEADER_WORDS), dtype=np.int64)
+    found = Announced(rt.check_comm.Iallgather(words, every), words, every)
+    rt.announced.append(found)
+    return found
+
+
+def usable(announced: Announced | None) -> bool:
+    """Whether a call can rely on what it announced: sent, on the current communicator, and
+    not found to mismatch (a mismatch raised already; the call checks again)."""
+    if announced is None or announced.problem is not None:
+        return False
+    rt = runtime.get()
+    return announced.settled or (rt is not None and announced in rt.announced)
+
+
+def settle(upto: Announced | None = None) -> None:
+    """Finish the announced exchanges in the order they were sent, up to ``upto`` (all of them
+    when None), raising on the first that shows a mismatch. Every check does this first, so a
+    rank whose announced call never came still meets the others' announcements in order."""
+    rt = runtime.get()
+    if upto is not None and upto.settled:
+        return
+    while rt is not None and rt.announced:
+        found = rt.announced[0]
+        waiting.wait_for_mpi(found.request)
+        rt.announced.popleft()
+        found.settled = True
+        found.problem = disagreement(found.every.tolist())
+        if found.problem is not None:
+            raise RuntimeError(found.problem)
+        if found is upto:
+            return
+
+
 def agree(kind: str, tensor: torch.Tensor | None = None, *, dtype: torch.dtype | None = None,
           device: torch.device | None = None, shape: Sequence[int] | None = None,
           op: enum.Enum | str | None = None, root: int = -1, prescale: float = 1.0,
@@ -247,7 +307,9 @@ def agree(kind: str, tensor: torch.Tensor | None = None, *, dtype: torch.dtype |
     rank order (allgather sends its first dimension that way, at no extra cost).
     """
     rt = runtime.ensure_process_group()
-    runtime.check_usable()
+    waiting.check_usable()
+    if rt.announced:
+        settle()
     if rt.size == 1 or not (_enabled or carried is not None):
         return None if carried is None else [carried]
     if tensor is not None:
@@ -272,7 +334,7 @@ def _exchange(rt: runtime.Runtime, words: list[int]) -> list[list[int]]:
     for here, so that the innermost collective on the stack is the ipydist function that
     called :func:`agree` (marked with the torch.distributed name it stands for, e.g.
     ``all_reduce``): stall warnings and release reports name what the user called, and a
-    release ends the wait (see ``runtime.wait_for_mpi``).
+    release ends the wait (see ``waiting.wait_for_mpi``).
     """
     if rt.check_comm is not None:
         return _exchange_over_mpi(rt, words)
@@ -280,7 +342,7 @@ def _exchange(rt: runtime.Runtime, words: list[int]) -> list[list[int]]:
     every, rows = _buffers.get((device, rt.size)) or _allocate(device, rt.size)
     mine = torch.tensor(words, dtype=torch.int64, device=device)
     t0 = time.perf_counter()
-    runtime.wait_for(dist.all_gather(rows, mine, async_op=True))
+    waiting.wait_for(dist.all_gather(rows, mine, async_op=True))
     found = every.tolist()  # with NCCL this is where the rank waits
     runtime.note_wait(time.perf_counter() - t0)  # the straggler strip counts it as waiting
     return found
@@ -289,7 +351,7 @@ def _exchange(rt: runtime.Runtime, words: list[int]) -> list[list[int]]:
 def _exchange_over_mpi(rt: runtime.Runtime, words: list[int]) -> list[list[int]]:
     every = np.empty((rt.size, HEADER_WORDS), dtype=np.int64)
     t0 = time.perf_counter()
-    runtime.wait_for_mpi(rt.check_comm.Iallgather(np.asarray(words, dtype=np.int64), every))
+    waiting.wait_for_mpi(rt.check_comm.Iallgather(np.asarray(words, dtype=np.int64), every))
     runtime.note_wait(time.perf_counter() - t0)  # the straggler strip counts it as waiting
     return every.tolist()
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ipydist.rank.sampler import waits_for_peers
-from ipydist.torch import agreement, runtime
+from ipydist.torch import agreement, runtime, waiting
 
 
 class ReduceOp(enum.Enum):
@@ -115,7 +115,7 @@ def allreduce_(
     if prescale_factor != 1.0:
         tensor.mul_(prescale_factor)
     t0 = time.perf_counter()
-    runtime.wait_for(dist.all_reduce(tensor, op=_TORCH_OPS[op], async_op=True))
+    waiting.wait_for(dist.all_reduce(tensor, op=_TORCH_OPS[op], async_op=True))
     runtime.note_wait(time.perf_counter() - t0)
     if op is Average:
         if tensor.is_floating_point() or tensor.is_complex():
@@ -157,7 +157,7 @@ def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
         pad = tensor.new_zeros((longest - tensor.shape[0], *tensor.shape[1:]))
         padded = torch.cat([tensor, pad])
     gathered = [torch.empty_like(padded) for _ in range(world)]
-    runtime.wait_for(dist.all_gather(gathered, padded.contiguous(), async_op=True))
+    waiting.wait_for(dist.all_gather(gathered, padded.contiguous(), async_op=True))
     return torch.cat([g[:n] for g, n in zip(gathered, counts)])
 
 
@@ -166,7 +166,7 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) ->
     """Overwrite ``tensor`` on every rank with ``root_rank``'s value, in place."""
     _check_root(root_rank)
     agreement.agree("broadcast", tensor, root=root_rank)
-    runtime.wait_for(dist.broadcast(tensor, src=root_rank, async_op=True))
+    waiting.wait_for(dist.broadcast(tensor, src=root_rank, async_op=True))
     return tensor
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import sys
 import weakref
 
 import torch
@@ -97,8 +98,10 @@ def resync(root_rank: int = 0, timeout_s: float | None = None) -> int:
     if not _same_everywhere(len(tensors), wait):
         # A model or optimizer the user replaced may still sit in a reference cycle (optimizer
         # hooks refer back to it), waiting for the cycle collector, which runs at a different
-        # moment on each rank: collect, so every rank tracks the same live tensors. Only then:
-        # a full collection takes a second on a busy machine.
+        # moment on each rank, or be held by the frames of the last exception a rank raised:
+        # forget that and collect, so every rank tracks the same live tensors. Only then: a
+        # full collection takes a second on a busy machine.
+        _forget_last_exception()
         gc.collect()
         tensors = tracked()
         if not _same_everywhere(len(tensors), wait):
@@ -114,6 +117,22 @@ def resync(root_rank: int = 0, timeout_s: float | None = None) -> int:
     for t in differ:
         wait(dist.broadcast(t, src=root_rank, async_op=True))
     return len(differ)
+
+
+def _forget_last_exception() -> None:
+    """Drop the exception kept for ``%debug`` (``sys.last_value`` and friends, and IPython's
+    traceback formatter's copy). Its frames hold the locals of the cell that raised, e.g. the
+    optimizer of a model the user has replaced since; ranks that raised at different cells
+    hold different ones. Nobody debugs post mortem on a rank (an engine has no terminal), and
+    the error was shown."""
+    for name in ("last_exc", "last_value", "last_traceback", "last_type"):
+        if hasattr(sys, name):
+            setattr(sys, name, None)
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    formatter = getattr(shell, "InteractiveTB", None)
+    if formatter is not None and hasattr(formatter, "tb"):
+        formatter.tb = None
 
 
 def _same_everywhere(count: int, wait) -> bool:

@@ -10,14 +10,11 @@ Outside an ipydist cluster (a script under ``torchrun``) the torchrun variables 
 
 from __future__ import annotations
 
+import collections
 import datetime
-import functools
-import inspect
 import os
 import socket
 import sys
-import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +53,9 @@ class Runtime:
     #: A check on ``check_comm`` began and has not finished (a release, or an interrupt, left
     #: it behind): the communicator must be replaced on every rank before the next check.
     check_pending: bool = False
+    #: Checks sent ahead of their call on ``check_comm`` and not yet finished, oldest first
+    #: (``agreement.announce``); like ``check_pending``, they make the recovery replace it.
+    announced: collections.deque = field(default_factory=collections.deque)
     store: Any = None
     group: Any = None
     #: File descriptors of the group's gloo connections (what a release shuts down).
@@ -75,7 +75,6 @@ class Runtime:
 
 _runtime: Runtime | None = None
 _original_init_process_group = dist.init_process_group
-_reuse_announced = False
 #: Seconds this rank spent blocked in ipydist's collectives since :func:`take_waited` last ran.
 _waited = 0.0
 
@@ -347,78 +346,6 @@ def _idle_threads_of_replaced_group(threads: list[int]) -> None:
             pass  # the thread has ended
 
 
-#: How often a wait for a collective looks whether a release broke the group meanwhile.
-_WAIT_POLL = datetime.timedelta(seconds=0.1)
-RELEASED_MESSAGE = ("this rank was released (a peer failed, or the cell was interrupted or "
-                    "timed out): its process group is broken until the cell ends and the ranks "
-                    "recover")
-
-
-def check_usable() -> None:
-    """Raise at once if a release broke the group: gloo may never complete an operation
-    posted on a connection it has already closed, so a rank that goes on calling collectives
-    after its release (a training loop) must not post another."""
-    if _runtime is not None and _runtime.broken and _runtime.group is not None:
-        raise RuntimeError(RELEASED_MESSAGE)
-
-
-def wait_for(work) -> None:
-    """Wait for a collective started with ``async_op=True``, raising at once if a release
-    breaks the group meanwhile (see :func:`check_usable`; NCCL's abort ends the wait itself)."""
-    if _runtime is None or _runtime.backend == "nccl":
-        work.wait()
-        return
-    while True:
-        try:
-            work.wait(_WAIT_POLL)
-            return
-        except RuntimeError as e:
-            if "timed out" not in str(e).lower():
-                raise
-            check_usable()
-
-
-#: Polling an MPI request: yield the core for this long first (peers that arrive together
-#: finish in microseconds), then sleep between tests, a twentieth of the time waited so far,
-#: at most _MPI_SLEEP_MAX (a rank far behind must not find its peers spinning on its cores,
-#: nor starve the engine's heartbeat).
-_MPI_YIELD_SECONDS = 0.002
-_MPI_SLEEP_MAX = 0.02
-
-
-def wait_for_mpi(request) -> None:
-    """Wait for a nonblocking MPI operation of ipydist's on ``check_comm``, polling from
-    Python: a release ends the wait (:func:`check_usable`, or the KeyboardInterrupt a
-    release sends), which a blocking MPI call would not allow. A wait left that way leaves
-    the operation pending, and the communicator is replaced by the recovery."""
-    rt = _runtime
-    rt.check_pending = True
-    start = time.monotonic()
-    while not request.Test():
-        check_usable()
-        waited = time.monotonic() - start
-        if waited < _MPI_YIELD_SECONDS:
-            os.sched_yield()
-        else:
-            time.sleep(min(waited / 20, _MPI_SLEEP_MAX))
-    rt.check_pending = False
-
-
-def replace_check_comm(deadline: float) -> bool:
-    """A fresh ``check_comm`` (collective, nonblocking, given up at ``deadline``): a check a
-    release left unfinished would otherwise be matched by the next one."""
-    rt = _runtime
-    if rt is None or rt.control_comm is None:
-        return True
-    fresh, request = rt.control_comm.Idup()
-    while not request.Test():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.002)
-    rt.check_comm, rt.check_pending = fresh, False
-    return True
-
-
 def broken_message() -> str:
     return ("this rank's process group was broken by a release (an interrupted or failed "
             "cell) and could not be rebuilt: restart the cluster (%dist_restart)")
@@ -445,91 +372,3 @@ def _default_device_index(rt: Runtime) -> int | None:
         torch.cuda.set_device(index)
         return index
     return None
-
-
-@functools.wraps(_original_init_process_group)
-def _reusing_init_process_group(*args, **kwargs):
-    """``torch.distributed.init_process_group`` that keeps or remakes ipydist's group.
-
-    Code written for ``torchrun`` or the DDP tutorial calls ``init_process_group`` itself, often
-    after an earlier ``destroy_process_group()``. When the call asks for what ipydist provides
-    (its rank and world size, any backend, no ``init_method`` or ``store`` of its own), it keeps
-    the group ``%dist_start`` made, or makes a new one through ipydist's own rendezvous, so no
-    fixed port is needed. Anything else goes to torch as asked.
-    """
-    global _reuse_announced
-    rt = _runtime
-    asked = inspect.signature(_original_init_process_group).bind_partial(*args, **kwargs)
-    asked = asked.arguments
-    ours = rt is not None and (
-        int(asked.get("world_size", -1)) in (-1, rt.size)
-        and int(asked.get("rank", -1)) in (-1, rt.rank)
-        and asked.get("init_method") in (None, "env://")
-        and asked.get("store") is None
-    )
-    backend = _plain_backend(asked.get("backend"), rt)
-    if ours and backend is not None:
-        if owns_default_group(rt) and backend == rt.backend:
-            if not _reuse_announced and rt.rank == 0:
-                print(
-                    f"ipydist: init_process_group() keeps the {rt.backend} group of "
-                    f"{rt.size} ranks that %dist_start made.",
-                    file=sys.stderr,
-                )
-            _reuse_announced = True
-            return None
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        init_process_group(rt, backend)
-        return None
-    if owns_default_group(rt):
-        dist.destroy_process_group()
-    result = _original_init_process_group(*args, **kwargs)
-    _retire(dist.group.WORLD)
-    return result
-
-
-def _plain_backend(asked, rt: Runtime | None) -> str | None:
-    """"gloo" or "nccl" for a backend ipydist can make itself; None for anything else."""
-    if rt is None:
-        return None
-    if asked is None:
-        return rt.backend
-    name = str(asked).lower()
-    if name in ("gloo", "nccl"):
-        return name
-    if name == "cpu:gloo,cuda:nccl" and rt.device_index is not None:
-        return "nccl"
-    return None
-
-
-#: Every DistributedDataParallel model made on this rank (see :func:`track_ddp_models`).
-_ddp_models: weakref.WeakSet = weakref.WeakSet()
-
-
-def track_ddp_models() -> None:
-    """Remember each DistributedDataParallel model made from now on, weakly: after a rebuild
-    the notebook asks the user to wrap one again, and only when one exists (looking through
-    every object instead takes a second on a busy machine)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    init = DistributedDataParallel.__init__
-    if getattr(init, "_ipydist_tracks", False):
-        return
-
-    @functools.wraps(init)
-    def tracking_init(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        _ddp_models.add(self)
-
-    tracking_init._ipydist_tracks = True
-    DistributedDataParallel.__init__ = tracking_init
-
-
-def has_ddp_model() -> bool:
-    return len(_ddp_models) > 0
-
-
-def install_reuse_shim() -> None:
-    """Route user calls of ``init_process_group`` through :func:`_reusing_init_process_group`."""
-    dist.init_process_group = _reusing_init_process_group
