@@ -263,6 +263,9 @@ def announce(words: np.ndarray) -> Announced | None:
         return None
     every = np.empty((rt.size, HEADER_WORDS), dtype=np.int64)
     found = Announced(rt.check_comm.Iallgather(words, every), words, every)
+    # MPI moves a nonblocking collective only inside MPI calls: one test now sends this rank's
+    # header, so that a peer finds it waiting when it settles, without waiting for this rank
+    found.request.Test()
     rt.announced.append(found)
     return found
 
