@@ -80,8 +80,7 @@ def recover(number: int, resync: bool) -> dict:
     comm = rt.control_comm
     broken = bool(rt.broken)
     seq = _collective_count(rt)
-    checks_left = rt.check_pending or bool(rt.announced)
-    votes = consensus.agree(comm, number, 0, [int(broken), seq, int(checks_left)],
+    votes = consensus.agree(comm, number, 0, [int(broken), seq, int(rt.checks_unfinished)],
                             start + ARRIVE_SECONDS)
     if votes is None:
         return _give_up(out, "not every rank joined the recovery in time")

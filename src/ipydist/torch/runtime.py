@@ -67,6 +67,12 @@ class Runtime:
     broken: bool = False
 
     @property
+    def checks_unfinished(self) -> bool:
+        """Whether ``check_comm`` holds a check not every rank may have finished (one a
+        release interrupted, or one sent ahead): the recovery then replaces it."""
+        return self.check_pending or bool(self.announced)
+
+    @property
     def device(self) -> torch.device:
         if self.device_index is None:
             return torch.device("cpu")
