@@ -15,6 +15,7 @@ import datetime
 import os
 import socket
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ipydist import protocol
+from ipydist.torch import retired
 
 
 @dataclass
@@ -58,11 +60,9 @@ class Runtime:
     announced: collections.deque = field(default_factory=collections.deque)
     store: Any = None
     group: Any = None
-    #: File descriptors of the group's gloo connections (what a release shuts down).
-    comm_fds: list[int] = field(default_factory=list)
-    #: Threads the group's creation started (gloo's event loop and workers): see
-    #: :func:`_idle_threads_of_replaced_group`.
-    group_threads: list[int] = field(default_factory=list)
+    #: The group's gloo connections (what a release shuts down), as (fd, inode): gloo closes
+    #: a connection it finds broken, and its fd number may then name another file.
+    comm_sockets: list[tuple[int, int]] = field(default_factory=list)
     #: A release broke the group's connections: it must be rebuilt before it is used again.
     broken: bool = False
 
@@ -208,11 +208,11 @@ def init_process_group(rt: Runtime, backend: str | None = None,
     The first group makes the rendezvous store; later ones (a rebuild after a release, user
     code that destroyed the group and makes it again) meet in the same store under a prefix
     of their own, so no new port is opened and no old listener is left behind (a replaced
-    group is kept alive: see ``_retired_groups``). ``timeout_s`` bounds the rendezvous
+    group is kept alive: see :mod:`ipydist.torch.retired`). ``timeout_s`` bounds the rendezvous
     (default: the group's own timeout).
     """
     if rt.group is not None:
-        _retire(rt.group)
+        retired.keep(rt.group)
     rt.backend = backend or rt.backend
     rendezvous = datetime.timedelta(seconds=timeout_s or rt.timeout_s)
     if rt.base_store is None:
@@ -223,7 +223,6 @@ def init_process_group(rt: Runtime, backend: str | None = None,
     rt.store = dist.PrefixStore(f"ipydist/group-{rt.generation}/", rt.base_store)
     export_torchrun_env(rt)
     before = _connections()
-    threads_before = _thread_ids()
     try:
         _original_init_process_group(
             backend=rt.backend,
@@ -235,9 +234,9 @@ def init_process_group(rt: Runtime, backend: str | None = None,
     finally:  # the rendezvous is over: later store waits get the usual time
         rt.base_store.set_timeout(datetime.timedelta(seconds=rt.timeout_s))
     rt.group = dist.group.WORLD
-    rt.comm_fds = sorted({fd for fd, local, remote in _connections() - before
-                          if rt.master_port not in (local[1], remote[1])})
-    rt.group_threads = sorted(_thread_ids() - threads_before)
+    rt.comm_sockets = [(fd, retired.inode(fd)) for fd in sorted(
+        {fd for fd, local, remote in _connections() - before
+         if rt.master_port not in (local[1], remote[1])})]
     rt.broken = False
 
 
@@ -254,20 +253,6 @@ def _connections() -> set[tuple]:
         return set()
     return {(c.fd, tuple(c.laddr), tuple(c.raddr)) for c in connections
             if c.fd != -1 and c.status == psutil.CONN_ESTABLISHED}
-
-
-#: Groups that were destroyed or replaced, kept referenced for the life of the rank. Freeing a
-#: gloo group joins its worker thread with the GIL held; if that thread is just finishing work
-#: that holds a Python object (every allreduce started during backward does), the rank
-#: deadlocks (pytorch/pytorch#56297). DDP's Reducer can hold the last reference to a group, so
-#: the DDP tutorial's cleanup() followed by returning from the demo hangs now and then unless
-#: someone else keeps the group alive. A destroyed group holds no sockets worth reclaiming.
-_retired_groups: list = []
-
-
-def _retire(group) -> None:
-    if group is not None and not any(g is group for g in _retired_groups):
-        _retired_groups.append(group)
 
 
 def owns_default_group(rt: Runtime | None) -> bool:
@@ -295,10 +280,11 @@ def break_communication() -> bool:
         except Exception as e:
             print(f"ipydist: could not abort the NCCL communicator: {e}", file=sys.stderr)
         return True
-    for fd in rt.comm_fds:
+    for fd, ino in rt.comm_sockets:
         try:
-            with socket.socket(fileno=os.dup(fd)) as s:
-                s.shutdown(socket.SHUT_RDWR)
+            if retired.inode(fd) == ino:  # not closed (and its number taken) meanwhile
+                with socket.socket(fileno=os.dup(fd)) as s:
+                    s.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass  # already closed
     return True
@@ -319,37 +305,22 @@ def abandon_process_group() -> None:
     rt = _runtime
     if rt is None:
         return
-    _idle_threads_of_replaced_group(rt.group_threads)
+    _silence_connections(rt.comm_sockets)
     rt.broken = rt.group is not None or rt.broken
     if owns_default_group(rt):
-        _retire(dist.group.WORLD)  # kept referenced: see _retired_groups
+        retired.keep(dist.group.WORLD)
         dist.destroy_process_group()
-    rt.group, rt.store, rt.comm_fds, rt.group_threads = None, None, [], []  # base store stays
+    rt.group, rt.store, rt.comm_sockets = None, None, []  # the base store stays
 
 
-def _thread_ids() -> set[int]:
-    try:
-        return {int(t) for t in os.listdir("/proc/self/task")}
-    except OSError:  # not Linux
-        return set()
-
-
-def _idle_threads_of_replaced_group(threads: list[int]) -> None:
-    """Let a replaced group's threads run only when a core is otherwise idle.
-
-    A replaced group is kept alive (see ``_retired_groups``). When a release shut its
-    connections down -- on this rank or on a peer -- gloo's event loop for it can go on
-    waking for the closed connections, spinning on a core for the life of the rank. It cannot
-    be stopped from outside, so its threads move to SCHED_IDLE: training and the next group
-    never wait for them."""
-    policy = getattr(os, "SCHED_IDLE", None)
-    if policy is None:
-        return
-    for tid in threads:
-        try:
-            os.sched_setscheduler(tid, policy, os.sched_param(0))
-        except OSError:
-            pass  # the thread has ended
+def _silence_connections(sockets: list[tuple[int, int]]) -> None:
+    """Silence a replaced group's connections (see :mod:`ipydist.torch.retired`). gloo's loop
+    may be handling one of them this moment and re-arm it: look again, a few times."""
+    for _ in range(3):
+        retired.silence(sockets)
+        if not retired.armed(sockets):
+            return
+        time.sleep(0.01)
 
 
 def broken_message() -> str:

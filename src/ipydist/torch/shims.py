@@ -14,7 +14,7 @@ import weakref
 
 import torch.distributed as dist
 
-from ipydist.torch import runtime
+from ipydist.torch import retired, runtime
 
 _reuse_announced = False
 
@@ -57,7 +57,7 @@ def _reusing_init_process_group(*args, **kwargs):
     if runtime.owns_default_group(rt):
         dist.destroy_process_group()
     result = runtime._original_init_process_group(*args, **kwargs)
-    runtime._retire(dist.group.WORLD)
+    retired.keep(dist.group.WORLD)
     return result
 
 
