@@ -13,21 +13,33 @@ fresh detached views that die with the dict, while the model lives on. So a tens
 remembered by a weak reference to its storage (torch keeps a storage's Python object alive as
 long as any tensor uses the storage) plus where it sits in it, and a view is made again when
 needed: tracking lasts exactly as long as the model's memory does.
+
+Ranks compare tensors by name, never by position: a tensor's name is the order in which user
+code tracked it (or its optimizer's, and its place there), the same on every rank. When the
+ranks do not track the same tensors (memory of a replaced model that torch still holds on some
+ranks only), the ones every rank has are compared, and the rest, which no live model uses, are
+left alone.
 """
 
 from __future__ import annotations
 
 import datetime
 import gc
+import hashlib
+import itertools
 import sys
 import weakref
 
 import torch
 import torch.distributed as dist
 
-#: (storage pointer, offset, shape, dtype) -> (weak reference to the storage, stride)
-_tensors: dict[tuple, tuple[weakref.ref, tuple[int, ...]]] = {}
-_optimizers: weakref.WeakSet = weakref.WeakSet()
+#: (storage pointer, offset, shape, dtype) -> (weak reference to the storage, stride, serial).
+#: The serial numbers tracked tensors in the order user code tracked them, which is the same
+#: on every rank: it names a tensor across ranks.
+_tensors: dict[tuple, tuple[weakref.ref, tuple[int, ...], int]] = {}
+_serials = itertools.count()
+#: Every DistributedOptimizer -> its serial (the order of creation, the same on every rank).
+_optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _key(t: torch.Tensor) -> tuple:
@@ -36,25 +48,16 @@ def _key(t: torch.Tensor) -> tuple:
 
 def track_tensors(tensors) -> None:
     for t in tensors:
-        _tensors[_key(t)] = (weakref.ref(t.untyped_storage()), tuple(t.stride()))
-
-
-def _tracked_views() -> dict[tuple, torch.Tensor]:
-    """A tensor for every tracked tensor whose memory still exists (forgetting the others)."""
-    views = {}
-    for key, (storage_ref, stride) in list(_tensors.items()):
-        storage = storage_ref()
-        if storage is None:
-            del _tensors[key]
-            continue
-        _, offset, shape, dtype = key
-        view = torch.empty(0, dtype=dtype, device=storage.device)
-        views[key] = view.set_(storage, offset, shape, stride)
-    return views
+        key, storage = _key(t), t.untyped_storage()
+        known = _tensors.get(key)
+        # the same memory tracked again keeps its serial; memory reused after a free is new
+        serial = known[2] if known is not None and known[0]() is storage else next(_serials)
+        _tensors[key] = (weakref.ref(storage), tuple(t.stride()), serial)
 
 
 def track_optimizer(optimizer) -> None:
-    _optimizers.add(optimizer)
+    if optimizer not in _optimizers:
+        _optimizers[optimizer] = next(_serials)
 
 
 def abandon_pending() -> None:
@@ -67,17 +70,42 @@ def abandon_pending() -> None:
 
 
 def tracked() -> list[torch.Tensor]:
-    """Every tracked tensor, once, in an order every rank agrees on (creation order is not
-    guaranteed the same, so tensors are sorted by shape and dtype, then by their order here)."""
-    seen = _tracked_views()
-    for opt in list(_optimizers):
-        for group in opt.param_groups:
-            for p in group["params"]:
-                seen.setdefault(_key(p), p.data)
-                for value in opt.state.get(p, {}).values():
-                    if isinstance(value, torch.Tensor):
-                        seen.setdefault(_key(value), value)
-    return sorted(seen.values(), key=lambda t: (tuple(t.shape), str(t.dtype)))
+    """Every tracked tensor, once, in an order every rank agrees on."""
+    return [t for _, t in _tracked_items()]
+
+
+def _tracked_items() -> list[tuple[int, torch.Tensor]]:
+    """(name, tensor) for every tracked tensor whose memory still exists (forgetting the
+    others), sorted by name. A name is the same on every rank: the serial of a tensor
+    ``broadcast_parameters`` was given, or for an optimizer's parameter or state tensor one
+    made of the optimizer's serial and the tensor's place in it."""
+    items, seen = {}, set()
+    for key, (storage_ref, stride, serial) in list(_tensors.items()):
+        storage = storage_ref()
+        if storage is None:
+            del _tensors[key]
+            continue
+        _, offset, shape, dtype = key
+        view = torch.empty(0, dtype=dtype, device=storage.device)
+        items[serial] = view.set_(storage, offset, shape, stride)
+        seen.add(key)
+    for opt, serial in list(_optimizers.items()):
+        for g, group in enumerate(opt.param_groups):
+            for i, p in enumerate(group["params"]):
+                places = [("param", p.data)] + [
+                    (name, value) for name, value in opt.state.get(p, {}).items()
+                    if isinstance(value, torch.Tensor)]
+                for name, t in places:
+                    if _key(t) not in seen:
+                        seen.add(_key(t))
+                        items[_name(serial, g, i, name)] = t
+    return sorted(items.items(), key=lambda item: item[0])
+
+
+def _name(*place) -> int:
+    """A 62-bit name for an optimizer tensor's place, above every serial."""
+    digest = hashlib.blake2b(repr(place).encode(), digest_size=7).digest()
+    return (1 << 61) | int.from_bytes(digest, "little")
 
 
 def resync(root_rank: int = 0, timeout_s: float | None = None) -> int:
@@ -94,26 +122,27 @@ def resync(root_rank: int = 0, timeout_s: float | None = None) -> int:
 
     if not dist.is_initialized():
         return 0
-    tensors = tracked()
-    if not _same_everywhere(len(tensors), wait):
+    items = _tracked_items()
+    if not _same_everywhere([name for name, _ in items], wait):
         # A model or optimizer the user replaced may still sit in a reference cycle (optimizer
         # hooks refer back to it), waiting for the cycle collector, which runs at a different
         # moment on each rank, or be held by the frames of the last exception a rank raised:
-        # forget that and collect, so every rank tracks the same live tensors. Only then: a
-        # full collection takes a second on a busy machine.
+        # forget that and collect. Memory torch itself still holds on some ranks (a collective
+        # a release abandoned) can outlive that; it belongs to no live model, so only the
+        # tensors every rank still has are compared. Only then: a full collection takes a
+        # second on a busy machine.
         _forget_last_exception()
         gc.collect()
-        tensors = tracked()
-        if not _same_everywhere(len(tensors), wait):
-            raise RuntimeError("the ranks track different tensors: resynchronise by hand with "
-                               "hvd.broadcast_parameters(model.state_dict(), root_rank=0)")
-    if not tensors:
+        items = _tracked_items()
+        common = _common(items, wait)
+        items = [(name, t) for name, t in items if name in common]
+    if not items:
         return 0
-    sums = torch.stack([_checksum(t) for t in tensors])
+    sums = torch.stack([_checksum(t) for _, t in items])
     lo, hi = sums.clone(), sums.clone()
     wait(dist.all_reduce(lo, op=dist.ReduceOp.MIN, async_op=True))
     wait(dist.all_reduce(hi, op=dist.ReduceOp.MAX, async_op=True))
-    differ = [t for t, a, b in zip(tensors, lo.unbind(), hi.unbind()) if not torch.equal(a, b)]
+    differ = [t for (_, t), a, b in zip(items, lo.unbind(), hi.unbind()) if not torch.equal(a, b)]
     for t in differ:
         wait(dist.broadcast(t, src=root_rank, async_op=True))
     return len(differ)
@@ -135,11 +164,27 @@ def _forget_last_exception() -> None:
         formatter.tb = None
 
 
-def _same_everywhere(count: int, wait) -> bool:
-    """Whether every rank has ``count`` (collective): the largest and negated smallest."""
-    counts = torch.tensor([count, -count], dtype=torch.int64)
-    wait(dist.all_reduce(counts, op=dist.ReduceOp.MAX, async_op=True))
-    return int(counts[0]) == -int(counts[1])
+def _same_everywhere(names: list[int], wait) -> bool:
+    """Whether every rank tracks the same names (collective): their count and a digest of
+    them, largest and negated smallest."""
+    digest = int.from_bytes(hashlib.blake2b(repr(names).encode(), digest_size=7).digest(),
+                            "little")
+    words = torch.tensor([len(names), digest, -len(names), -digest], dtype=torch.int64)
+    wait(dist.all_reduce(words, op=dist.ReduceOp.MAX, async_op=True))
+    return int(words[0]) == -int(words[2]) and int(words[1]) == -int(words[3])
+
+
+def _common(items: list[tuple[int, torch.Tensor]], wait) -> set[int]:
+    """The names every rank tracks (collective: an all-gather of each rank's names)."""
+    names = torch.tensor([name for name, _ in items], dtype=torch.int64)
+    longest = torch.tensor([len(names)], dtype=torch.int64)
+    wait(dist.all_reduce(longest, op=dist.ReduceOp.MAX, async_op=True))
+    padded = torch.full((int(longest),), -1, dtype=torch.int64)
+    padded[:len(names)] = names
+    gathered = [torch.empty_like(padded) for _ in range(dist.get_world_size())]
+    wait(dist.all_gather(gathered, padded, async_op=True))
+    sets = [set(g.tolist()) - {-1} for g in gathered]
+    return set.intersection(*sets)
 
 
 def _checksum(t: torch.Tensor) -> torch.Tensor:
