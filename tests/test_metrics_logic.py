@@ -88,12 +88,13 @@ def test_history_keeps_metrics_logged_at_some_steps_only():
     ])})
     history.accept(0, {"seq": 1, "sent": 0.0, "timing": (0, 0, 0, 0),
                        "points": to_columns([(3, 3.0, {"loss": float("inf")})])})
-    assert history.rows()[1] == {"step": 1, "time": 1.0, "loss": 1.0, "val_acc": 0.5}
+    assert history.rows()[1] == {"step": 1, "time": 1.0, "cluster": 0, "cell": 0, "loss": 1.0,
+                                 "val_acc": 0.5}
     assert "val_acc" not in history.rows()[0]
     assert history.series("val_acc") == ([1], [0.5])
     assert history.series("loss") == ([0, 1, 2], [2.0, 1.0, 0.5]), "no infinity for JSON"
     frame = pytest.importorskip("pandas") and history.to_dataframe()
-    assert list(frame.columns) == ["step", "time", "loss", "val_acc"]
+    assert list(frame.columns) == ["step", "time", "cluster", "cell", "loss", "val_acc"]
     assert frame["step"].dtype == "int64" and math.isnan(frame["val_acc"][0])
 
 
@@ -178,3 +179,49 @@ def test_a_new_cell_shows_only_its_own_step_times():
     history.accept(1, {"seq": 1, "sent": 1.0, "points": NO_POINTS, "timing": (10, 0.5, 0.06, 0.1)})
     assert rank_strip(history, 2)[1]["step_s"] == pytest.approx(0.05)
     assert history.timing[1].steps == 1010
+
+
+def test_points_survive_any_number_of_restarts_and_say_where_they_came_from():
+    history = MetricHistory()
+    for cluster in (1, 2, 3):
+        history.new_cluster()  # the new ranks number their batches from 0 again
+        history.begin_cell(cell=10 * cluster)
+        for seq in range(4):
+            history.accept(0, batch(seq, range(seq * 10, seq * 10 + 10)))
+    assert len(history) == 120, "no batch of a restarted cluster may be dropped"
+    rows = history.rows()
+    assert [r["cluster"] for r in rows] == [1] * 40 + [2] * 40 + [3] * 40
+    assert {r["cell"] for r in rows} == {10, 20, 30}
+    pytest.importorskip("pandas")
+    frame = history.to_dataframe()
+    assert list(frame.columns[:5]) == ["step", "time", "cluster", "cell", "loss"]
+    assert frame.groupby("cluster").size().tolist() == [40, 40, 40]
+
+
+def test_total_and_batch_size_belong_to_the_cell_that_gave_them():
+    history = MetricHistory()
+    history.new_cluster()
+    history.begin_cell(cell=1)
+    history.accept(0, batch(0, range(30), total=30, batch_size=64))
+    assert (history.total, history.batch_size) == (30, 64)
+    start = history.begin_cell(cell=2)
+    history.accept(0, batch(1, range(30, 81), rank_timing=(51, 0.5, 0.02, 0.0)))
+    stats = summarize(history, start, world_size=2)
+    assert history.total is None and history.batch_size is None
+    assert stats["points"] == 51 and stats["steps_per_s"], stats
+    assert stats["total"] is None and stats["progress"] is None and stats["eta"] is None
+    assert stats["samples_per_s"] is None, "no batch_size in this cell: no samples/s"
+    assert history.cell == 2 and history.begin_cell() == 81 and history.cell == 3
+
+
+def test_a_rank_forgets_total_and_batch_size_when_its_cell_ends():
+    b = MetricBatcher(interval=0.0)
+    b.total, b.batch_size = 30, 64
+    from ipydist.torch import metrics
+
+    saved, metrics._batcher = metrics._batcher, b
+    try:
+        metrics.flush()
+    finally:
+        metrics._batcher = saved
+    assert b.total is None and b.batch_size is None

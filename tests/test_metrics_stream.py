@@ -3,7 +3,7 @@ times; the cross-rank mean; stragglers."""
 
 from __future__ import annotations
 
-from helpers import NP, run_cell
+from helpers import NP, plain, run_cell
 
 import ipydist
 
@@ -93,3 +93,45 @@ for i in range(300_000):
     steps, losses = cluster.metrics.series("loss", before)
     assert steps[-1] == 299_999 and losses == [float(s) for s in steps]
     assert_every_batch_arrived(cluster.metrics, steps_before, 299_999)
+
+
+LOG_40 = """%%everyrank
+import time, ipydist.torch as hvd
+for i in range(40):
+    hvd.log(loss=1.0 / (i + 1){extra})
+    time.sleep(0.002)
+"""
+
+
+def run_numbered_cell(shell, capsys, code: str):
+    """Run ``code`` as a notebook runs a cell: numbered (``In [N]``), in the history."""
+    capsys.readouterr()
+    result = shell.run_cell(code, store_history=True)
+    out, err = capsys.readouterr()
+    return result, plain(out), plain(err)
+
+
+def test_points_survive_restarts_and_a_cell_does_not_borrow_total_or_batch_size(
+        shell, capsys, cluster):
+    before = len(cluster.metrics)
+    run_cell = run_numbered_cell
+    result, out, err = run_cell(shell, capsys, LOG_40.format(extra=", total=40, batch_size=8"))
+    assert result.error_in_exec is None, err
+    assert "samples/s" in out, out
+    result, out, err = run_cell(shell, capsys, LOG_40.format(extra=""))
+    assert result.error_in_exec is None, err
+    assert cluster.metrics.total is None and cluster.metrics.batch_size is None
+    assert "samples/s" not in out, f"batch_size borrowed from the cell before: {out}"
+    for _ in range(2):
+        result, _, err = run_cell(shell, capsys, "%dist_restart")
+        assert result.error_in_exec is None, err
+        result, out, err = run_cell(shell, capsys, LOG_40.format(extra=""))
+        assert result.error_in_exec is None, err
+        assert "40 points" in out, out
+    assert len(cluster.metrics) - before == 160, "points logged after a restart were dropped"
+    frame = ipydist.metrics()
+    rows = frame.to_dict("records") if hasattr(frame, "to_dict") else frame
+    clusters = [r["cluster"] for r in rows[before:]]
+    first = clusters[0]
+    assert clusters == [first] * 80 + [first + 1] * 40 + [first + 2] * 40, clusters
+    assert len({r["cell"] for r in rows[before:]}) == 4, "each cell's rows say which cell"

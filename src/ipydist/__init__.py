@@ -26,11 +26,13 @@ def __getattr__(name: str):
 
 
 def metrics():
-    """Every point rank 0 logged with ``hvd.log()`` in this notebook's cluster, in order.
+    """Every point rank 0 logged with ``hvd.log()`` in this notebook, in order, across restarts.
 
     A pandas DataFrame when pandas is installed (columns ``step``, ``time`` -- seconds since
-    the epoch --, then one per metric, NaN where a step did not log it); otherwise a list of
-    dicts, each with only the metrics logged at that step.
+    the epoch --, ``cluster`` -- 1 for the session's first cluster, 2 after a restart, ... --,
+    ``cell`` -- the execution count of the cell that logged it --, then one per metric, NaN
+    where a step did not log it); otherwise a list of dicts, each with only the metrics logged
+    at that step.
     """
     from IPython import get_ipython
 

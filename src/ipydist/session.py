@@ -126,6 +126,7 @@ class Session:
             self.stop(quiet=True)
             raise
         progress.close()
+        self.metrics.new_cluster()  # its ranks number their metric batches from 0
         self.startup_seconds = time.perf_counter() - t0
         display.show(self._ranks_table())
         return self

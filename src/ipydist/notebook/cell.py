@@ -63,7 +63,7 @@ class CellRun:
         self.collector = IOPubCollector(async_result, targets)
         self.shown = targets if output == "all" else targets[:1]
         self.merger = LineMerger(self.shown)
-        self.live = LiveView(session.metrics, session.size)
+        self.live = LiveView(session.metrics, session.size, cell=_execution_count())
         self.result = RunResult(targets)
         self.stalls = StallWatch(targets, session.stall_warning, session.words.timeout)
         #: A failing rank's peers get this long to finish by themselves before release.
@@ -268,6 +268,14 @@ class CellRun:
         _print_lines(self.merger.ready())
         self.live.update()
         return len(events)
+
+
+def _execution_count() -> int | None:
+    """The running cell's number in the notebook (``In [N]``), when there is a shell."""
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    return getattr(shell, "execution_count", None) if shell is not None else None
 
 
 def _print_lines(lines) -> None:

@@ -70,11 +70,13 @@ def log(step: int | None = None, total: int | None = None, reduce: str | None = 
 
 
 def flush() -> None:
-    """Send what was not sent yet; the next step's time starts with the next cell."""
+    """Send what was not sent yet; the next step's time starts with the next cell, and the
+    next cell's ``total`` and ``batch_size`` are what it gives (none if it gives none)."""
     global _last_call
     _last_call = None
     runtime.take_waited()
     batch = _batcher.flush()
+    _batcher.total = _batcher.batch_size = None
     if batch is not None:
         publish(METRICS_KEY, batch)
 

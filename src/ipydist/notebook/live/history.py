@@ -46,13 +46,24 @@ class MetricHistory:
     """Every point rank 0 logged, in order, each batch counted exactly once.
 
     Batches from one rank are numbered 0, 1, 2, ...; a batch that arrives early waits until the
-    ones before it are in, and a batch seen before is ignored. Rows are ``step``, ``time`` and
+    ones before it are in, and a batch seen before is ignored. A restarted cluster's ranks count
+    from 0 again (:meth:`new_cluster`), and the rows it logs are added after the earlier ones.
+    Rows are ``step``, ``time``, ``cluster`` (1 for the session's first cluster, 2 after a
+    restart, ...), ``cell`` (the notebook's execution count of the cell that logged it) and
     one column per metric name (NaN where a row did not log that metric).
+
+    ``total`` and ``batch_size`` are the running cell's: a cell that did not give them shows
+    no progress bar or samples/s rather than the last cell's.
     """
 
     def __init__(self):
         self.steps = array("d")
         self.times = array("d")
+        self.clusters = array("l")
+        self.cells = array("l")
+        #: Which cluster (counted from 1) and cell new points come from.
+        self.cluster = 0
+        self.cell = 0
         self.columns: dict[str, array] = {}
         #: Per metric, the last row that has a value (so the latest value costs no search).
         self.last_row: dict[str, int] = {}
@@ -66,10 +77,21 @@ class MetricHistory:
     def __len__(self) -> int:
         return len(self.steps)
 
-    def begin_cell(self) -> int:
-        """A new cell starts: step times so far belong to earlier cells. Returns the row count."""
+    def new_cluster(self) -> None:
+        """A (re)started cluster: its ranks number their batches from 0 again."""
+        self.cluster += 1
+        self._next.clear()
+        self._waiting.clear()
+        self.timing.clear()
+
+    def begin_cell(self, cell: int | None = None) -> int:
+        """A new cell starts (``cell``: its execution count, else the next number): step
+        times, ``total`` and ``batch_size`` so far belong to earlier cells. Returns the row
+        count."""
         for timing in self.timing.values():
             timing.forget_recent()
+        self.cell = self.cell + 1 if cell is None else cell
+        self.total = self.batch_size = None
         return len(self)
 
     def accept(self, rank: int, batch: dict) -> int:
@@ -104,6 +126,8 @@ class MetricHistory:
             return
         self.steps.extend(points["step"])
         self.times.extend(points["time"])
+        self.clusters.extend(array("l", [self.cluster]) * n)
+        self.cells.extend(array("l", [self.cell]) * n)
         for name, values in points["values"].items():
             if name not in self.columns:
                 self.columns[name] = array("d", [NAN]) * before
@@ -119,7 +143,8 @@ class MetricHistory:
         """Rows ``start:stop`` as dicts, each with only the metrics logged at that step."""
         out = []
         for i in range(start, len(self) if stop is None else stop):
-            row = {"step": _number(self.steps[i]), "time": self.times[i]}
+            row = {"step": _number(self.steps[i]), "time": self.times[i],
+                   "cluster": self.clusters[i], "cell": self.cells[i]}
             for name, column in self.columns.items():
                 if not math.isnan(column[i]):
                     row[name] = column[i]
@@ -151,6 +176,8 @@ class MetricHistory:
         frame = pandas.DataFrame({k: pandas.Series(v, dtype="float64") for k, v in data.items()})
         if len(frame) and (frame["step"] % 1 == 0).all():
             frame["step"] = frame["step"].astype("int64")
+        frame.insert(2, "cluster", pandas.Series(self.clusters, dtype="int64"))
+        frame.insert(3, "cell", pandas.Series(self.cells, dtype="int64"))
         return frame
 
 

@@ -27,12 +27,12 @@ FINAL_MAX_POINTS = 2000
 
 class LiveView:
     def __init__(self, history: MetricHistory, world_size: int, interval: float = 0.1,
-                 widgets: bool | None = None):
+                 widgets: bool | None = None, cell: int | None = None):
         self.history = history
         self.world_size = world_size
         self.interval = interval
         self.widgets = in_kernel() if widgets is None else widgets
-        self.start = self._sent = history.begin_cell()
+        self.start = self._sent = history.begin_cell(cell)
         self.widget = None
         self._static = None
         self._last_update = -math.inf
