@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 
@@ -180,6 +181,21 @@ def test_output_rank0_and_ranks_subset(shell, capsys, cluster):
     assert "[rank 0] on 0" in out and "[rank 3] on 3" in out and "on 1" not in out
     _, out, _ = ok(shell, capsys, '%everyrank print("line form", hvd.rank())')
     assert all(f"[rank {r}] line form {r}" in out for r in range(NP))
+
+
+def test_a_text_progress_bar_keeps_its_rank_tag(shell, capsys, cluster):
+    _, out, _ = ok(shell, capsys, """%%everyrank
+import sys, time, ipydist.torch as hvd
+for i in range(3):
+    sys.stdout.write(f"\\rstep {i} on rank {hvd.rank()}")
+    sys.stdout.flush()
+    time.sleep(0.3)
+print()
+""")
+    for r in range(NP):  # every state tagged, each ending in "\\r" so the next overwrites it
+        assert f"[rank {r}] step 0 on rank {r}\r" in out, repr(out)
+        assert f"[rank {r}] step 2 on rank {r}" in out, repr(out)
+    assert not re.search(r"\r(?!\[)", out), f"a redraw without its tag: {out!r}"
 
 
 def test_last_expression_becomes_out(shell, capsys, cluster):

@@ -42,3 +42,32 @@ def test_streams_are_separate_and_one_rank_is_never_all():
     m.feed(3, "stderr", "warn\n", now=0.0)
     m.feed(3, "stdout", "out\n", now=0.0)
     assert m.ready(now=0.0) == [("rank 3", "stdout", "out\n"), ("rank 3", "stderr", "warn\n")]
+
+
+def test_a_text_progress_bar_keeps_its_tag_on_every_redraw():
+    m = LineMerger([0, 1], hold=0.0)
+    # tqdm in text mode: "\r" before each state, "\n" when it closes
+    m.feed(1, "stderr", "\r  0%|          | 0/3", now=0.0)
+    m.feed(1, "stderr", "\r 33%|###       | 1/3\r 67%|######    | 2/3", now=0.1)
+    assert m.ready(now=0.2) == [("rank 1", "stderr", "  0%|          | 0/3\r"),
+                                ("rank 1", "stderr", " 33%|###       | 1/3\r")]
+    m.feed(1, "stderr", "\r100%|##########| 3/3\n", now=0.3)
+    assert m.ready(now=0.4) == [("rank 1", "stderr", " 67%|######    | 2/3\r"),
+                                ("rank 1", "stderr", "100%|##########| 3/3\n")]
+
+
+def test_a_crlf_split_between_two_messages_is_one_line_end():
+    m = LineMerger([0], hold=0.0)
+    m.feed(0, "stdout", "windows line\r", now=0.0)
+    assert m.ready(now=0.1) == []
+    m.feed(0, "stdout", "\nnext", now=0.1)
+    assert m.ready(now=0.2) == [("rank 0", "stdout", "windows line\n")]
+    assert m.flush() == [("rank 0", "stdout", "next\n")]
+
+
+def test_at_the_end_a_progress_bar_shows_its_last_state_once():
+    m = LineMerger([0, 1], hold=0.0)
+    for r in (0, 1):
+        m.feed(r, "stdout", "\rstep 1\rstep 2", now=0.0)
+    assert m.ready(now=0.0) == [(ALL, "stdout", "step 1\r")]
+    assert m.flush() == [(ALL, "stdout", "step 2\n")]

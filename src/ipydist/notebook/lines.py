@@ -6,10 +6,12 @@ every rank prints (``epoch 3 done``) is shown once as ``[all ranks]`` instead of
 
 from __future__ import annotations
 
+import re
 import time
 from collections import deque
 
 ALL = "all ranks"
+_LINE_END = re.compile(r"(\r\n|\n|\r)")
 
 
 class LineMerger:
@@ -29,14 +31,24 @@ class LineMerger:
         }
 
     def feed(self, rank: int, stream: str, text: str, now: float | None = None) -> None:
+        """Take ``text`` from a rank's stream. A line ends at ``\n``, or at ``\r`` (a text
+        progress bar redrawing itself: each state becomes a line of its own, ending in
+        ``\r`` so the next one overwrites it, tag included)."""
         now = time.monotonic() if now is None else now
         key = (rank, stream)
         text = self._partial.pop(key, "") + text
-        *complete, rest = text.split("\n")
-        for line in complete:
-            self._lines[key].append((now, line + "\n"))
-        if rest:
-            self._partial[key] = rest
+        if text.endswith("\r"):  # maybe the first half of a "\r\n": wait for what follows
+            text, held = text[:-1], "\r"
+        else:
+            held = ""
+        parts = _LINE_END.split(text)  # line, its end, line, its end, ..., the unfinished rest
+        for line, end in zip(parts[0:-1:2], parts[1:-1:2]):
+            if end != "\r":
+                self._lines[key].append((now, line + "\n"))
+            elif line:  # an empty state between two redraws shows nothing
+                self._lines[key].append((now, line + "\r"))
+        if parts[-1] or held:
+            self._partial[key] = parts[-1] + held
 
     def ready(self, now: float | None = None) -> list[tuple[str, str, str]]:
         """Lines ready to show now, as (tag, stream, line)."""
@@ -64,6 +76,8 @@ class LineMerger:
     def flush(self) -> list[tuple[str, str, str]]:
         """Everything still buffered, partial lines included (the cell has ended)."""
         for key, rest in list(self._partial.items()):
-            self._lines[key].append((float("-inf"), rest + "\n"))
+            rest = rest.rstrip("\r")
+            if rest:
+                self._lines[key].append((float("-inf"), rest + "\n"))
         self._partial.clear()
         return self.ready(now=float("inf"))
