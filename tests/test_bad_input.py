@@ -116,16 +116,19 @@ def test_real_mpiexec_error_is_shown(shell, capsys, no_cluster):
     assert_nothing_left(no_cluster)
 
 
-def test_gpus_that_do_not_exist(shell, capsys, no_cluster):
+def test_gpus_that_do_not_exist_fail_at_once_before_any_rank_starts(shell, capsys,
+                                                                     no_cluster):
     import torch
 
-    if torch.cuda.device_count() >= 2:
-        pytest.skip("this machine has the GPUs")
-    expect_usage_error(
-        shell, capsys, "%dist_start --np 2 --gpus 0,1",
-        "ipydist: rank 0 on", "--gpus 0,1 asks for 2 GPU(s), but this host has",
-        "--gpus none",
+    if torch.cuda.device_count() >= 1:
+        pytest.skip("this machine has a GPU")
+    t0 = time.monotonic()
+    err = expect_usage_error(
+        shell, capsys, "%dist_start --np 2 --gpus 0",
+        "--gpus 0 names GPU 0, but this host has no NVIDIA GPU", "--gpus none (CPU)",
     )
+    assert time.monotonic() - t0 < 2, "checked in the notebook, not by ranks mpiexec started"
+    assert err.count("names GPU 0") == 1 and "rank 0" not in err, err
     assert_nothing_left(no_cluster)
 
 

@@ -2,6 +2,7 @@
 each rank)."""
 
 import os
+import re
 import stat
 
 import pytest
@@ -139,3 +140,23 @@ def test_describe_death_names_the_rank_and_signal_mpiexec_reported():
         "rank 1 (pid 101 on a) died: killed by signal 9 (SIGKILL); the out-of-memory killer")
     assert mpiexec.describe_death("", dead[3:], "Session.restart()").startswith(
         "rank 3 (pid 103 on a) died. Run Session.restart()")
+
+
+@pytest.mark.parametrize("gpus, backend, found, fragment", [
+    ([0, 3], "auto", 2, "--gpus 0,3 names GPU 3, but this host has 2 NVIDIA GPU(s)"),
+    ([0], "auto", 0, "--gpus 0 names GPU 0, but this host has no NVIDIA GPU"),
+    ("none", "nccl", 2, "--backend nccl needs GPUs, but --gpus none was given"),
+    ("auto", "nccl", 0, "--backend nccl needs GPUs, but this host has no NVIDIA GPU"),
+    ([0, 1], "auto", 2, None),
+    ("auto", "auto", 0, None),
+])
+def test_gpus_are_checked_in_the_notebook_before_a_one_host_launch(
+        monkeypatch, gpus, backend, found, fragment):
+    monkeypatch.setattr(mpiexec.shutil, "which", lambda name: "/bin/nvidia-smi")
+    monkeypatch.setattr(mpiexec, "list_gpus", lambda: [f"GPU {i}: A" for i in range(found)])
+    monkeypatch.setattr(mpiexec.os.path, "exists", lambda path: False)  # not a ROCm host
+    if fragment is None:
+        mpiexec.check_gpus_here(gpus, backend)
+        return
+    with pytest.raises(LaunchError, match=re.escape(fragment)):
+        mpiexec.check_gpus_here(gpus, backend)

@@ -111,8 +111,10 @@ class Session:
         plan = mpiexec.plan(
             mpiexec.find_mpiexec(self.mpi), self.np, self.mpi_args,
             {**config.to_env(), **self.env})
-        for note in plan.notes:
-            print(note, file=sys.stderr)
+        if not plan.multi_host:
+            mpiexec.check_gpus_here(self.gpus, self.backend)
+        for note in plan.notes:  # information, not a warning: no red stderr block
+            print(note)
         progress = display.Progress()
         progress.update(f"Starting {self.np} ranks with {plan.flavor} mpiexec...")
         self.cluster = Cluster(plan, self.np, self.timeout)

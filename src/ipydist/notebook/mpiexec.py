@@ -95,6 +95,28 @@ def list_gpus() -> list[str]:
     return []
 
 
+def check_gpus_here(gpus: str | list[int], backend: str) -> None:
+    """Before launching on this host alone: raise LaunchError if ``--gpus`` names a GPU this
+    host lacks, or ``--backend nccl`` has none, so the user hears it at once, once, rather
+    than from every rank after mpiexec started them all. Only NVIDIA's GPUs are counted
+    (``nvidia-smi``, else the ``/dev/nvidiaN`` devices); with ROCm's driver the ranks judge."""
+    if os.path.exists("/dev/kfd"):
+        return
+    if shutil.which("nvidia-smi"):
+        count = len(list_gpus())
+    else:
+        count = sum(1 for n in os.listdir("/dev") if re.fullmatch(r"nvidia\d+", n))
+    found = f"{count} NVIDIA GPU(s)" if count else "no NVIDIA GPU"
+    if isinstance(gpus, list) and max(gpus) >= count:
+        missing = ",".join(str(i) for i in gpus if i >= count)
+        raise LaunchError(
+            f"--gpus {','.join(map(str, gpus))} names GPU {missing}, but this host has {found}. "
+            "Use --gpus auto (GPUs when present) or --gpus none (CPU).")
+    if backend == "nccl" and (gpus == "none" or count == 0):
+        why = "--gpus none was given" if gpus == "none" else f"this host has {found}"
+        raise LaunchError(f"--backend nccl needs GPUs, but {why}. Use --backend gloo on CPU.")
+
+
 def is_multi_host(mpi_args: list[str]) -> bool:
     """Whether the user's mpiexec arguments name other hosts."""
     return any(a.split("=", 1)[0] in _HOST_OPTIONS for a in mpi_args)
