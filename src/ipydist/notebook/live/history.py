@@ -59,11 +59,13 @@ class MetricHistory:
     def __init__(self):
         self.steps = array("d")
         self.times = array("d")
-        self.clusters = array("l")
-        self.cells = array("l")
         #: Which cluster (counted from 1) and cell new points come from.
         self.cluster = 0
         self.cell = 0
+        #: Where each run of rows from one cluster and cell begins, and which they are: a few
+        #: numbers per cell, where two columns would cost 16 bytes a point.
+        self._origin_rows: list[int] = []
+        self._origins: list[tuple[int, int]] = []
         self.columns: dict[str, array] = {}
         #: Per metric, the last row that has a value (so the latest value costs no search).
         self.last_row: dict[str, int] = {}
@@ -126,8 +128,9 @@ class MetricHistory:
             return
         self.steps.extend(points["step"])
         self.times.extend(points["time"])
-        self.clusters.extend(array("l", [self.cluster]) * n)
-        self.cells.extend(array("l", [self.cell]) * n)
+        if not self._origins or self._origins[-1] != (self.cluster, self.cell):
+            self._origin_rows.append(before)
+            self._origins.append((self.cluster, self.cell))
         for name, values in points["values"].items():
             if name not in self.columns:
                 self.columns[name] = array("d", [NAN]) * before
@@ -143,13 +146,18 @@ class MetricHistory:
         """Rows ``start:stop`` as dicts, each with only the metrics logged at that step."""
         out = []
         for i in range(start, len(self) if stop is None else stop):
+            cluster, cell = self.origin(i)
             row = {"step": _number(self.steps[i]), "time": self.times[i],
-                   "cluster": self.clusters[i], "cell": self.cells[i]}
+                   "cluster": cluster, "cell": cell}
             for name, column in self.columns.items():
                 if not math.isnan(column[i]):
                     row[name] = column[i]
             out.append(row)
         return out
+
+    def origin(self, row: int) -> tuple[int, int]:
+        """(cluster, cell) that logged row ``row``."""
+        return self._origins[bisect.bisect_right(self._origin_rows, row) - 1]
 
     def series(self, name: str, start: int = 0, stop: int | None = None):
         """``(steps, values)`` of one metric over rows ``start:stop``, finite values only."""
@@ -176,8 +184,12 @@ class MetricHistory:
         frame = pandas.DataFrame({k: pandas.Series(v, dtype="float64") for k, v in data.items()})
         if len(frame) and (frame["step"] % 1 == 0).all():
             frame["step"] = frame["step"].astype("int64")
-        frame.insert(2, "cluster", pandas.Series(self.clusters, dtype="int64"))
-        frame.insert(3, "cell", pandas.Series(self.cells, dtype="int64"))
+        ends = [*self._origin_rows[1:], len(self)]
+        lengths = [end - start for start, end in zip(self._origin_rows, ends)]
+        for at, name, values in ((2, "cluster", [c for c, _ in self._origins]),
+                                 (3, "cell", [c for _, c in self._origins])):
+            frame.insert(at, name, pandas.Series(values, dtype="int64").repeat(lengths)
+                         .reset_index(drop=True))
         return frame
 
 
