@@ -79,6 +79,18 @@ def assert_collectives_work(shell, capsys):
     assert f"[all ranks] {float(sum(range(NP)))}" in out, out
 
 
+def idle_cpu_and_retired_connections(session) -> tuple[list[float], list[tuple]]:
+    """Per rank: CPU seconds it used over 2 s of idling (a spinning thread shows here), and
+    (registered, armed): its replaced groups' connections still in an epoll set, and those
+    of them that could still be reported (none once silenced: ``ipydist.torch.retired``)."""
+    session.run("""
+import time as _time
+from ipydist.torch import retired as _r
+_t = _time.process_time(); _time.sleep(2); _idle_cpu = _time.process_time() - _t
+_kept = (_r.registered(), _r.armed())""")
+    return session.pull("_idle_cpu"), session.pull("_kept")
+
+
 def restart_and_check(shell, capsys, old_pids, imports: str) -> None:
     """``%dist_restart``; nothing of the old cluster keeps running; after ``imports``,
     collectives work on the new one."""

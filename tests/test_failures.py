@@ -19,6 +19,7 @@ import pytest
 from helpers import (
     NP,
     assert_collectives_work,
+    idle_cpu_and_retired_connections,
     plain,
     restart_and_check,
     run_cell,
@@ -42,12 +43,14 @@ def fast_cluster(cluster, shell, capsys):
 
 
 def run_interrupted(shell, capsys, code: str, after: float = 1.0):
-    """Run ``code`` as a cell and press the stop button ``after`` seconds in."""
+    """Run ``code`` as a cell and press the stop button ``after`` seconds in (not at all if
+    the cell ended first: the test then fails on the cell's result, not on a late interrupt)."""
     timer = threading.Timer(after, _thread.interrupt_main)
     timer.start()
     try:
         return run_cell(shell, capsys, code)
     finally:
+        timer.cancel()
         timer.join()
 
 
@@ -219,26 +222,15 @@ opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
 """)
     assert result.error_in_exec is None, err
     for after in (0.3, 0.7, 1.1):  # stopped mid-step: buffers freed with sends in flight
-        timer = threading.Timer(after, _thread.interrupt_main)
-        timer.start()
-        try:
-            result, _, err = run_cell(shell, capsys, """%%everyrank
+        result, _, err = run_interrupted(shell, capsys, """%%everyrank
 while True:
     opt.zero_grad()
     model(torch.randn(16, 32)).square().mean().backward()
     opt.step()
-""")
-        finally:  # a cell that ended by itself fails below, not on a late interrupt
-            timer.cancel()
-            timer.join()
+""", after=after)
         assert isinstance(result.error_in_exec, KeyboardInterrupt), (after, err)
-    fast_cluster.run("""
-from ipydist.torch import retired as _r
-_t = time.process_time(); time.sleep(2); _idle_cpu = time.process_time() - _t
-_kept = (_r.registered(), _r.armed())""")
-    kept = fast_cluster.pull("_kept")
+    idle, kept = idle_cpu_and_retired_connections(fast_cluster)
     assert all(armed == [] for _, armed in kept), f"armed retired connections: {kept}"
-    idle = fast_cluster.pull("_idle_cpu")
     assert max(idle) < 0.5, f"CPU seconds of idle ranks over 2 s: {idle}"
     assert_collectives_work(shell, capsys)
 

@@ -29,6 +29,7 @@ import pytest
 from helpers import (
     NP,
     assert_collectives_work,
+    idle_cpu_and_retired_connections,
     restart_and_check,
     run_cell,
     run_cell_killing_a_rank,
@@ -244,12 +245,8 @@ def test_loaded_chaos_keeps_the_ranks_identical_and_no_cell_takes_over_15_s(
         sums = loaded.pull("_sum")
         assert len(set(sums)) == 1, f"{where}: parameters differ between ranks: {sums}"
     # every release replaced the group: none of the old ones may keep a core busy
-    loaded.run("""
-from ipydist.torch import retired as _r
-_t = time.process_time(); time.sleep(2); _idle_cpu = time.process_time() - _t
-_kept = (len(_r.registered()), _r.armed())""")
-    idle, kept = loaded.pull("_idle_cpu"), loaded.pull("_kept")
+    idle, kept = idle_cpu_and_retired_connections(loaded)
     _report(f"after the chaos: CPU of idle ranks over 2 s {[round(t, 2) for t in idle]}, "
-            f"retired connections still registered (silenced) {[n for n, _ in kept]}")
+            f"retired connections still registered (silenced) {[len(r) for r, _ in kept]}")
     assert all(armed == [] for _, armed in kept), f"armed retired connections: {kept}"
     assert max(idle) < 0.5, f"CPU seconds of idle ranks over 2 s: {idle}"

@@ -74,7 +74,7 @@ def recover(number: int, resync: bool) -> dict:
     consistency.abandon_pending()  # the failed cell's half-done gradient averaging is void
     rt = runtime.get()
     out = {"release": watcher.take_report(), "rebuilt": False, "fixed": 0, "failed": None,
-           "ddp": shims.has_ddp_model(), "seconds": {}}  # when each step ended (for diagnosis)
+           "ddp": shims.has_ddp_model()}
     if rt is None or rt.control_comm is None:
         return out  # not started by mpiexec: a world of one, nothing to agree on
     comm = rt.control_comm
@@ -82,7 +82,6 @@ def recover(number: int, resync: bool) -> dict:
     seq = _collective_count(rt)
     votes = consensus.agree(comm, number, 0, [int(broken), seq, int(rt.checks_unfinished)],
                             start + ARRIVE_SECONDS)
-    out["seconds"]["agree"] = time.monotonic() - start
     if votes is None:
         return _give_up(out, "not every rank joined the recovery in time")
     if any(pending for _, _, pending in votes):  # a collective check was left unfinished
@@ -92,7 +91,6 @@ def recover(number: int, resync: bool) -> dict:
         failed = _together(comm, number, 2, start + REBUILD_SECONDS,
                            "rebuilding the process group", lambda: runtime.rebuild_process_group(
                                timeout_s=max(REBUILD_SECONDS - (time.monotonic() - start), 1.0)))
-        out["seconds"]["rebuild"] = time.monotonic() - start
         if failed:
             return _give_up(out, failed)
         out["rebuilt"] = True
@@ -102,7 +100,6 @@ def recover(number: int, resync: bool) -> dict:
                            "checking that the models are identical",
                            lambda: fixed.append(consistency.resync(
                                timeout_s=RESYNC_SECONDS - (time.monotonic() - start))))
-        out["seconds"]["resync"] = time.monotonic() - start
         if failed:
             return _give_up(out, failed)
         out["fixed"] = fixed[0]
