@@ -10,6 +10,7 @@ import pytest
 from helpers import cluster_processes, run_cell, wait_gone
 from IPython.core.error import UsageError
 
+from ipydist import protocol
 from ipydist.notebook import mpiexec
 
 
@@ -95,13 +96,24 @@ def test_mpiexec_that_fails_shows_its_message(shell, capsys, no_cluster, tmp_pat
 
 
 def test_mpiexec_that_hangs_ends_at_the_timeout(shell, capsys, no_cluster, tmp_path):
-    mpi = fake_mpiexec(tmp_path, 'echo "waiting for a host that never answers"\nexec sleep 600')
+    """The message says how far the ranks got (from their start markers, which it leaves out
+    of what mpiexec printed)."""
+    mpi = fake_mpiexec(
+        tmp_path,
+        f'echo "{protocol.phase_line(1, protocol.PHASE_TORCH)}"\n'
+        'echo "waiting for a host that never answers"\n'
+        f'echo "[1,0]<stdout>:{protocol.phase_line(0, protocol.PHASE_TORCH)}"\n'
+        f'echo "{protocol.phase_line(0, protocol.PHASE_GROUP)}"\n'
+        "exec sleep 600",
+    )
     t0 = time.monotonic()
-    expect_usage_error(
+    message = expect_usage_error(
         shell, capsys, f"%dist_start --np 2 --mpi {mpi} --timeout 3",
-        "only 0 of 2 ranks started within --timeout 3 s",
+        "only 0 of 2 ranks started within --timeout 3 s; by then: mpiexec launched · "
+        "torch imported · process group ready 1/2 (not rank 1).",
         "waiting for a host that never answers",
     )
+    assert protocol.PHASE_MARKER not in message
     assert time.monotonic() - t0 < 15
     pid = int((tmp_path / "pid").read_text())
     assert wait_gone([pid]) == [], "the hanging mpiexec was left running"
@@ -140,6 +152,22 @@ def test_nccl_without_gpus(shell, capsys, no_cluster):
     expect_usage_error(
         shell, capsys, "%dist_start --np 2 --backend nccl", "--backend nccl needs GPUs"
     )
+    assert_nothing_left(no_cluster)
+
+
+def test_rank_failure_after_torch_was_imported_shows_no_start_markers(shell, capsys,
+                                                                     no_cluster):
+    """The ranks had printed their first marker before the process group failed."""
+    import torch.distributed
+
+    if torch.distributed.is_mpi_available():
+        pytest.skip("this torch has the MPI backend")
+    message = expect_usage_error(
+        shell, capsys, "%dist_start --np 2 --backend mpi",
+        "mpiexec exited before the 2 ranks started",
+        "ipydist: rank 0 on", "could not create the mpi process group",
+    )
+    assert protocol.PHASE_MARKER not in message
     assert_nothing_left(no_cluster)
 
 

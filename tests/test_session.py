@@ -91,8 +91,12 @@ def test_dist_restart_replaces_every_process(shell, capsys, no_cluster, magics):
         shell.run_cell("%dist_stop")
 
 
-def test_no_init_leaves_the_process_group_to_user_code():
+def test_no_init_leaves_the_process_group_to_user_code(capsys):
     with ipydist.Session(np=2, init=False) as s:
+        out, err = capsys.readouterr()
+        assert "torch imported · torchrun env set · engines registered" in err, err
+        assert "process group" not in err + out
+        assert " · torchrun env " in out, "the seconds of each step, under the table"
         s.run(
             "import os, torch, torch.distributed as dist\n"
             "before = dist.is_initialized()\n"

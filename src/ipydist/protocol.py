@@ -6,7 +6,8 @@ Everything that crosses from one side to the other is named here, once:
   variables that mpiexec forwards (the ranks read them back before anything else runs);
 - the data-message keys a rank sends on its IOPub channel (metrics, collective waits), and the
   metric batch format (:func:`to_columns`);
-- the prefix of the one-line message a rank prints when it cannot start;
+- the prefix of the one-line message a rank prints when it cannot start, and the marker lines
+  (:func:`phase_line`) by which a starting rank reports its progress;
 - the signal the notebook sends to release a rank;
 - :func:`on_rank`: how the notebook calls a function of ``ipydist.rank.calls`` on the ranks
   without importing rank code (which imports torch) into the kernel.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import signal
 from array import array
 from collections.abc import Mapping
@@ -88,6 +90,18 @@ RANK_MODULE = "ipydist.rank"
 #: Start of the one-line message a rank prints when it cannot start
 #: (``ipydist: rank 1 on HOST: what to fix``); the notebook shows these lines first.
 ERROR_PREFIX = "ipydist: rank"
+#: A starting rank has no channel to the notebook until its engine registers; what it has is
+#: its stdout, which mpiexec forwards from every host into the output the notebook reads. So it
+#: prints one marker line per step of its start (:func:`phase_line`), and the notebook shows
+#: the steps as they happen and leaves these lines out of all it shows of that output.
+PHASE_MARKER = "ipydist-phase:"
+#: The steps, in order: torch imported; then the default process group made, or, where the
+#: user's code makes it (``--no-init``), the torchrun variables set instead.
+PHASE_TORCH = "torch"
+PHASE_GROUP = "group"
+PHASE_ENV = "env"
+_PHASE = re.compile(
+    re.escape(PHASE_MARKER) + rf" (\d+) ({PHASE_TORCH}|{PHASE_GROUP}|{PHASE_ENV})\b")
 #: Data-message key of a metrics batch from ``hvd.log()`` (see :func:`to_columns`).
 METRICS_KEY = "ipydist.metrics"
 #: Data-message key of "waiting in collective X for N s" / "no longer waiting" reports.
@@ -121,6 +135,18 @@ def to_columns(points: list[tuple]) -> dict:
             column[i] = v
     return {"step": array("d", [p[0] for p in points]),
             "time": array("d", [p[1] for p in points]), "values": values}
+
+
+def phase_line(rank: int, phase: str) -> str:
+    """The marker line (without its newline) by which ``rank`` says it got past ``phase``."""
+    return f"{PHASE_MARKER} {rank} {phase}"
+
+
+def parse_phase(line: str) -> tuple[int, str] | None:
+    """(rank, phase) of a marker line, or None. The marker is looked for anywhere in the line,
+    so prefixes that mpiexec adds (``--tag-output``, ``-prepend-rank``) do not hide it."""
+    m = _PHASE.search(line)
+    return (int(m.group(1)), m.group(2)) if m else None
 
 
 # --- notebook -> rank, while the cluster runs -------------------------------------------------

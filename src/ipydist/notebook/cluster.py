@@ -3,7 +3,8 @@
 :class:`Cluster` starts ipyparallel's controller and mpiexec's ranks at the same time (the
 ranks import torch and build the process group while the controller comes up), then waits for
 every rank to register while watching mpiexec, so that a launch that fails ends the wait at once
-with MPI's own message instead of running into ``--timeout``. It keeps the client, the
+with MPI's own message instead of running into ``--timeout``; meanwhile a status line shows how
+far the ranks got (:mod:`~ipydist.notebook.startup`). It keeps the client, the
 controller and mpiexec launchers, the ranks' pids, the watchdog and the profile folder, and
 :meth:`Cluster.stop` ends all of them, as ipyparallel's own ``Cluster`` does for what it starts.
 """
@@ -19,7 +20,7 @@ import time
 
 from ipydist import protocol
 from ipydist.errors import ClusterError
-from ipydist.notebook import ipp, mpiexec, processes, watchdog
+from ipydist.notebook import display, ipp, mpiexec, processes, startup, watchdog
 from ipydist.specs import describe_ranks, parse_ranks
 
 #: Controller heartbeat: a rank is declared gone after HEARTBEAT_MS * HEARTBEAT_MISSES ms.
@@ -46,17 +47,28 @@ class Cluster:
         self._views: dict[tuple[int, ...], object] = {}
         self._rank_procs: list = []  # psutil processes of the ranks on this host
         self._controller_proc = None
+        #: How far the start got, and when (kept for the line under the start table).
+        self.startup: startup.StartWatch | None = None
 
     # --- starting ----------------------------------------------------------------------------
 
-    def start(self, progress, deadline: float) -> None:
-        """Start the controller and mpiexec at once, the watchdog, and wait for every rank.
+    def start(self, progress, started: float) -> None:
+        """Start the controller and mpiexec at once, the watchdog, and wait for every rank,
+        showing the steps on ``progress`` (a ``display.Progress``) with the seconds since
+        ``started`` (a ``time.perf_counter()``), from which ``--timeout`` counts too.
 
         On failure the caller must still :meth:`stop`, which ends whatever did start.
         """
+        name = mpiexec.FLAVOR_NAMES.get(self.plan.flavor, "mpiexec")
+        self.startup = startup.StartWatch(
+            self.np, f"Starting {self.np} ranks with {name}",
+            init=protocol.RankConfig.from_env(self.plan.env).init, started=started,
+            live=display.in_kernel())
+        self.startup.show(progress, None, [], force=True)
         self._launch()
+        self.startup.launched()
         self._watchdog = watchdog.start(self.pids())
-        self._wait_for_ranks(progress, deadline)
+        self._wait_for_ranks(progress, started + self.timeout)
 
     def _launch(self) -> None:
         import ipyparallel
@@ -100,30 +112,33 @@ class Cluster:
     def _wait_for_ranks(self, progress, deadline: float) -> None:
         """Wait for registration, watching mpiexec so that a failed launch ends the wait."""
         launcher = self._mpiexec_launcher()
+        watch = self.startup
         client_file = os.path.join(
             self.profile_dir, "security", f"ipcontroller-{self._ipp.cluster_id}-client.json")
         while True:
             if self.client is None and os.path.exists(client_file):
                 self.client = self._ipp.connect_client_sync()
-            registered = len(self.client.ids) if self.client is not None else 0
-            if registered >= self.np:
+            registered = list(self.client.ids) if self.client is not None else []
+            if len(registered) >= self.np:
                 break
             if not processes.alive(launcher.process):
                 raise ClusterError(self._launch_failure(
                     f"mpiexec exited before the {self.np} ranks started"))
             if time.perf_counter() > deadline:
+                watch.look(launcher.output_file, registered)
                 raise ClusterError(self._launch_failure(
-                    f"only {registered} of {self.np} ranks started within --timeout "
-                    f"{self.timeout:g} s"))
-            progress.update(f"Starting {self.np} ranks with {self.plan.flavor} mpiexec: "
-                            f"{registered}/{self.np} ready")
+                    f"only {len(registered)} of {self.np} ranks started within --timeout "
+                    f"{self.timeout:g} s; by then: {watch.so_far()}"))
+            watch.show(progress, launcher.output_file, registered)
             time.sleep(0.02)
+        watch.show(progress, launcher.output_file, registered, force=True)
         infos = self.client[:].apply_sync(protocol.on_rank, "attach")
         self.ranks = sorted(infos, key=lambda i: i["rank"])
         mismatched = [i["rank"] for i, eid in zip(infos, self.client.ids) if i["rank"] != eid]
         if mismatched:
             raise ClusterError(
                 f"engine ids do not match MPI ranks for {describe_ranks(mismatched)}")
+        watch.ready()
 
     def _launch_failure(self, what: str) -> str:
         """The message for a launch that failed, from what mpiexec and the ranks printed."""
@@ -219,7 +234,8 @@ class Cluster:
 
     def mpiexec_output(self, wait_for_exit: float = 0.0) -> str:
         """What mpiexec and the ranks printed (after waiting up to ``wait_for_exit`` seconds for
-        a mpiexec that is ending the job, which prints its report as it goes)."""
+        a mpiexec that is ending the job, which prints its report as it goes), without the
+        ranks' start markers: this is the output messages show."""
         launcher = self._mpiexec_launcher()
         deadline = time.monotonic() + wait_for_exit
         while processes.alive(launcher.process) and time.monotonic() < deadline:
@@ -230,8 +246,8 @@ class Cluster:
             while not launcher.stop_data and time.monotonic() < deadline:
                 time.sleep(0.02)
         if launcher.stop_data:
-            return launcher.get_output(remove=False)
-        return processes.read_text(launcher.output_file)
+            return startup.without_markers(launcher.get_output(remove=False))
+        return startup.without_markers(processes.read_text(launcher.output_file))
 
     def _mpiexec_launcher(self):
         """ipyparallel's launcher of mpiexec (it holds mpiexec's process and output)."""

@@ -58,6 +58,10 @@ def find_mpiexec(explicit: str | None = None) -> str:
     )
 
 
+#: How messages name each flavor that :func:`mpi_flavor` tells apart.
+FLAVOR_NAMES = {"openmpi": "Open MPI", "mpich": "MPICH"}
+
+
 @lru_cache(maxsize=8)
 def mpi_flavor(mpiexec: str) -> str:
     """``"openmpi"``, ``"mpich"`` or ``"unknown"``, read from ``mpiexec --version``."""

@@ -3,7 +3,9 @@ device, torchrun variables, process group.
 
 A rank that cannot start prints one line beginning ``protocol.ERROR_PREFIX``
 (``ipydist: rank N on HOST: ...``) and every rank exits non-zero, so mpiexec ends and
-``%dist_start`` shows that line instead of waiting.
+``%dist_start`` shows that line instead of waiting. A rank that gets past a slow step (torch
+imported, process group made) prints a marker line (``protocol.phase_line``), so that
+``%dist_start`` can show how far the ranks are.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ def bootstrap(env: dict[str, str] | None = None):
 
     from ipydist.torch import runtime, shims
 
+    _reached(comm.Get_rank(), protocol.PHASE_TORCH)
     rt = runtime.topology_from_mpi(comm)
     # OMP_NUM_THREADS from the user (--env) wins; otherwise share the host's cores.
     threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or device.threads_per_rank(
@@ -72,10 +75,22 @@ def bootstrap(env: dict[str, str] | None = None):
                 flush=True,
             )
             comm.Abort(1)
+        _reached(rt.rank, protocol.PHASE_GROUP)
     else:
         rt.master_port = comm.bcast(_free_port(rt.master_addr) if rt.rank == 0 else 0, root=0)
         runtime.export_torchrun_env(rt)
+        _reached(rt.rank, protocol.PHASE_ENV)
     return rt
+
+
+def _reached(rank: int, phase: str) -> None:
+    """Tell the notebook that this rank got past ``phase``: one marker line on stdout, which
+    mpiexec forwards from any host. Only a progress report: a stdout that fails is ignored."""
+    try:
+        sys.stdout.write(protocol.phase_line(rank, phase) + "\n")
+        sys.stdout.flush()
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def _fail_all(comm, rank: int, host: str, problem: str | None) -> None:
