@@ -127,7 +127,7 @@ class DistMagics(Magics):
               help="interrupt the cell on every rank after S seconds, as the stop button does")
     @argument(
         "--output", default="all", choices=["all", "rank0"],
-        help="whose printed output to show: every rank's (default), or rank 0's only",
+        help="whose output (printed and rich) to show: every rank's (default), or rank 0's only",
     )
     @argument("--from-mode", action="store_true", help=argparse.SUPPRESS)
     @line_cell_magic

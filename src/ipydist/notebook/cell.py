@@ -1,10 +1,10 @@
 """One ``%%everyrank`` cell in flight: waiting for the ranks while showing what they send.
 
-The wait loop runs in the notebook's main thread and wakes every 50 ms: it prints the ranks'
-output (merged by :class:`LineMerger`), feeds their metrics to the history and the live view,
-warns of a stall (some ranks waiting in a collective the others never entered: see
-:mod:`ipydist.notebook.stall`), and enforces ``--timeout``. Ctrl-C (the stop button) lands here too,
-and interrupts the ranks.
+The wait loop runs in the notebook's main thread and wakes every 50 ms: it shows the ranks'
+output, printed and rich (merged by :class:`LineMerger`, tagged as :mod:`~ipydist.notebook.rich`
+says), feeds their metrics to the history and the live view, warns of a stall (some ranks
+waiting in a collective the others never entered: see :mod:`ipydist.notebook.stall`), and
+enforces ``--timeout``. Ctrl-C (the stop button) lands here too, and interrupts the ranks.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ipydist.errors import (
     RankError,
     ReplyLost,
 )
-from ipydist.notebook import display, ipp, recovery
+from ipydist.notebook import display, ipp, recovery, rich
 from ipydist.notebook.iopub import IOPubCollector
 from ipydist.notebook.lines import LineMerger
 from ipydist.notebook.live.view import LiveView
@@ -63,6 +63,7 @@ class CellRun:
         self.collector = IOPubCollector(async_result, targets)
         self.shown = targets if output == "all" else targets[:1]
         self.merger = LineMerger(self.shown)
+        self.displays = rich.DisplayBook(self.shown)
         self.live = LiveView(session.metrics, session.size, cell=_execution_count())
         self.result = RunResult(targets)
         self.stalls = StallWatch(targets, session.stall_warning, session.words.timeout)
@@ -110,7 +111,9 @@ class CellRun:
         finally:
             self.collector.finish()
             self._show()
-            _print_lines(self.merger.flush())
+            self._emit(self.merger.flush())
+            if note := self.displays.note():
+                print(note, file=sys.stderr, flush=True)
             self.live.finish()
         self.result.elapsed = time.perf_counter() - self.started
         replies = ipp.replies(self.ar, self.targets)
@@ -231,7 +234,7 @@ class CellRun:
             return
         doing = ipp.outcomes(self.ar, self.targets)
         if warning := self.stalls.check(time.monotonic(), doing):
-            _print_lines(self.merger.ready(now=float("inf")))  # what came before goes first
+            self._emit(self.merger.ready(now=float("inf")))  # what came before goes first
             print(warning, file=sys.stderr, flush=True)
 
     def _wait_for_output(self) -> None:
@@ -263,11 +266,28 @@ class CellRun:
                     self.ended.setdefault(ev.rank, time.monotonic())
             elif ev.kind == "metrics":
                 self.session.metrics.accept(ev.rank, ev.content)
-            elif ev.kind == "display_data" and ev.rank == self.shown[0]:
-                display.publish(ev.content.get("data", {}), ev.content.get("metadata"))
-        _print_lines(self.merger.ready())
+            elif ev.kind == "display_data" and ev.rank in self.shown:
+                if item := self.displays.take(ev.rank, ev.content):
+                    self.merger.put(ev.rank, item)  # after what the rank printed before it
+        self._emit(self.merger.ready())
         self.live.update()
         return len(events)
+
+    def _emit(self, released) -> None:
+        """Show what the merger released: printed lines with their tags, and displays (see
+        :mod:`ipydist.notebook.rich`: each bundle once, tagged unless it is the first rank's)."""
+        for tag, stream, item in released:
+            if isinstance(item, str):
+                print(f"[{tag}] {item}", end="",
+                      file=sys.stderr if stream == "stderr" else sys.stdout)
+                continue
+            step = self.displays.accept(tag, item)
+            if step.kind == "show":
+                if step.shown.tag:
+                    step.shown.handle = display.tag_line(step.shown.tag)
+                display.publish(item.data, item.metadata)
+            elif step.kind == "retag":
+                display.retag(step.shown.handle, step.shown.tag)
 
 
 def _execution_count() -> int | None:
@@ -276,11 +296,6 @@ def _execution_count() -> int | None:
 
     shell = get_ipython()
     return getattr(shell, "execution_count", None) if shell is not None else None
-
-
-def _print_lines(lines) -> None:
-    for tag, stream, line in lines:
-        print(f"[{tag}] {line}", end="", file=sys.stderr if stream == "stderr" else sys.stdout)
 
 
 class _Failure:

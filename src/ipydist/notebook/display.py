@@ -79,6 +79,25 @@ def publish(bundle: dict, metadata: dict | None = None) -> None:
         print(bundle.get("text/plain", ""))
 
 
+def tag_line(text: str):
+    """Show ``text`` (a rank's ``[rank N]`` above its display) as one plain-text output, as
+    ipyparallel labels an engine's display; in a notebook it can be changed later (the same
+    bundle came from more ranks), so it is a display with an id, and its handle is returned.
+    Elsewhere it is printed, and None is returned."""
+    if not in_kernel():
+        print(text)
+        return None
+    from IPython.display import display
+
+    return display({"text/plain": text}, raw=True, display_id=True)
+
+
+def retag(handle, text: str | None) -> None:
+    """Change a line shown by :func:`tag_line` (None: empty it)."""
+    if handle is not None:
+        handle.update({"text/plain": text or ""}, raw=True)
+
+
 class Progress:
     """One status line that updates in place in a notebook and prints once per change elsewhere."""
 

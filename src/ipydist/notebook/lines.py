@@ -1,16 +1,23 @@
 """Ranks' printed lines, merged: a line every rank prints is shown once.
 
 :class:`LineMerger` is pure logic: it buffers each rank's lines for a moment so that a line
-every rank prints (``epoch 3 done``) is shown once as ``[all ranks]`` instead of N times.
+every rank prints (``epoch 3 done``) is shown once as ``[all ranks]`` instead of N times. A
+rank's displays (:class:`~ipydist.notebook.rich.Display`) pass through it too, so that each comes
+out between what its rank printed before and after it, and so that one every rank made alike
+merges the same way.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 import time
 from collections import deque
 
 ALL = "all ranks"
+STREAMS = ("stdout", "stderr")
+#: The "stream" of a display that :meth:`LineMerger.ready` hands out.
+DISPLAY = "display"
 _LINE_END = re.compile(r"(\r\n|\n|\r)")
 
 
@@ -20,15 +27,25 @@ class LineMerger:
     A complete line that is at the head of every rank's buffer, and identical on all of them,
     is ready once with the tag ``"all ranks"``. Any other line is ready with its rank's tag
     once it has waited ``hold`` seconds (or at :meth:`flush`), so nothing is held back long.
+
+    Displays (:meth:`put`) wait and merge alike, in a queue of their own so that one rank's
+    display never keeps the other ranks' lines from merging, with two rules of order per rank:
+    a display waits for the lines its rank printed before it, and a line printed after it sends
+    it out at once (a display a line waits on goes out without merging; the display book
+    recognises a later copy: see :mod:`ipydist.notebook.rich`).
     """
 
     def __init__(self, ranks: list[int], hold: float = 0.25):
         self.ranks = list(ranks)
         self.hold = hold
         self._partial: dict[tuple[int, str], str] = {}
-        self._lines: dict[tuple[int, str], deque[tuple[float, str]]] = {
-            (r, s): deque() for r in self.ranks for s in ("stdout", "stderr")
+        # entries are (arrival time, order of arrival, line or display)
+        self._lines: dict[tuple[int, str], deque[tuple[float, int, object]]] = {
+            (r, s): deque() for r in self.ranks for s in STREAMS
         }
+        self._displays: dict[int, deque[tuple[float, int, object]]] = {
+            r: deque() for r in self.ranks}
+        self._order = itertools.count()
 
     def feed(self, rank: int, stream: str, text: str, now: float | None = None) -> None:
         """Take ``text`` from a rank's stream. A line ends at ``\n``, or at ``\r`` (a text
@@ -44,40 +61,78 @@ class LineMerger:
         parts = _LINE_END.split(text)  # line, its end, line, its end, ..., the unfinished rest
         for line, end in zip(parts[0:-1:2], parts[1:-1:2]):
             if end != "\r":
-                self._lines[key].append((now, line + "\n"))
+                self._add(self._lines[key], now, line + "\n")
             elif line:  # an empty state between two redraws shows nothing
-                self._lines[key].append((now, line + "\r"))
+                self._add(self._lines[key], now, line + "\r")
         if parts[-1] or held:
             self._partial[key] = parts[-1] + held
 
-    def ready(self, now: float | None = None) -> list[tuple[str, str, str]]:
-        """Lines ready to show now, as (tag, stream, line)."""
+    def put(self, rank: int, display, now: float | None = None) -> None:
+        """Take a display (hashable, equal to another rank's alike) after what ``rank`` printed
+        so far. It ends the rank's unfinished lines, as a display does in a notebook."""
         now = time.monotonic() if now is None else now
-        out: list[tuple[str, str, str]] = []
-        for stream in ("stdout", "stderr"):
-            queues = [self._lines[(r, stream)] for r in self.ranks]
-            while True:
-                if len(self.ranks) > 1 and all(queues):
-                    heads = {q[0][1] for q in queues}
-                    if len(heads) == 1:
-                        out.append((ALL, stream, queues[0][0][1]))
-                        for q in queues:
-                            q.popleft()
-                        continue
-                any_ready = False
-                for r, q in zip(self.ranks, queues):
-                    if q and now - q[0][0] >= self.hold:
-                        out.append((f"rank {r}", stream, q.popleft()[1]))
-                        any_ready = True
-                if not any_ready:
-                    break
-        return out
+        for stream in STREAMS:
+            rest = self._partial.pop((rank, stream), "").rstrip("\r")
+            if rest:
+                self._add(self._lines[(rank, stream)], now, rest + "\n")
+        self._add(self._displays[rank], now, display)
 
-    def flush(self) -> list[tuple[str, str, str]]:
+    def ready(self, now: float | None = None) -> list[tuple[str, str, object]]:
+        """Lines ready to show now, as (tag, stream, line); a display as (tag, DISPLAY, it)."""
+        now = time.monotonic() if now is None else now
+        out: list[tuple[str, str, object]] = []
+        while True:  # again while one queue's output lets another's go
+            before = len(out)
+            for stream in STREAMS:
+                self._ready([self._lines[(r, stream)] for r in self.ranks], stream, now, out)
+            self._ready([self._displays[r] for r in self.ranks], DISPLAY, now, out)
+            if len(out) == before:
+                return out
+
+    def flush(self) -> list[tuple[str, str, object]]:
         """Everything still buffered, partial lines included (the cell has ended)."""
         for key, rest in list(self._partial.items()):
             rest = rest.rstrip("\r")
             if rest:
-                self._lines[key].append((float("-inf"), rest + "\n"))
+                self._add(self._lines[key], float("-inf"), rest + "\n")
         self._partial.clear()
         return self.ready(now=float("inf"))
+
+    def _add(self, queue: deque, now: float, what) -> None:
+        queue.append((now, next(self._order), what))
+
+    def _ready(self, queues: list[deque], stream: str, now: float, out: list) -> None:
+        """Hand out what is ready in one kind of queue (one per rank), in order."""
+        while True:
+            if len(self.ranks) > 1 and all(queues) and not any(
+                    self._waits(r, q[0]) for r, q in zip(self.ranks, queues)):
+                heads = {q[0][2] for q in queues}
+                if len(heads) == 1:
+                    out.append((ALL, stream, queues[0][0][2]))
+                    for q in queues:
+                        q.popleft()
+                    continue
+            any_ready = False
+            for r, q in zip(self.ranks, queues):
+                if q and not self._waits(r, q[0]) and (
+                        now - q[0][0] >= self.hold or self._due(r, q[0])):
+                    out.append((f"rank {r}", stream, q.popleft()[2]))
+                    any_ready = True
+            if not any_ready:
+                return
+
+    def _waits(self, rank: int, entry) -> bool:
+        """Whether ``entry`` must wait: for a display, a line its rank printed before it; for
+        a line, a display its rank made before it."""
+        _, order, what = entry
+        if isinstance(what, str):
+            queues = [self._displays[rank]]
+        else:
+            queues = [self._lines[(rank, s)] for s in STREAMS]
+        return any(q and q[0][1] < order for q in queues)
+
+    def _due(self, rank: int, entry) -> bool:
+        """Whether a display must go now: a line its rank printed after it waits on it."""
+        _, order, what = entry
+        return not isinstance(what, str) and any(
+            q and q[-1][1] > order for q in (self._lines[(rank, s)] for s in STREAMS))

@@ -12,6 +12,10 @@ from ipydist.rank.bootstrap import bootstrap
 # any other thread exists (threads inherit the mask).
 bootstrap()
 
+from ipydist.rank.progress import prefer_text_bars  # noqa: E402
+
+prefer_text_bars()  # before the engine's kernel exists, or tqdm.auto picks a widget
+
 from ipyparallel.engine.app import IPEngine  # noqa: E402
 
 IPEngine.launch_instance()
