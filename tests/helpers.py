@@ -19,6 +19,16 @@ def plain(text: str) -> str:
 
 #: Set in the environment of a kernel a test starts (and so of its cluster), so that a test
 #: finds only its own processes, not another run's on the same machine.
+#: Debian's Chromium, which the browser tests drive through Playwright (installed by
+#: scripts/ensure-chromium.sh; Playwright never downloads a browser of its own here).
+CHROMIUM = "/usr/bin/chromium"
+#: Flags that keep Chromium off the network (no update, sync or field-trial requests) and working
+#: as root in a container without a GPU.
+CHROMIUM_ARGS = [
+    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
+
 MARK_VAR = "IPYDIST_TEST_RUN"
 #: In the command line of every rank and of the mpiexec that starts them.
 RANK_COMMAND = "-m ipydist.rank"

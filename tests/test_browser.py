@@ -31,23 +31,23 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import nbformat
 import psutil
 import pytest
-from helpers import MARK_VAR, cluster_processes, wait_gone
+from helpers import CHROMIUM as CHROMIUM_PATH
+from helpers import CHROMIUM_ARGS, MARK_VAR, cluster_processes, wait_gone
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "notebooks" / "01-quickstart.ipynb"
 ARTIFACTS = REPO / "test-artifacts"
 SCREENSHOT = ARTIFACTS / "browser-quickstart.png"
-CHROMIUM = Path("/usr/bin/chromium")
-#: Flags that keep Chromium off the network (no update, sync or field-trial requests) and working
-#: as root in a container without a GPU.
-CHROMIUM_ARGS = [
-    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-]
-#: The quickstart's training cell logs one point per step: 20 epochs x 10 steps, from rank 0.
-EXPECTED_POINTS = 200
+#: The quickstart's widget alone; ``IPYDIST_UPDATE_SCREENSHOT=1`` copies it to the README's.
+WIDGET_SCREENSHOT = ARTIFACTS / "live-metrics.png"
+README_SCREENSHOT = REPO / "docs" / "live-metrics.png"
+CHROMIUM = Path(CHROMIUM_PATH)
+#: The quickstart's training cell logs one point per step (20 epochs x 10 steps) and one per
+#: epoch (the test accuracy), from rank 0.
+EXPECTED_POINTS = 220
 MIN_ACCURACY = 0.9
 
 pytestmark = pytest.mark.skipif(
@@ -68,6 +68,8 @@ class Lab:
     token: str
     mark: str
     log: Path
+    root: Path
+    env: dict
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}?token={self.token}"
@@ -121,11 +123,15 @@ def _write_lab_settings(settings_dir: Path) -> None:
     cells, and the test finds the training cell by its index).
     """
     settings = {
-        "apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
-        "notebook-extension/tracker": {"windowingMode": "none"},
+        "@jupyterlab/apputils-extension/notification": {"fetchNews": "false",
+                                                        "checkForUpdates": False},
+        "@jupyterlab/notebook-extension/tracker": {"windowingMode": "none"},
+        # Widget state saved with the notebook (JupyterLab's default is not to): the test of
+        # a reopened notebook checks both ways, removing the saved state for the second.
+        "@jupyter-widgets/jupyterlab-manager/plugin": {"saveState": True},
     }
     for name, values in settings.items():
-        path = settings_dir / "@jupyterlab" / f"{name}.jupyterlab-settings"
+        path = settings_dir / f"{name}.jupyterlab-settings"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(values))
 
@@ -172,6 +178,7 @@ def lab(tmp_path):
     root = tmp_path / "root"
     root.mkdir()
     _copy_without_outputs(QUICKSTART, root / QUICKSTART.name)
+    nbformat.write(_restarts_notebook(), root / RESTARTS)
     _write_lab_settings(tmp_path / "settings")
     env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
                JUPYTER_CONFIG_DIR=str(tmp_path / "config"), PYTHONUNBUFFERED="1")
@@ -190,7 +197,7 @@ def lab(tmp_path):
             cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True,
         )
-    server = Lab(proc, port, token, mark, log)
+    server = Lab(proc, port, token, mark, log, root, env)
     try:
         _wait_until_serving(server)
         yield server
@@ -286,9 +293,9 @@ KERNEL_IDLE = """() => [...document.querySelectorAll('.jp-StatusBar-TextItem')]
     .some((e) => /^(?!No Kernel).+ \\| Idle$/.test(e.textContent.trim()))"""
 
 
-def _open_notebook(page, lab: Lab) -> None:
+def _open_notebook(page, lab: Lab, name: str = QUICKSTART.name) -> None:
     """Open the notebook and wait until its kernel has started and is idle."""
-    page.goto(lab.url(f"/lab/tree/{QUICKSTART.name}"))
+    page.goto(lab.url(f"/lab/tree/{name}"))
     page.wait_for_selector(".jp-NotebookPanel .jp-Notebook .jp-Cell")
     page.wait_for_function(KERNEL_IDLE)
 
@@ -398,3 +405,162 @@ def test_quickstart_live_chart_in_jupyterlab(lab, page, console):
     assert final["points"] == str(EXPECTED_POINTS), (
         f"data-points is {final['points']!r} after the cell ended, expected {EXPECTED_POINTS}")
     assert final["marks"] >= 1, "no <svg> with a <path> or <polyline> in .ipydist-metrics"
+
+    # Hovering the chart reads out the values at that step, on every chart at once.
+    widget = page.locator(".ipydist-metrics").first
+    chart = widget.locator("svg.ipydist-chart").first.bounding_box()
+    page.mouse.move(chart["x"] + chart["width"] * 0.6, chart["y"] + chart["height"] / 2)
+    tip = widget.locator(".ipydist-hover")
+    tip.wait_for(state="visible", timeout=5_000)
+    text = tip.text_content()
+    assert re.match(r"step \d", text) and "loss" in text and "val_acc" in text, text
+    assert widget.locator(".ipydist-crosshair[visibility=visible]").count() == 2
+    widget.screenshot(path=str(WIDGET_SCREENSHOT))
+    if os.environ.get("IPYDIST_UPDATE_SCREENSHOT"):  # the README's picture of the widget
+        shutil.copy(WIDGET_SCREENSHOT, README_SCREENSHOT)
+
+
+# ------------------------------------------------------------ restarts, reopening the notebook
+
+RESTARTS = "restarts.ipynb"
+#: Each logging cell: 40 points of loss and accuracy, validation every 10 steps.
+LOGGING_CELL = """%%everyrank
+import time
+import ipydist.torch as hvd
+for i in range(40):
+    extra = {"val_loss": 1.2 / (i + 2)} if i % 10 == 9 else {}
+    hvd.log(step=i, total=40, loss=1.0 / (i + 1), acc=i / 40, **extra)
+    time.sleep(0.01)"""
+
+
+def _restarts_notebook():
+    """A notebook that logs, restarts the cluster, logs, restarts again, logs, and counts."""
+    cells = ["%load_ext ipydist\n%dist_start --np 2", LOGGING_CELL, "%dist_restart",
+             LOGGING_CELL, "%dist_restart", LOGGING_CELL,
+             "import ipydist\nframe = ipydist.metrics()\n"
+             "print('rows', len(frame), 'clusters', sorted(set(frame.cluster)))",
+             "%dist_stop"]
+    kernel = json.loads(QUICKSTART.read_text())["metadata"]["kernelspec"]
+    return nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells],
+                                    metadata={"kernelspec": kernel})
+
+
+#: What the page shows of every metrics output: widgets, static copies, error boxes.
+READ_OUTPUTS = r"""() => {
+    const shown = (e) => e.offsetParent !== null && e.getClientRects().length > 0;
+    const widgets = [...document.querySelectorAll('.ipydist-metrics')];
+    const fallbacks = [...document.querySelectorAll('.ipydist-fallback')]
+        .filter((e) => e.querySelector('svg'));
+    const errors = [...document.querySelectorAll('.jp-OutputArea-output')]
+        .filter((e) => /Error displaying widget|model not found/.test(e.textContent) && shown(e));
+    return {
+        widgets: widgets.map((w) => ({points: w.dataset.points, done: w.dataset.done,
+            charts: [...w.querySelectorAll('svg.ipydist-chart')].map((c) => c.dataset.series),
+            log: [...w.querySelectorAll('.ipydist-toggle-log')].map((b) => b.checked)})),
+        fallbacks_shown: fallbacks.filter(shown).length,
+        fallback_charts: fallbacks.filter(shown).map((f) => f.querySelectorAll('svg').length),
+        errors: errors.map((e) => e.textContent.slice(0, 80)),
+        // where an error box shows: the tags and classes around it, for the failure message
+        error_dom: errors.slice(0, 1).map((e) => e.closest('.jp-OutputArea').outerHTML
+            .replace(/<svg[\s\S]*?<\/svg>/g, '<svg/>').replace(/<style>[\s\S]*?<\/style>/g, '')
+            .slice(0, 3000)),
+        text: document.querySelector('.jp-Notebook')?.textContent ?? '',
+    };
+}"""
+
+
+def _wait_idle_and_done(page, timeout: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        prompts = page.evaluate(
+            "() => [...document.querySelectorAll('.jp-NotebookPanel .jp-InputPrompt')]"
+            ".map((p) => p.textContent.trim())")
+        if prompts and all(_ran(p) for p in prompts):
+            return
+        time.sleep(0.25)
+    pytest.fail(f"the notebook did not finish within {timeout:.0f} s: {prompts}")
+
+
+def _save(page) -> None:
+    page.locator(".jp-NotebookPanel").first.click(position={"x": 5, "y": 5})
+    page.keyboard.press("Control+s")
+    page.wait_for_function("() => !document.querySelector('.jp-NotebookPanel .jp-mod-dirty')"
+                           " && !document.title.startsWith('*')")
+    time.sleep(0.5)
+
+
+def _end_sessions(lab: Lab) -> None:
+    """Shut down every kernel, as closing JupyterLab and coming back another day does."""
+    def call(method, path):
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{lab.port}{path}", method=method,
+            headers={"Authorization": f"token {lab.token}"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return json.loads(response.read() or b"null")
+
+    for session in call("GET", "/api/sessions"):
+        call("DELETE", f"/api/sessions/{session['id']}")
+
+
+#: True once each widget output above a static copy has rendered its widget, or the widget
+#: manager has given up on it ("model not found", hidden or not): only then can a test tell
+#: whether an error box shows.
+WIDGETS_SETTLED = """(count) => {
+    const outs = [...document.querySelectorAll('.jp-OutputArea-child')]
+        .filter((c) => c.nextElementSibling?.querySelector('.ipydist-fallback'));
+    return outs.length === count && outs.every((c) => c.querySelector('.ipydist-metrics')
+        || /Error displaying widget/.test(c.textContent));
+}"""
+
+
+def _reopen(page, lab: Lab, path: str = f"/lab/tree/{RESTARTS}", widgets: int = 3) -> dict:
+    """Open the notebook anew with no kernel state behind it (every kernel shut down first,
+    as after closing JupyterLab); what it shows once every widget output has settled."""
+    _end_sessions(lab)
+    page.goto(lab.url(path))
+    page.wait_for_selector(".jp-Notebook .jp-Cell .ipydist-fallback")
+    page.wait_for_function(WIDGETS_SETTLED, arg=widgets, timeout=60_000)
+    return page.evaluate(READ_OUTPUTS)
+
+
+@pytest.mark.timeout(420)
+def test_points_survive_restarts_and_a_reopened_notebook_shows_its_charts(lab, page, console):
+    _open_notebook(page, lab, RESTARTS)
+    _run_all_cells(page)
+    _wait_idle_and_done(page)
+    time.sleep(1)
+    now = page.evaluate(READ_OUTPUTS)
+    assert "rows 120 clusters [1, 2, 3]" in now["text"], now["text"][-1500:]
+    assert [w["points"] for w in now["widgets"]] == ["40", "40", "40"], (
+        f"every cell's chart has its 40 points, whichever cluster logged them: {now}")
+    assert all(w["charts"] == ["loss,val_loss", "acc"] for w in now["widgets"]), now["widgets"]
+    assert now["fallbacks_shown"] == 0, "where the widget renders, its static copy is hidden"
+
+    # The reader sets the first chart to log scale; the notebook is saved with widget state.
+    page.locator(".ipydist-metrics").first.locator(".ipydist-toggle-log").first.check()
+    _save(page)
+    saved = nbformat.read(lab.root / RESTARTS, as_version=4)
+    assert "widgets" in saved.metadata, "JupyterLab saved the widget state"
+
+    # Reopened with its widget state: the widgets come back with the reader's settings.
+    again = _reopen(page, lab)
+    assert [w["points"] for w in again["widgets"]] == ["40", "40", "40"], again
+    assert again["widgets"][0]["log"] == [True, False], "log scale on the first chart, kept"
+    assert not again["errors"] and again["fallbacks_shown"] == 0, again
+
+    # Saved without widget state (JupyterLab's default), trusted as a notebook one saved
+    # oneself is: each static copy shows, and no "model not found" box.
+    path = lab.root / RESTARTS
+    nb = nbformat.read(path, as_version=4)
+    nb.metadata.pop("widgets")
+    nbformat.write(nb, path)
+    subprocess.run([sys.executable, "-m", "jupyter", "trust", str(path)], check=True,
+                   capture_output=True, env=dict(os.environ, **lab.env))
+    bare = _reopen(page, lab)
+    assert not bare["errors"], f"error boxes in a notebook reopened without widget state: {bare}"
+    assert not bare["widgets"]
+    assert bare["fallback_charts"] == [2, 2, 2], bare
+
+    # The same in Notebook 7, served by the same server.
+    classic = _reopen(page, lab, f"/notebooks/{RESTARTS}")
+    assert not classic["errors"] and classic["fallback_charts"] == [2, 2, 2], classic

@@ -42,8 +42,10 @@ def test_view_sends_only_new_points_and_saves_a_small_final_state(shell):
     assert sent[-1]["count"] == 200_000
     view.finish()
     widget = view.widget
-    steps, losses = widget.series["loss"]
+    steps, losses, seconds = widget.series["loss"]
     assert len(steps) <= FINAL_MAX_POINTS and steps[0] == 5000 and steps[-1] == 204_999
+    assert len(seconds) == len(steps) and seconds[0] == 0.0 and seconds[-1] == 199.999
+    assert [c["title"] for c in widget.layout["charts"]] == ["loss"]
     assert widget.done and widget.stats["points"] == 200_000 and widget.stats["progress"] == 1.0
     state = json.dumps({"series": widget.series, "stats": widget.stats})
     assert len(state) < 100_000, "200,000 points keep the saved state small"

@@ -1,5 +1,5 @@
 """Pure logic of metrics: throttled numbered batches, in-order history, rates, stragglers,
-downsampling, and the static copy of the chart."""
+downsampling. (The charts' layout, numbers and static copy: test_live_layout.py.)"""
 
 import math
 import random
@@ -7,7 +7,6 @@ import random
 import pytest
 
 from ipydist.notebook.live.history import MetricHistory, downsample
-from ipydist.notebook.live.static import chart_svg, fallback_html, summary_line
 from ipydist.notebook.live.summary import rank_strip, summarize
 from ipydist.protocol import to_columns
 from ipydist.rank.batching import MetricBatcher
@@ -74,10 +73,10 @@ def test_history_orders_batches_and_counts_each_once():
 
 def test_history_reports_a_gap_and_holds_later_batches():
     history = MetricHistory()
-    assert history.accept(3, batch(0, [0])) == 1
-    assert history.accept(3, batch(2, [2])) == 0
+    assert history.accept(0, batch(0, [0])) == 1
+    assert history.accept(0, batch(2, [2])) == 0
     assert list(history.steps) == [0], "batch 2 waits for batch 1"
-    assert history.accept(3, batch(1, [1])) == 2
+    assert history.accept(0, batch(1, [1])) == 2
     assert list(history.steps) == [0, 1, 2]
 
 
@@ -93,9 +92,12 @@ def test_history_keeps_metrics_logged_at_some_steps_only():
     assert "val_acc" not in history.rows()[0]
     assert history.series("val_acc") == ([1], [0.5])
     assert history.series("loss") == ([0, 1, 2], [2.0, 1.0, 0.5]), "no infinity for JSON"
-    frame = pytest.importorskip("pandas") and history.to_dataframe()
+    pandas = pytest.importorskip("pandas")
+    frame = history.to_dataframe()
     assert list(frame.columns) == ["step", "time", "cluster", "cell", "loss", "val_acc"]
     assert frame["step"].dtype == "int64" and math.isnan(frame["val_acc"][0])
+    assert isinstance(frame["time"].dtype, pandas.DatetimeTZDtype)
+    assert frame["time"][1].timestamp() == 1.0
 
 
 def test_summary_rates_progress_and_eta():
@@ -154,22 +156,6 @@ def test_downsample_leaves_short_series_alone_and_rejects_bad_input():
         downsample(list(range(10)), list(range(10)), 3)
 
 
-def test_static_copy_has_a_chart_per_metric_and_the_summary():
-    stats = {"points": 3, "latest": {"loss": 0.25}, "steps_per_s": 12.5, "elapsed": 2.0,
-             "ranks": [{"rank": 0, "step_s": 0.08, "compute_s": 0.05, "straggler": False},
-                       {"rank": 1, "step_s": 0.08, "compute_s": 0.07, "straggler": True}]}
-    series = {"loss": ([0, 1, 2], [1.0, 0.5, 0.25]), "<acc>": ([2], [0.9])}
-    page = fallback_html("abc123", series, stats)
-    assert 'class="ipydist-fallback ipydist-fallback-abc123"' in page
-    assert page.count("<svg") == 2 and page.count("<polyline") == 2
-    assert "&lt;acc&gt;" in page and "<acc>" not in page, "names are escaped"
-    assert "straggler" in page
-    assert summary_line(stats) == (
-        "loss 0.25 · 12.5 steps/s · 3 points · 2.0 s · straggler: rank 1"
-    )
-    assert "<polyline" not in chart_svg("empty", [], [], "#000")
-
-
 def test_a_new_cell_shows_only_its_own_step_times():
     history = MetricHistory()
     history.accept(1, {"seq": 0, "sent": 0.0, "points": NO_POINTS,
@@ -225,3 +211,22 @@ def test_a_rank_forgets_total_and_batch_size_when_its_cell_ends():
     finally:
         metrics._batcher = saved
     assert b.total is None and b.batch_size is None
+
+
+def test_other_ranks_points_are_kept_per_rank_apart_from_rank0s_rows():
+    """``hvd.log(reduce="none")``: every rank's values travel; rank 0's are the rows."""
+    history = MetricHistory()
+    history.new_cluster()
+    history.begin_cell(cell=7)
+    history.accept(0, batch(0, range(5)))
+    history.accept(1, batch(0, range(5)))
+    history.accept(2, {"seq": 0, "sent": 0.0, "points": NO_POINTS, "timing": (1, 0.1, 0.1, 0)})
+    assert len(history) == 5, "rank 1's points are not rows of the chart"
+    assert set(history.by_rank) == {1}, "a rank that sent no point has no store"
+    assert history.by_rank[1].series("loss")[0] == [0, 1, 2, 3, 4]
+    assert history.rank_lengths() == {1: 5}
+    pandas = pytest.importorskip("pandas")
+    frame = history.to_dataframe(ranks=True)
+    assert list(frame.columns[:5]) == ["rank", "step", "time", "cluster", "cell"]
+    assert frame.groupby("rank").size().to_dict() == {0: 5, 1: 5}
+    assert (frame["cell"] == 7).all() and isinstance(frame["time"][0], pandas.Timestamp)

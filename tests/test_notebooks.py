@@ -6,6 +6,7 @@ per module (a module-scoped fixture per notebook) and the checks read that one e
 
 from __future__ import annotations
 
+import copy
 import re
 import time
 import uuid
@@ -202,10 +203,15 @@ def test_training_chart_is_saved_as_widget_state_with_every_point(executed):
     assert i < final, "the widget appears while the cell runs, above its last output"
     assert state["done"] is True
     stats = state["stats"]
-    assert stats["points"] == 200 and stats["progress"] == 1.0 and stats["step"] == 199
-    steps, losses = state["series"]["loss"]
+    assert stats["points"] == 220 and stats["progress"] == 1.0 and stats["step"] == 199
+    steps, losses, seconds = state["series"]["loss"]
     assert steps == list(range(200)) and len(losses) == 200, "200 points: none dropped"
-    assert losses[-1] < losses[0]
+    assert losses[-1] < losses[0] and seconds == sorted(seconds)
+    val_steps, val_acc, _ = state["series"]["val_acc"]
+    assert val_steps == list(range(9, 200, 10)) and val_acc[-1] >= 0.9
+    assert state["series"]["epoch"][1][-1] == 19
+    assert [[s["name"] for s in c["series"]] for c in state["layout"]["charts"]] == [
+        ["loss"], ["val_acc"]], "epoch is not a chart"
     assert stats["steps_per_s"] > 0 and stats["samples_per_s"] > stats["steps_per_s"]
     assert [r["rank"] for r in stats["ranks"]] == [0, 1, 2, 3]
     assert all(r["step_s"] > 0 for r in stats["ranks"])
@@ -215,12 +221,26 @@ def test_training_chart_has_a_static_copy_for_nbconvert_and_github(executed):
     from nbconvert import HTMLExporter
 
     outputs, i, state = _metrics_outputs(executed[0])
-    static = outputs[i + 1].data["text/html"]
-    assert f'class="ipydist-fallback ipydist-fallback-{state["key"]}"' in static
-    assert static.count("<polyline") == 1 and "200 points" in static
-    assert outputs[i + 1].data["text/plain"].startswith("[metrics] loss ")
-    page, _ = HTMLExporter().from_notebook_node(executed[0])
-    assert "ipydist-fallback" in page and "<polyline" in page, "the curve is in nbconvert's HTML"
+    static = outputs[i + 1].data
+    page = static["text/html"]
+    assert f'class="ipydist-fallback ipydist-fallback-{state["key"]}"' in page
+    assert page.count("<svg") == 2 and "220 points" in page
+    assert page.count("stroke-dasharray") == 2 * 19, "on each chart, where epochs 1-19 began"
+    assert static["image/svg+xml"].startswith("<svg"), "an image for renderers that drop HTML"
+    assert static["text/plain"].startswith("[metrics] epoch 19 · loss ")
+    html, _ = HTMLExporter().from_notebook_node(executed[0])
+    assert "ipydist-fallback" in html and "<polyline" in html, "the curve is in nbconvert's HTML"
+    assert "model not found" not in html
+
+
+def test_nbconvert_without_widget_state_shows_the_static_copy_and_no_error(executed):
+    from nbconvert import HTMLExporter
+
+    nb = copy.deepcopy(executed[0])
+    nb.metadata.pop("widgets", None)  # JupyterLab's default: widget state is not saved
+    html, _ = HTMLExporter().from_notebook_node(nb)
+    assert "ipydist-fallback" in html and "<polyline" in html
+    assert "model not found" not in html and "Error displaying widget" not in html
 
 
 # --- every notebook -------------------------------------------------------------------------

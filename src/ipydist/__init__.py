@@ -25,14 +25,16 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'ipydist' has no attribute {name!r}")
 
 
-def metrics():
+def metrics(ranks: bool = False):
     """Every point rank 0 logged with ``hvd.log()`` in this notebook, in order, across restarts.
 
-    A pandas DataFrame when pandas is installed (columns ``step``, ``time`` -- seconds since
-    the epoch --, ``cluster`` -- 1 for the session's first cluster, 2 after a restart, ... --,
+    A pandas DataFrame when pandas is installed (columns ``step``, ``time`` -- a UTC
+    datetime --, ``cluster`` -- 1 for the session's first cluster, 2 after a restart, ... --,
     ``cell`` -- the execution count of the cell that logged it --, then one per metric, NaN
     where a step did not log it); otherwise a list of dicts, each with only the metrics logged
-    at that step.
+    at that step (``time`` in seconds since the epoch). ``ranks=True`` (DataFrame only): every
+    rank's points, with a ``rank`` column first -- the other ranks send theirs only when they
+    log with ``reduce="none"``.
     """
     from IPython import get_ipython
 
@@ -45,8 +47,11 @@ def metrics():
     try:
         import pandas  # noqa: F401
     except ImportError:
+        if ranks:
+            message = "ipydist.metrics(ranks=True) needs pandas: pip install pandas"
+            raise ImportError(message) from None
         return history.rows()
-    return history.to_dataframe()
+    return history.to_dataframe(ranks=ranks)
 
 
 def load_ipython_extension(ipython) -> None:

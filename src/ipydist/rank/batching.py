@@ -5,7 +5,8 @@ what costs, so points are released at most every ``interval`` seconds (about 10 
 second), and always at the end of a cell (:meth:`MetricBatcher.flush`). Each batch carries a
 sequence number, so the notebook side can put batches in order and drop a repeat.
 
-Only rank 0's points travel (they are what the chart shows). Every rank's step timing travels
+Only rank 0's points travel (they are what the chart shows), and the other ranks' when they
+log with ``reduce="none"`` (for per-rank curves). Every rank's step timing travels
 as a sum per batch, not per step, so N ranks logging a million steps send a few numbers each.
 """
 
@@ -39,7 +40,7 @@ class MetricBatcher:
 
     def add(self, point: tuple | None, step_seconds: float | None = None,
             wait_seconds: float = 0.0) -> dict | None:
-        """Buffer ``point`` (None on ranks other than 0) and the time since the previous call.
+        """Buffer ``point`` (None when it is not sent) and the time since the previous call.
 
         Returns a batch if ``interval`` has passed since the last one.
         """

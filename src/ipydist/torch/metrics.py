@@ -36,7 +36,8 @@ def log(step: int | None = None, total: int | None = None, reduce: str | None = 
     ``total``: the number of steps expected, for the progress bar and ETA (steps count from 0,
     as ``range`` does). ``batch_size``: samples per step on each rank, for samples/s.
     ``reduce="mean"`` averages every value over the ranks first (a collective: every rank
-    must call it). Values must be plain numbers: pass ``loss.item()``, not ``loss``.
+    must call it); ``reduce="none"`` sends every rank's own values too, for the widget's
+    per-rank curves (not a collective). Values must be plain numbers: pass ``loss.item()``.
     """
     global _last_call, _next_step
     now = time.monotonic()
@@ -44,8 +45,8 @@ def log(step: int | None = None, total: int | None = None, reduce: str | None = 
     _last_call = now
     if reduce == "mean":
         metrics = _mean_over_ranks(metrics)
-    elif reduce is not None:
-        raise ValueError(f"hvd.log(reduce={reduce!r}): expected None or 'mean'.")
+    elif reduce not in (None, "none"):
+        raise ValueError(f"hvd.log(reduce={reduce!r}): expected None, 'mean' or 'none'.")
     try:
         values = {name: float(v) for name, v in metrics.items()}
     except (TypeError, ValueError, RuntimeError):
@@ -63,7 +64,7 @@ def log(step: int | None = None, total: int | None = None, reduce: str | None = 
         _batcher.batch_size = batch_size
     if _is_rank0 is None:
         _first_call_setup()
-    point = (step, time.time(), values) if _is_rank0 else None
+    point = (step, time.time(), values) if _is_rank0 or reduce == "none" else None
     batch = _batcher.add(point, since_last, runtime.take_waited())
     if batch is not None:
         publish(METRICS_KEY, batch)

@@ -6,17 +6,23 @@ It opens the widget when the cell's first point arrives, sends new points at mos
 ``interval`` seconds, and at the end stores the final curves in the widget and a static copy
 next to it. Without a kernel (plain IPython, a script) there is no widget: a one-line summary
 is printed when the cell ends.
+
+Each point travels with its step and its time (seconds since the cell's first point, for the
+wall-clock axis); points the other ranks logged with ``reduce="none"`` travel per rank.
 """
 
 from __future__ import annotations
 
+import csv
+import io
 import math
 import time
 import uuid
 
 from ipydist.notebook.display import in_kernel
-from ipydist.notebook.live.history import MetricHistory, downsample
-from ipydist.notebook.live.static import fallback_html, summary_line
+from ipydist.notebook.live.history import Columns, MetricHistory, downsample_indices
+from ipydist.notebook.live.layout import EPOCH, chart_layout, epoch_starts
+from ipydist.notebook.live.static import fallback_bundle, summary_line
 from ipydist.notebook.live.summary import summarize
 
 #: At most this many points per metric in one update message (min/max decimated beyond).
@@ -33,13 +39,21 @@ class LiveView:
         self.interval = interval
         self.widgets = in_kernel() if widgets is None else widgets
         self.start = self._sent = history.begin_cell(cell)
+        self._rank_start = history.rank_lengths()
+        self._rank_sent = dict(self._rank_start)
         self.widget = None
         self._static = None
         self._last_update = -math.inf
+        self._names: list[str] = []
 
     @property
     def points(self) -> int:
         return len(self.history) - self.start
+
+    @property
+    def t0(self) -> float:
+        """When the cell's first point was logged: the wall-clock axis counts from it."""
+        return self.history.times[self.start]
 
     def update(self) -> None:
         """Show what arrived since the last update, unless that was under ``interval`` ago."""
@@ -49,10 +63,14 @@ class LiveView:
         self._last_update = now
         if self.widget is None:
             self._open()
+        self._update_layout()
         stop = len(self.history)
-        if stop > self._sent:
-            self.widget.append(self.points, self._series(self._sent, stop, APPEND_MAX_POINTS))
+        ranks = self._rank_series(self._rank_sent, APPEND_MAX_POINTS)
+        if stop > self._sent or ranks:
+            self.widget.append(self.points, self._series(self._sent, stop, APPEND_MAX_POINTS),
+                               ranks)
             self._sent = stop
+            self._rank_sent = self.history.rank_lengths()
         self.widget.stats = summarize(self.history, self.start, self.world_size)
 
     def finish(self) -> None:
@@ -65,17 +83,31 @@ class LiveView:
             return
         if self.widget is None:
             self._open()
+        self._update_layout()
         series = self._series(self.start, len(self.history), FINAL_MAX_POINTS)
-        self.widget.series = {name: [xs, ys] for name, (xs, ys) in series.items()}
+        self.widget.series = series
+        self.widget.rank_series = self._rank_series(self._rank_start, FINAL_MAX_POINTS)
         self.widget.stats = stats
         self.widget.done = True
         if self._static is None:  # display() without an IPython shell returns no handle
             return
+        epochs = epoch_starts(*series[EPOCH][:2]) if EPOCH in series else []
         self._static.update(
-            {"text/html": fallback_html(self.widget.key, series, stats),
-             "text/plain": f"[metrics] {summary_line(stats)}"},
+            fallback_bundle(self.widget.key, {n: s[:2] for n, s in series.items()},
+                            {**stats, "epochs": epochs}, self.widget.layout),
             raw=True,
         )
+
+    def csv(self) -> str:
+        """This cell's points as CSV (every point, not the downsampled curves)."""
+        out = io.StringIO()
+        names = list(self.history.columns)
+        writer = csv.writer(out)
+        writer.writerow(["cluster", "cell", "step", "time", *names])
+        for row in self.history.rows(self.start):
+            writer.writerow([row["cluster"], row["cell"], row["step"], f"{row['time']:.3f}",
+                             *(row.get(n, "") for n in names)])
+        return out.getvalue()
 
     def _open(self) -> None:
         from IPython.display import display
@@ -83,7 +115,9 @@ class LiveView:
         from ipydist.notebook.live.widget import MetricsWidget
 
         key = uuid.uuid4().hex[:12]
-        self.widget = MetricsWidget(key=key)
+        self.widget = MetricsWidget(key=key, settings=dict(self.history.view_settings))
+        self.widget.observe(self._settings_changed, "settings")
+        self.widget.on_msg(self._message)
         display(self.widget)
         # A placeholder right below the widget, filled with the static copy at the end.
         self._static = display(
@@ -92,11 +126,48 @@ class LiveView:
             raw=True, display_id=True,
         )
 
+    def _settings_changed(self, change) -> None:
+        """The reader changed a setting: the next cell's widget starts with it."""
+        self.history.view_settings = dict(change["new"])
+
+    def _message(self, widget, content, buffers) -> None:
+        if isinstance(content, dict) and content.get("type") == "csv":
+            widget.send({"type": "csv", "text": self.csv()})
+
+    def _update_layout(self) -> None:
+        names = [n for n in self.history.columns if self.history.last_row.get(n, -1)
+                 >= self.start]
+        for rows in self.history.by_rank.values():
+            names += [n for n in rows.columns if n not in names]
+        if names != self._names:
+            self._names = names
+            self.widget.layout = chart_layout(names, self.widget.layout)
+
     def _series(self, start: int, stop: int, max_points: int) -> dict:
-        out = {}
-        for name in self.history.columns:
-            xs, ys = self.history.series(name, start, stop)
-            if xs:
-                xs, ys = downsample(xs, ys, max_points)
-                out[name] = (xs, [float(f"{y:.6g}") for y in ys])  # 6 digits: plenty to draw
+        return _columns_series(self.history.rank0, self._names, start, stop, max_points,
+                               self.t0)
+
+    def _rank_series(self, starts: dict[int, int], max_points: int) -> dict:
+        """``{name: {rank: [steps, values, times]}}`` of the other ranks' new points."""
+        out: dict = {}
+        for rank, rows in self.history.by_rank.items():
+            begin = starts.get(rank, 0)
+            if len(rows) <= begin:
+                continue
+            for name, s in _columns_series(rows, list(rows.columns), begin, len(rows),
+                                           max_points, self.t0).items():
+                out.setdefault(name, {})[str(rank)] = s
         return out
+
+
+def _columns_series(rows: Columns, names: list[str], start: int, stop: int, max_points: int,
+                    t0: float) -> dict:
+    out = {}
+    for name in names:
+        xs, ys, ts = rows.series(name, start, stop, times=True)
+        if xs:
+            keep = downsample_indices(ys, max_points)
+            out[name] = [[xs[i] for i in keep],
+                         [float(f"{ys[i]:.6g}") for i in keep],  # 6 digits: plenty to draw
+                         [round(ts[i] - t0, 3) for i in keep]]
+    return out

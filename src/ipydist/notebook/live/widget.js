@@ -1,111 +1,17 @@
-// The live metrics view (anywidget ES module). Points arrive as custom messages ("append"),
-// so adding one never resends the series; the synced `series` trait is only set when the cell
-// ends, so the saved notebook's widget state holds the final (downsampled) curves.
+// The live metrics panel (anywidget; numbers.js and chart.js are joined before this file).
+// Points arrive as custom messages ("append"), so adding one never resends the series; the
+// synced `series` trait is only set when the cell ends, so the saved notebook's widget state
+// holds the final (downsampled) curves. The reader's choices live in the synced `settings`
+// trait, so they come back with the saved state and carry over to the next cell's widget.
 
-const MAX_POINTS = 4000; // per metric; beyond this the series is halved by min/max decimation
-const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf"];
+const MAX_POINTS = 4000; // per curve; beyond this a curve is halved by min/max decimation
+const DEFAULT_SETTINGS = { smoothing: 0.6, log: {}, ranks: {}, x: "step" };
 
-function decimate(xs, ys, target) {
-  const n = xs.length;
-  if (n <= target) return [xs, ys];
-  const buckets = Math.floor((target - 2) / 2);
-  const size = (n - 2) / buckets;
-  const keep = [0];
-  for (let b = 0; b < buckets; b++) {
-    const lo = 1 + Math.floor(b * size);
-    const hi = Math.min(n - 1, 1 + Math.floor((b + 1) * size));
-    if (lo >= hi) continue;
-    let min = lo, max = lo;
-    for (let i = lo; i < hi; i++) {
-      if (ys[i] < ys[min]) min = i;
-      if (ys[i] > ys[max]) max = i;
-    }
-    keep.push(Math.min(min, max));
-    if (max !== min) keep.push(Math.max(min, max));
-  }
-  keep.push(n - 1);
-  return [keep.map((i) => xs[i]), keep.map((i) => ys[i])];
-}
-
-// TensorBoard's smoothing: an exponential moving average, debiased at the start.
-function smooth(ys, weight) {
-  if (weight <= 0) return ys;
-  let last = 0, n = 0;
-  return ys.map((y) => {
-    last = last * weight + (1 - weight) * y;
-    n += 1;
-    return last / (1 - Math.pow(weight, n));
-  });
-}
-
-function fmt(v) {
-  if (v === null || v === undefined || !Number.isFinite(v)) return "–";
-  const a = Math.abs(v);
-  if (a !== 0 && (a >= 1e5 || a < 1e-3)) return v.toExponential(2);
-  if (Number.isInteger(v)) return v.toLocaleString("en-US");
-  return v.toPrecision(4);
-}
-
-function fmtDuration(s) {
-  if (s === null || s === undefined || !Number.isFinite(s)) return "–";
-  s = Math.round(s);
-  const h = Math.floor(s / 3600), m = Math.floor((s % 3600) / 60), sec = s % 60;
-  const pad = (x) => String(x).padStart(2, "0");
-  return h ? `${h}:${pad(m)}:${pad(sec)}` : `${m}:${pad(sec)}`;
-}
-
-function ticks(lo, hi, count) {
-  if (!(hi > lo)) return [lo];
-  const raw = (hi - lo) / count;
-  const mag = Math.pow(10, Math.floor(Math.log10(raw)));
-  const step = [1, 2, 5, 10].map((k) => k * mag).find((s) => s >= raw) || raw;
-  const out = [];
-  for (let t = Math.ceil(lo / step) * step; t <= hi + step * 1e-9; t += step) out.push(t);
-  return out;
-}
-
-const SVG = "http://www.w3.org/2000/svg";
-function svgEl(tag, attrs, text) {
-  const e = document.createElementNS(SVG, tag);
-  for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v);
+function el(tag, className, text) {
+  const e = document.createElement(tag);
+  if (className) e.className = className;
   if (text !== undefined) e.textContent = text;
   return e;
-}
-
-function drawChart(name, xs, ys, color, opts) {
-  const W = opts.width, H = 150, L = 58, R = 10, T = 18, B = 22;
-  const svg = svgEl("svg", { width: W, height: H, class: "ipydist-chart", "data-metric": name });
-  svg.appendChild(svgEl("text", { x: L, y: 12, class: "ipydist-chart-title" }, name));
-  const log = opts.logScale;
-  const pts = [];
-  for (let i = 0; i < xs.length; i++) {
-    const y = ys[i];
-    if (Number.isFinite(y) && (!log || y > 0)) pts.push([xs[i], log ? Math.log10(y) : y]);
-  }
-  if (!pts.length) return svg;
-  let x0 = pts[0][0], x1 = pts[pts.length - 1][0];
-  let y0 = Infinity, y1 = -Infinity;
-  for (const [, y] of pts) { y0 = Math.min(y0, y); y1 = Math.max(y1, y); }
-  if (x1 === x0) x1 = x0 + 1;
-  if (y1 === y0) { y0 -= 0.5; y1 += 0.5; }
-  const sx = (x) => L + ((x - x0) / (x1 - x0)) * (W - L - R);
-  const sy = (y) => T + (1 - (y - y0) / (y1 - y0)) * (H - T - B);
-  for (const t of ticks(y0, y1, 3)) {
-    svg.appendChild(svgEl("line", { x1: L, x2: W - R, y1: sy(t), y2: sy(t), class: "ipydist-grid" }));
-    svg.appendChild(svgEl("text", { x: L - 4, y: sy(t) + 4, class: "ipydist-tick", "text-anchor": "end" },
-      fmt(log ? Math.pow(10, t) : t)));
-  }
-  for (const t of ticks(x0, x1, 4)) {
-    svg.appendChild(svgEl("text", { x: sx(t), y: H - 6, class: "ipydist-tick", "text-anchor": "middle" }, fmt(t)));
-  }
-  const path = (values) => values.map((y, i) => `${i ? "L" : "M"}${sx(pts[i][0]).toFixed(1)},${sy(y).toFixed(1)}`).join("");
-  const raw = pts.map((p) => p[1]);
-  const smoothed = smooth(raw, opts.smoothing);
-  if (smoothed !== raw) {
-    svg.appendChild(svgEl("path", { d: path(raw), stroke: color, class: "ipydist-raw" }));
-  }
-  svg.appendChild(svgEl("path", { d: path(smoothed), stroke: color, class: "ipydist-line" }));
-  return svg;
 }
 
 function hideFallback(key) {
@@ -119,166 +25,396 @@ function hideFallback(key) {
   document.head.appendChild(style);
 }
 
+function asSeries([x, y, t]) {
+  return { x: x.slice(), y: y.slice(), t: (t || x).slice() };
+}
+
 function fromTrait(series) {
   const out = {};
-  for (const [name, [xs, ys]] of Object.entries(series || {})) out[name] = { x: xs.slice(), y: ys.slice() };
+  for (const [name, s] of Object.entries(series || {})) out[name] = asSeries(s);
   return out;
 }
 
-function render({ model, el }) {
+function fromRankTrait(rankSeries) {
+  const out = {};
+  for (const [name, ranks] of Object.entries(rankSeries || {})) {
+    out[name] = {};
+    for (const [rank, s] of Object.entries(ranks)) out[name][rank] = asSeries(s);
+  }
+  return out;
+}
+
+function extend(target, [x, y, t]) {
+  target.x.push(...x);
+  target.y.push(...y);
+  target.t.push(...(t || x));
+  if (target.x.length > MAX_POINTS) Object.assign(target, decimate(target, MAX_POINTS / 2));
+}
+
+function download(name, blob) {
+  const a = document.createElement("a");
+  a.href = URL.createObjectURL(blob);
+  a.download = name;
+  document.body.appendChild(a);
+  a.click();
+  setTimeout(() => { URL.revokeObjectURL(a.href); a.remove(); }, 1000);
+}
+
+function localCsv(series) {
+  const names = Object.keys(series);
+  const rows = new Map();
+  for (const name of names) {
+    const s = series[name];
+    s.x.forEach((x, i) => {
+      const row = rows.get(x) || rows.set(x, { t: s.t[i] }).get(x);
+      row[name] = s.y[i];
+    });
+  }
+  const lines = [["step", "seconds", ...names].join(",")];
+  for (const x of [...rows.keys()].sort((a, b) => a - b)) {
+    const row = rows.get(x);
+    lines.push([x, row.t, ...names.map((n) => (n in row ? row[n] : ""))].join(","));
+  }
+  return lines.join("\n") + "\n";
+}
+
+async function chartsToPng(svgs, summary, width) {
+  const scale = 2, top = 24;
+  const height = top + svgs.reduce((h, s) => h + Number(s.getAttribute("height")) + 6, 0);
+  const canvas = document.createElement("canvas");
+  canvas.width = width * scale;
+  canvas.height = height * scale;
+  const ctx = canvas.getContext("2d");
+  ctx.scale(scale, scale);
+  ctx.fillStyle = "#fff";
+  ctx.fillRect(0, 0, width, height);
+  ctx.fillStyle = "#222";
+  ctx.font = `12px ${FONT}`;
+  ctx.fillText(summary, 4, 16);
+  let y = top;
+  for (const svg of svgs) {
+    const copy = svg.cloneNode(true);
+    copy.querySelectorAll(".ipydist-crosshair, .ipydist-zoom-box").forEach((e) => e.remove());
+    const text = new XMLSerializer().serializeToString(copy);
+    const img = new Image();
+    await new Promise((resolve, reject) => {
+      img.onload = resolve;
+      img.onerror = reject;
+      img.src = `data:image/svg+xml;charset=utf-8,${encodeURIComponent(text)}`;
+    });
+    ctx.drawImage(img, 0, y);
+    y += Number(svg.getAttribute("height")) + 6;
+  }
+  return new Promise((resolve) => canvas.toBlob(resolve, "image/png"));
+}
+
+function render({ model, el: host }) {
   hideFallback(model.get("key"));
-  const root = document.createElement("div");
-  root.className = "ipydist-metrics";
-  const header = document.createElement("div");
-  header.className = "ipydist-header";
-  const progress = document.createElement("div");
-  progress.className = "ipydist-progress";
-  const bar = document.createElement("div");
-  bar.className = "ipydist-bar";
-  const barFill = document.createElement("div");
-  barFill.className = "ipydist-bar-fill";
+  const root = el("div", "ipydist-metrics");
+  const header = el("div", "ipydist-header");
+  const progress = el("div", "ipydist-progress");
+  const bar = el("div", "ipydist-bar");
+  const barFill = el("div", "ipydist-bar-fill");
   bar.appendChild(barFill);
-  const progressText = document.createElement("span");
+  const progressText = el("span", "ipydist-progress-text");
   progress.append(bar, progressText);
 
-  const controls = document.createElement("div");
-  controls.className = "ipydist-controls";
-  const logBox = document.createElement("input");
-  logBox.type = "checkbox";
-  logBox.className = "ipydist-log";
-  const logLabel = document.createElement("label");
-  logLabel.append(logBox, " log scale");
-  const smoothing = document.createElement("input");
-  Object.assign(smoothing, { type: "range", min: "0", max: "0.99", step: "0.01", value: "0.6" });
-  smoothing.className = "ipydist-smoothing";
-  const smoothValue = document.createElement("span");
-  const smoothLabel = document.createElement("label");
+  const controls = el("div", "ipydist-controls");
+  const smoothing = Object.assign(el("input", "ipydist-smoothing"),
+    { type: "range", min: "0", max: "0.99", step: "0.01" });
+  const smoothValue = el("span", "ipydist-smoothing-value");
+  const smoothLabel = el("label");
   smoothLabel.append("smoothing ", smoothing, smoothValue);
-  controls.append(logLabel, smoothLabel);
+  const xAxis = el("select", "ipydist-x-axis");
+  for (const [value, text] of [["step", "x: step"], ["time", "x: time"]]) {
+    xAxis.appendChild(Object.assign(el("option"), { value, textContent: text }));
+  }
+  const resetZoom = el("button", "ipydist-reset-zoom", "reset zoom");
+  const pngButton = el("button", "ipydist-export-png", "PNG");
+  const csvButton = el("button", "ipydist-export-csv", "CSV");
+  pngButton.title = "save the charts as a PNG image";
+  csvButton.title = "save this cell's points as CSV";
+  controls.append(smoothLabel, xAxis, resetZoom, pngButton, csvButton);
 
-  const charts = document.createElement("div");
-  charts.className = "ipydist-charts";
-  const strip = document.createElement("div");
-  strip.className = "ipydist-ranks";
-  root.append(header, progress, controls, charts, strip);
-  el.appendChild(root);
+  const charts = el("div", "ipydist-charts");
+  const tooltip = el("div", "ipydist-hover");
+  const strip = el("div", "ipydist-ranks");
+  root.append(header, progress, controls, charts, strip, tooltip);
+  host.appendChild(root);
 
-  let series = fromTrait(model.get("series"));
-  let count = (model.get("stats") || {}).points || 0;
+  const data = {
+    series: fromTrait(model.get("series")),
+    rankSeries: fromRankTrait(model.get("rank_series")),
+    layout: model.get("layout") || {},
+  };
+  let count_ = (model.get("stats") || {}).points || 0;
+  let zoom = null;
+  let drawn = []; // [{chart, result}]
+  let hoverX = null;
+  let dragging = false; // no redraw while the reader drags out a zoom: it would drop the drag
+
+  function settings() {
+    return { ...DEFAULT_SETTINGS, ...(model.get("settings") || {}) };
+  }
+  function setSetting(name, value) {
+    model.set("settings", { ...settings(), [name]: value });
+    model.save_changes();
+  }
 
   function drawHeader(stats) {
     header.replaceChildren();
     Object.entries(stats.latest || {}).forEach(([k, v], i) => {
-      const name = document.createElement("b");
-      name.textContent = k;
-      header.append(i ? " · " : "", name, ` ${fmt(v)}`);
+      header.append(i ? " · " : "", el("b", "", k), ` ${number(v)}`);
     });
     const rates = [];
-    if (stats.steps_per_s) rates.push(`${fmt(stats.steps_per_s)} steps/s`);
-    if (stats.samples_per_s) rates.push(`${fmt(Math.round(stats.samples_per_s))} samples/s`);
-    rates.push(`${count.toLocaleString("en-US")} points`);
-    if (model.get("done") && stats.elapsed) rates.push(`done in ${fmtDuration(stats.elapsed)}`);
-    const span = document.createElement("span");
-    span.className = "ipydist-rates";
-    span.textContent = rates.join(" · ");
-    header.append(span);
+    if (stats.steps_per_s) rates.push(`${number(stats.steps_per_s)} steps/s`);
+    if (stats.samples_per_s) rates.push(`${number(stats.samples_per_s)} samples/s`);
+    rates.push(`${count(count_)} point${count_ === 1 ? "" : "s"}`);
+    if (model.get("done") && stats.elapsed) rates.push(`done in ${duration(stats.elapsed)}`);
+    header.append(el("span", "ipydist-rates", rates.join(" · ")));
   }
 
   function drawProgress(stats) {
-    progress.style.display = stats.progress === null || stats.progress === undefined ? "none" : "";
-    if (progress.style.display === "none") return;
+    const shown = stats.progress !== null && stats.progress !== undefined;
+    progress.style.display = shown ? "" : "none";
+    if (!shown) return;
     const pct = Math.round(stats.progress * 100);
     barFill.style.width = `${pct}%`;
-    const eta = model.get("done") ? "" : ` · ETA ${fmtDuration(stats.eta)}`;
+    const eta = model.get("done") ? "" : ` · ETA ${duration(stats.eta)}`;
     const done = stats.step === null ? null : stats.step + 1; // steps count from 0
-    progressText.textContent = ` ${fmt(done)} of ${fmt(stats.total)} steps · ${pct}%${eta}`;
+    progressText.textContent = `${count(done)} of ${count(stats.total)} steps · ${pct}%${eta}`;
   }
 
   function drawStrip(stats) {
     strip.replaceChildren();
     const ranks = (stats.ranks || []).filter((r) => r.step_s !== null);
     if (!ranks.length) return;
-    const title = document.createElement("div");
-    title.className = "ipydist-ranks-title";
-    title.textContent = "step time per rank (bar: time outside collectives)";
-    strip.appendChild(title);
+    strip.appendChild(el("div", "ipydist-ranks-title", "step time per rank (bar: time outside collectives)"));
     const longest = Math.max(...ranks.map((r) => r.step_s || 0)) || 1;
     for (const r of ranks) {
-      const row = document.createElement("div");
-      row.className = "ipydist-rank" + (r.straggler ? " ipydist-straggler" : "");
+      const row = el("div", "ipydist-rank" + (r.straggler ? " ipydist-straggler" : ""));
       row.dataset.rank = r.rank;
-      row.title = `rank ${r.rank}: step ${fmt(r.step_s * 1000)} ms, outside collectives ` +
-        `${fmt(r.compute_s * 1000)} ms, longest ${fmt(r.max_s * 1000)} ms`;
-      const fill = document.createElement("div");
-      fill.className = "ipydist-rank-fill";
+      row.title = `rank ${r.rank}: step ${number(r.step_s * 1000)} ms, outside collectives ` +
+        `${number(r.compute_s * 1000)} ms, longest ${number(r.max_s * 1000)} ms`;
+      const fill = el("div", "ipydist-rank-fill");
       fill.style.width = `${Math.max(2, (100 * Math.max(0, r.compute_s)) / longest)}%`;
-      const label = document.createElement("span");
-      label.textContent = `rank ${r.rank}  ${fmt(r.step_s * 1000)} ms/step` +
-        (r.straggler ? "  straggler" : "");
-      const track = document.createElement("div");
-      track.className = "ipydist-rank-track";
+      const track = el("div", "ipydist-rank-track");
       track.appendChild(fill);
-      row.append(label, track);
+      row.append(el("span", "", `rank ${r.rank}  ${number(r.step_s * 1000)} ms/step` +
+        (r.straggler ? "  straggler" : "")), track);
       strip.appendChild(row);
     }
   }
 
+  function chartToggles(chart, s) {
+    const box = el("div", "ipydist-chart-toggles");
+    const toggle = (name, text, on) => {
+      const input = Object.assign(el("input", `ipydist-toggle-${name}`), { type: "checkbox", checked: on });
+      input.addEventListener("change", () => {
+        setSetting(name, { ...(s[name] || {}), [chart.title]: input.checked });
+      });
+      const lab = el("label");
+      lab.append(input, ` ${text}`);
+      return lab;
+    };
+    box.append(toggle("log", "log", Boolean(s.log[chart.title])));
+    if (chart.series.some((x) => data.rankSeries[x.name])) {
+      box.append(toggle("ranks", "per rank", Boolean(s.ranks[chart.title])));
+    }
+    return box;
+  }
+
   function draw() {
     const stats = model.get("stats") || {};
-    root.dataset.points = String(count);
+    const s = settings();
+    data.layout = model.get("layout") || {};
+    root.dataset.points = String(count_);
     root.dataset.done = String(Boolean(model.get("done")));
-    smoothValue.textContent = ` ${Number(smoothing.value).toFixed(2)}`;
+    root.dataset.zoom = zoom ? zoom.join(",") : "";
+    smoothing.value = String(s.smoothing);
+    smoothValue.textContent = ` ${Number(s.smoothing).toFixed(2)}`;
+    xAxis.value = s.x;
+    resetZoom.style.display = zoom ? "" : "none";
     drawHeader(stats);
     drawProgress(stats);
-    const opts = {
-      width: Math.max(320, (root.clientWidth || 640) - 4),
-      logScale: logBox.checked,
-      smoothing: Number(smoothing.value),
-    };
-    charts.replaceChildren(...Object.entries(series).map(([name, s], i) =>
-      drawChart(name, s.x, s.y, COLORS[i % COLORS.length], opts)));
+    const width = Math.max(360, (root.clientWidth || 640) - 4);
+    const layoutCharts = data.layout.charts || [];
+    const domain = zoom || sharedDomain(layoutCharts, data, s);
+    drawn = layoutCharts.map((chart) => {
+      const result = drawChart(chart, data, s, { width, domain });
+      const box = el("div", "ipydist-chart-box");
+      box.append(result.node, chartToggles(chart, s));
+      attachPointer(box, result);
+      return { chart, result, box };
+    });
+    charts.replaceChildren(...drawn.map((d) => d.box));
+    if (hoverX !== null) showHover(hoverX, null);
     drawStrip(stats);
+  }
+
+  // Hover: a crosshair at the same x on every chart, and a read-out of each curve's value.
+  function showHover(x, anchor) {
+    hoverX = x;
+    const rows = drawn.flatMap((d) => d.result.hover(x));
+    if (!rows.length) return hideHover();
+    const s = settings();
+    tooltip.replaceChildren();
+    const at = rows.reduce((a, r) => (Math.abs(r.at - x) < Math.abs(a - x) ? r.at : a), rows[0].at);
+    tooltip.appendChild(el("div", "ipydist-hover-x", s.x === "time" ? `time ${duration(at)}` : `step ${count(at)}`));
+    for (const r of rows) {
+      const line = el("div", "ipydist-hover-row");
+      const swatch = el("span", "ipydist-swatch");
+      swatch.style.background = r.color;
+      line.append(swatch, `${r.name} ${number(r.value, 4)}`);
+      if (r.at !== at) line.append(el("span", "ipydist-hover-smoothed", ` at ${s.x === "time" ? duration(r.at) : `step ${count(r.at)}`}`));
+      if (r.smoothed !== null) line.append(el("span", "ipydist-hover-smoothed", ` (smoothed ${number(r.smoothed, 4)})`));
+      tooltip.appendChild(line);
+    }
+    tooltip.style.display = "block";
+    if (anchor) {
+      const box = root.getBoundingClientRect();
+      const left = anchor.clientX - box.left + 14;
+      tooltip.style.left = `${Math.min(left, box.width - tooltip.offsetWidth - 4)}px`;
+      tooltip.style.top = `${anchor.clientY - box.top + 12}px`;
+    }
+  }
+  function hideHover() {
+    hoverX = null;
+    tooltip.style.display = "none";
+    drawn.forEach((d) => d.result.unhover());
+  }
+
+  // Pointer: hover read-out; drag across a chart to zoom the x axis of every chart, double-click
+  // to zoom out, the wheel to pan while zoomed.
+  function attachPointer(box, result) {
+    const svg = result.node;
+    let dragFrom = null, zoomBox = null;
+    const px = (ev) => ev.clientX - svg.getBoundingClientRect().left;
+    svg.addEventListener("mousemove", (ev) => {
+      const x = result.toX(px(ev));
+      if (x === null) return;
+      if (dragFrom !== null && zoomBox) {
+        const a = Math.min(dragFrom, px(ev)), b = Math.max(dragFrom, px(ev));
+        zoomBox.setAttribute("x", a);
+        zoomBox.setAttribute("width", b - a);
+      }
+      showHover(x, ev);
+    });
+    svg.addEventListener("mouseleave", () => {
+      hideHover();
+      if (dragFrom !== null) schedule();
+      dragFrom = null;
+      dragging = false;
+      zoomBox?.remove();
+      zoomBox = null;
+    });
+    svg.addEventListener("mousedown", (ev) => {
+      if (!result.domain || ev.button !== 0) return;
+      ev.preventDefault();
+      dragFrom = px(ev);
+      dragging = true;
+      zoomBox = svgEl("rect", { x: dragFrom, y: PAD_TOP, width: 0, height: CHART_HEIGHT - PAD_TOP - PAD_BOTTOM,
+        fill: "#1f77b4", opacity: 0.12, class: "ipydist-zoom-box" });
+      svg.appendChild(zoomBox);
+    });
+    svg.addEventListener("mouseup", (ev) => {
+      if (dragFrom === null) return;
+      const a = result.toX(Math.min(dragFrom, px(ev))), b = result.toX(Math.max(dragFrom, px(ev)));
+      const wide = Math.abs(px(ev) - dragFrom) > 4;
+      dragFrom = null;
+      dragging = false;
+      zoomBox?.remove();
+      zoomBox = null;
+      if (wide && b > a) zoom = [a, b];
+      schedule();
+    });
+    svg.addEventListener("dblclick", () => { zoom = null; schedule(); });
+    svg.addEventListener("wheel", (ev) => {
+      if (!zoom) return; // without a zoom the page scrolls as usual
+      ev.preventDefault();
+      const span = zoom[1] - zoom[0], shift = (Math.sign(ev.deltaY || ev.deltaX) * span) / 10;
+      zoom = [zoom[0] + shift, zoom[1] + shift];
+      schedule();
+    }, { passive: false });
   }
 
   let pending = false;
   function schedule() {
-    root.dataset.points = String(count);
+    root.dataset.points = String(count_);
     root.dataset.done = String(Boolean(model.get("done")));
     if (pending) return;
     pending = true;
-    requestAnimationFrame(() => { pending = false; draw(); });
+    requestAnimationFrame(function later() {
+      if (dragging) return requestAnimationFrame(later);
+      pending = false;
+      draw();
+    });
   }
 
+  let csvWaiting = null;
   function onMessage(msg) {
-    if (!msg || msg.type !== "append") return;
-    for (const [name, [xs, ys]] of Object.entries(msg.series)) {
-      const s = (series[name] ??= { x: [], y: [] });
-      s.x.push(...xs);
-      s.y.push(...ys);
-      if (s.x.length > MAX_POINTS) [s.x, s.y] = decimate(s.x, s.y, MAX_POINTS / 2);
+    if (!msg) return;
+    if (msg.type === "csv" && csvWaiting) {
+      clearTimeout(csvWaiting);
+      csvWaiting = null;
+      download("metrics.csv", new Blob([msg.text], { type: "text/csv" }));
+      return;
     }
-    count = msg.count;
+    if (msg.type !== "append") return;
+    for (const [name, s] of Object.entries(msg.series || {})) {
+      extend((data.series[name] ??= { x: [], y: [], t: [] }), s);
+    }
+    for (const [name, ranks] of Object.entries(msg.rank_series || {})) {
+      for (const [rank, s] of Object.entries(ranks)) {
+        extend(((data.rankSeries[name] ??= {})[rank] ??= { x: [], y: [], t: [] }), s);
+      }
+    }
+    count_ = msg.count;
     schedule();
   }
-  function onSeries() {
-    series = fromTrait(model.get("series"));
+  const onSeries = () => {
+    data.series = fromTrait(model.get("series"));
+    data.rankSeries = fromRankTrait(model.get("rank_series"));
     schedule();
-  }
-  function onStats() {
-    count = Math.max(count, (model.get("stats") || {}).points || 0);
+  };
+  const onStats = () => {
+    count_ = Math.max(count_, (model.get("stats") || {}).points || 0);
     schedule();
-  }
+  };
   model.on("msg:custom", onMessage);
   model.on("change:series", onSeries);
+  model.on("change:rank_series", onSeries);
   model.on("change:stats", onStats);
+  model.on("change:layout", schedule);
+  model.on("change:settings", schedule);
   model.on("change:done", schedule);
-  logBox.addEventListener("change", schedule);
-  smoothing.addEventListener("input", schedule);
+  smoothing.addEventListener("input", () => {
+    smoothValue.textContent = ` ${Number(smoothing.value).toFixed(2)}`;
+    setSetting("smoothing", Number(smoothing.value));
+  });
+  xAxis.addEventListener("change", () => { zoom = null; setSetting("x", xAxis.value); });
+  resetZoom.addEventListener("click", () => { zoom = null; schedule(); });
+  pngButton.addEventListener("click", async () => {
+    const blob = await chartsToPng(drawn.map((d) => d.result.node), header.textContent,
+      Math.max(...drawn.map((d) => Number(d.result.node.getAttribute("width"))), 360));
+    download("metrics.png", blob);
+  });
+  csvButton.addEventListener("click", () => {
+    // The kernel has every point; without one (a reopened notebook), the curves shown here.
+    model.send({ type: "csv" });
+    csvWaiting = setTimeout(() => {
+      csvWaiting = null;
+      download("metrics.csv", new Blob([localCsv(data.series)], { type: "text/csv" }));
+    }, 2000);
+  });
   draw();
   return () => {
     model.off("msg:custom", onMessage);
     model.off("change:series", onSeries);
+    model.off("change:rank_series", onSeries);
     model.off("change:stats", onStats);
+    model.off("change:layout", schedule);
+    model.off("change:settings", schedule);
     model.off("change:done", schedule);
   };
 }

@@ -1,9 +1,12 @@
-"""The live metrics widget: an anywidget whose front end is ``widget.js`` (no build step).
+"""The live metrics widget: an anywidget whose front end is three plain ES files, joined in
+order (no build step): ``numbers.js`` (the number formatter, shared rules with
+``numbers.py``), ``chart.js`` (one chart: axes, curves, markers, hover, zoom) and ``widget.js``
+(the panel: header, progress, controls, export).
 
 While a cell runs, new points travel as custom messages (:meth:`MetricsWidget.append`), so
-appending never resends the series. The synced traits are small during the run (``stats``)
-and take the final downsampled curves (``series``) when the cell ends, which is what a saved
-notebook's widget state keeps.
+appending never resends the series. The synced traits are small during the run (``stats``,
+``layout``) and take the final downsampled curves (``series``) when the cell ends, which is
+what a saved notebook's widget state keeps, with the reader's ``settings``.
 """
 
 from __future__ import annotations
@@ -14,24 +17,37 @@ import anywidget
 import traitlets
 
 _HERE = pathlib.Path(__file__).parent
+#: The front end's files, in the order they are joined; only the last one exports.
+FRONT_END = ("numbers.js", "chart.js", "widget.js")
+
+
+def front_end_source() -> str:
+    return "\n".join((_HERE / name).read_text() for name in FRONT_END)
 
 
 class MetricsWidget(anywidget.AnyWidget):
-    _esm = _HERE / "widget.js"
+    _esm = front_end_source()
     _css = _HERE / "widget.css"
 
     #: Ties the widget to its static copy in the same output, which it hides when it renders.
     key = traitlets.Unicode("").tag(sync=True)
-    #: Final curves, ``{name: [steps, values]}``; empty while the cell runs.
+    #: Final curves, ``{name: [steps, values, seconds since the cell's first point]}``; empty
+    #: while the cell runs. ``rank_series`` likewise, per rank, for ``reduce="none"``.
     series = traitlets.Dict().tag(sync=True)
+    rank_series = traitlets.Dict().tag(sync=True)
     #: Latest values, rates, progress and the per-rank strip (see ``summary.summarize``).
     stats = traitlets.Dict().tag(sync=True)
+    #: Which metric is on which chart, in which colour (see ``layout.chart_layout``).
+    layout = traitlets.Dict().tag(sync=True)
+    #: The reader's choices: smoothing, log scale per chart, x axis, per-rank curves. Set by
+    #: the front end; a new cell's widget starts with the last ones.
+    settings = traitlets.Dict().tag(sync=True)
     done = traitlets.Bool(False).tag(sync=True)
 
     def __repr__(self) -> str:  # the text/plain of the widget's output, e.g. on GitHub
         return "ipydist live metrics"
 
-    def append(self, count: int, series: dict[str, tuple[list, list]]) -> None:
+    def append(self, count: int, series: dict, rank_series: dict | None = None) -> None:
         """Send new points; ``count`` is how many this cell has logged in all."""
-        self.send({"type": "append", "count": count,
-                   "series": {name: [xs, ys] for name, (xs, ys) in series.items()}})
+        self.send({"type": "append", "count": count, "series": series,
+                   "rank_series": rank_series or {}})
