@@ -60,3 +60,30 @@ def test_without_a_kernel_the_cell_ends_with_a_summary_line(shell, capsys):
     view.finish()
     assert view.widget is None
     assert capsys.readouterr().out.startswith("[metrics] loss 0.001 · ")
+
+
+def test_csv_export_asks_the_kernel_for_every_point_of_the_cell(shell):
+    history = MetricHistory()
+    feed(history, 0, 1000)  # an earlier cell's
+    view = LiveView(history, world_size=1, interval=0.0, widgets=True, cell=5)
+    feed(history, 1, 5000)
+    view.update()
+    sent = []
+    view.widget.send = lambda content, buffers=None: sent.append(content)
+    view._message(view.widget, {"type": "csv"}, [])
+    lines = sent[0]["text"].splitlines()
+    assert sent[0]["type"] == "csv" and lines[0] == "cluster,cell,step,time,loss"
+    assert len(lines) == 1 + 5000, "every point of this cell, not the downsampled curve"
+    assert lines[1].startswith("0,5,1000,1.000,")
+
+
+def test_settings_the_reader_chose_carry_over_to_the_next_cells_widget(shell):
+    history = MetricHistory()
+    view = LiveView(history, world_size=1, interval=0.0, widgets=True)
+    feed(history, 0, 1000)
+    view.update()
+    view.widget.settings = {"smoothing": 0.9, "log": {"loss": True}}  # as the front end sets
+    later = LiveView(history, world_size=1, interval=0.0, widgets=True)
+    feed(history, 1, 1000)
+    later.update()
+    assert later.widget.settings == {"smoothing": 0.9, "log": {"loss": True}}

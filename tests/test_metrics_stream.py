@@ -54,6 +54,26 @@ hvd.log(acc=0.0)
     assert cluster.metrics.series("acc", before)[1][0] == sum(range(NP)) / NP
 
 
+def test_log_with_reduce_none_keeps_every_ranks_own_values(shell, capsys, cluster):
+    """The per-rank curves: each rank's values reach the notebook, apart from rank 0's rows."""
+    before = len(cluster.metrics)
+    rank_before = cluster.metrics.rank_lengths()
+    result, _, err = run_cell(shell, capsys, """%%everyrank
+import ipydist.torch as hvd
+for i in range(50):
+    hvd.log(step=i, reduce="none", loss=hvd.rank() + 1.0 / (i + 1))
+""")
+    assert result.error_in_exec is None, err
+    assert list(cluster.metrics.steps[before:]) == list(range(50)), "rank 0's rows as ever"
+    for r in range(1, NP):
+        rows = cluster.metrics.by_rank[r]
+        steps, values = rows.series("loss", rank_before.get(r, 0))
+        assert steps == list(range(50)) and values[-1] == r + 1.0 / 50, f"rank {r}"
+    frame = ipydist.metrics(ranks=True)
+    mine = frame[frame["cell"] == frame["cell"].max()]
+    assert mine.groupby("rank").size().to_dict() == dict.fromkeys(range(NP), 50)
+
+
 def test_log_rejects_a_value_that_is_not_a_number(shell, capsys, cluster):
     result, _, _ = run_cell(shell, capsys, "%everyrank import torch; hvd.log(loss=torch.ones(3))")
     error = str(result.error_in_exec)

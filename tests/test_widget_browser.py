@@ -164,6 +164,10 @@ def test_drag_zooms_every_chart_and_double_click_zooms_out(page):
     lo, hi = map(float, root.get_attribute("data-zoom").split(","))
     assert 0 < lo < hi < 299
     assert root.locator(".ipydist-reset-zoom").is_visible()
+    page.mouse.wheel(0, 100)  # the wheel pans a zoomed chart
+    page.wait_for_function(
+        "(lo) => Number(document.querySelector('.ipydist-metrics').dataset.zoom.split(',')[0])"
+        " > lo", arg=lo)
     page.mouse.dblclick(box["x"] + 200, y)
     page.wait_for_function("() => !document.querySelector('.ipydist-metrics').dataset.zoom")
 
