@@ -70,8 +70,10 @@ for i in range(50):
         steps, values = rows.series("loss", rank_before.get(r, 0))
         assert steps == list(range(50)) and values[-1] == r + 1.0 / 50, f"rank {r}"
     frame = ipydist.metrics(ranks=True)
-    mine = frame[frame["cell"] == frame["cell"].max()]
-    assert mine.groupby("rank").size().to_dict() == dict.fromkeys(range(NP), 50)
+    sizes = {0: len(cluster.metrics), **cluster.metrics.rank_lengths()}
+    assert frame.groupby("rank").size().to_dict() == sizes
+    last = frame.groupby("rank").tail(1).set_index("rank")["loss"].to_dict()
+    assert last == {r: r + 1.0 / 50 for r in range(NP)}, "each rank's own last value"
 
 
 def test_log_rejects_a_value_that_is_not_a_number(shell, capsys, cluster):
