@@ -60,7 +60,8 @@ GRAPH = {name: ipydist_imports(name) for name in MODULES}
 def side(name: str) -> str:
     if name.startswith("ipydist.rank") or name.startswith("ipydist.torch"):
         return "rank"
-    if name in ("ipydist.protocol", "ipydist.specs", "ipydist.errors", "ipydist._version"):
+    if name in ("ipydist.protocol", "ipydist.specs", "ipydist.errors", "ipydist._version",
+                "ipydist.network"):
         return "shared"
     return "notebook"
 

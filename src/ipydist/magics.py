@@ -78,6 +78,16 @@ class DistMagics(Magics):
               help="the mpiexec to use (default: $IPYDIST_MPIEXEC, the one next to this "
               "Python, then $PATH)")
     @argument(
+        "--hosts", default=None, metavar="SPEC",
+        help="hosts to run on, with slots: nodeA:4,nodeB:4 (a host without :N has one slot; "
+        "--np defaults to the slots)",
+    )
+    @argument(
+        "--hostfile", default=None, metavar="FILE",
+        help="hosts to run on, one per line: 'nodeA slots=4' (Open MPI) or 'nodeA:4' (MPICH); "
+        "inside a Slurm allocation the default is its nodes",
+    )
+    @argument(
         "--mpi-args", default="", metavar='"..."',
         help='extra mpiexec arguments, written with = and quotes, e.g. '
         '--mpi-args="--hostfile hosts"',
@@ -112,7 +122,7 @@ class DistMagics(Magics):
                 np=args.np if args.np is not None else self.kernel_np, gpus=args.gpus,
                 backend=args.backend, mpi=args.mpi, mpi_args=args.mpi_args,
                 timeout=args.timeout, env=args.env, init=not args.no_init,
-                stall_warning=args.stall_warning,
+                stall_warning=args.stall_warning, hosts=args.hosts, hostfile=args.hostfile,
             )
             session.words = words.MAGICS
             session.start()

@@ -33,6 +33,9 @@ INIT_ENV = "IPYDIST_INIT"
 PG_TIMEOUT_ENV = "IPYDIST_PG_TIMEOUT"
 #: Overrides the address ranks use for the process-group rendezvous (``--env``).
 MASTER_ADDR_ENV = "IPYDIST_MASTER_ADDR"
+#: Across hosts: the notebook host's address on the network the ranks share. Each rank binds
+#: gloo/NCCL to its own interface that reaches it, and rank 0 offers its address there.
+NOTEBOOK_ADDR_ENV = "IPYDIST_NOTEBOOK_ADDR"
 #: ``0`` turns off the check that every rank calls the same collective with the same shapes
 #: and dtypes before its data moves (``ipydist.torch.agreement``); users set it with ``--env``.
 CHECK_COLLECTIVES_ENV = "IPYDIST_CHECK_COLLECTIVES"
@@ -52,6 +55,8 @@ class RankConfig:
     pg_timeout: float = DEFAULT_PG_TIMEOUT
     #: Empty: the bootstrap finds rank 0's address itself.
     master_addr: str = ""
+    #: Empty on one host; across hosts, see NOTEBOOK_ADDR_ENV.
+    notebook_addr: str = ""
 
     def to_env(self) -> dict[str, str]:
         env = {GPUS_ENV: self.gpus, BACKEND_ENV: self.backend, INIT_ENV: "1" if self.init else "0"}
@@ -59,6 +64,8 @@ class RankConfig:
             env[PG_TIMEOUT_ENV] = f"{self.pg_timeout:g}"
         if self.master_addr:
             env[MASTER_ADDR_ENV] = self.master_addr
+        if self.notebook_addr:
+            env[NOTEBOOK_ADDR_ENV] = self.notebook_addr
         return env
 
     @classmethod
@@ -70,6 +77,7 @@ class RankConfig:
             init=env.get(INIT_ENV, "1") == "1",
             pg_timeout=float(env.get(PG_TIMEOUT_ENV) or DEFAULT_PG_TIMEOUT),
             master_addr=env.get(MASTER_ADDR_ENV, ""),
+            notebook_addr=env.get(NOTEBOOK_ADDR_ENV, ""),
         )
 
 

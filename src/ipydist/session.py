@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import shlex
 import sys
 import time
 import weakref
@@ -24,6 +25,7 @@ from ipydist.errors import ClusterError, RankDied, RankError
 from ipydist.notebook import display, mpiexec, recovery, words
 from ipydist.notebook.cell import CellRun, RunResult
 from ipydist.notebook.cluster import Cluster
+from ipydist.notebook.hosts import choose as choose_hosts
 from ipydist.notebook.live.history import MetricHistory
 from ipydist.notebook.stall import STALL_WARNING_SECONDS
 from ipydist.specs import (
@@ -62,8 +64,14 @@ class Session:
         init: bool = True,
         failure_grace: float = FAILURE_GRACE,
         stall_warning: float = STALL_WARNING_SECONDS,
+        hosts: str | None = None,
+        hostfile: str | None = None,
     ):
-        self.np = parse_np(np if np is not None else mpiexec.default_np())
+        #: ``--np`` as given (None: one per slot of the named hosts, else per GPU or core).
+        self.np_given = None if np is None else parse_np(np)
+        self.np = self.np_given or mpiexec.default_np()
+        self.hosts = hosts
+        self.hostfile = hostfile
         self.gpus = parse_gpus(gpus)
         self.backend = parse_backend(backend)
         self.mpi = mpi
@@ -105,11 +113,20 @@ class Session:
         if self.running:
             raise ClusterError(self.words.already_running(self.size))
         t0 = time.perf_counter()
+        named = choose_hosts(self.hosts, self.hostfile, shlex.split(self.mpi_args))
+        if named is not None:
+            self.np = self.np_given or named.slots
+            if self.np > named.slots and "--oversubscribe" not in self.mpi_args:
+                raise SpecError(
+                    f"--np {self.np}: {named.source} gives {named.slots} slots. Name more "
+                    "slots (nodeA:4), or pass --mpi-args=--oversubscribe to share them.")
+        route = named.route if named is not None else None
         config = protocol.RankConfig(
-            gpus=format_gpus(self.gpus), backend=self.backend, init=self.init)
+            gpus=format_gpus(self.gpus), backend=self.backend, init=self.init,
+            notebook_addr=route.address if route else "")
         plan = mpiexec.plan(
             mpiexec.find_mpiexec(self.mpi), self.np, self.mpi_args,
-            {**config.to_env(), **self.env})
+            {**config.to_env(), **self.env}, hosts=named)
         if not plan.multi_host:
             mpiexec.check_gpus_here(self.gpus, self.backend)
         for note in plan.notes:  # information, not a warning: no red stderr block
@@ -131,6 +148,10 @@ class Session:
         display.show(self._ranks_table())
         if steps := self.cluster.startup.breakdown():  # below the table: a caption would wrap
             print(steps)
+        if self.cluster.plan.route is not None:
+            hosts = len({info["host"] for info in self.ranks})
+            print(f"{hosts} hosts; the controller listens on {self.cluster.plan.route}, the "
+                  "address that reaches them")
         return self
 
     def death_report(self) -> str:
@@ -239,7 +260,7 @@ class Session:
         """One row per rank: host, pid, device, alive/busy/dead, memory."""
         cluster = self._require_running(alive=False)
         rows = []
-        for info in self.ranks:
+        for info in grouped_by_host(self.ranks):
             state, proc = cluster.rank_state(info["rank"])
             memory = ""
             if proc is not None:
@@ -255,9 +276,21 @@ class Session:
     def _ranks_table(self) -> display.Table:
         """The table after a start. Its caption is short: in HTML a caption is as wide as the
         table, so a longer one wraps (the columns already say the backend and the ranks)."""
-        rows = [[i["rank"], i["host"], i["pid"], i["device"], i["backend"]] for i in self.ranks]
-        caption = f"{self.size} ranks ready in {self.startup_seconds:.1f} s"
+        rows = [[i["rank"], i["host"], i["pid"], i["device"], i["backend"]]
+                for i in grouped_by_host(self.ranks)]
+        hosts = len({i["host"] for i in self.ranks})
+        where = f" on {hosts} hosts" if hosts > 1 else ""
+        caption = f"{self.size} ranks{where} ready in {self.startup_seconds:.1f} s"
         return display.Table(["rank", "host", "pid", "device", "backend"], rows, caption)
+
+
+def grouped_by_host(ranks: list[dict]) -> list[dict]:
+    """Rank infos with each host's ranks together (hosts in the order their first rank comes),
+    in rank order within a host: how a table of ranks across hosts reads best."""
+    first: dict[str, int] = {}
+    for info in ranks:
+        first.setdefault(info["host"], info["rank"])
+    return sorted(ranks, key=lambda i: (first[i["host"]], i["rank"]))
 
 
 def _stop_at_exit(ref) -> None:

@@ -141,3 +141,53 @@ def parse_backend(backend: str) -> str:
             f"--backend {backend}: expected auto, nccl, gloo or mpi (auto: NCCL when ranks "
             "have GPUs, else gloo).")
     return backend
+
+
+#: A host name or address as MPI launchers accept it (letters, digits, ``.-_``, IPv4).
+_HOST = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9._-]*[A-Za-z0-9_])?$")
+
+
+def parse_hosts(spec: str) -> list[tuple[str, int]]:
+    """``--hosts nodeA:4,nodeB:4`` as ``[("nodeA", 4), ("nodeB", 4)]``, Horovod's ``-H``
+    syntax: a host without ``:N`` has one slot; a host named twice adds up its slots."""
+    hosts: dict[str, int] = {}
+    for part in str(spec).split(","):
+        name, sep, slots = part.strip().partition(":")
+        if not _HOST.match(name) or (sep and not slots.isdigit()) or (sep and int(slots) < 1):
+            raise SpecError(
+                f"--hosts {spec}: expected host names with slot counts, such as "
+                "nodeA:4,nodeB:4 (a host without :N gets one slot).")
+        hosts[name] = hosts.get(name, 0) + (int(slots) if sep else 1)
+    return list(hosts.items())
+
+
+def parse_hostfile(text: str, source: str = "--hostfile") -> list[tuple[str, int]]:
+    """A hostfile in Open MPI's syntax (``nodeA slots=4``) or MPICH's (``nodeA:4``), one host
+    per line, ``#`` comments; a host without a slot count has one slot, as in MPICH."""
+    hosts: dict[str, int] = {}
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        words = line.split()
+        name, sep, slots = words[0].partition(":")
+        count = int(slots) if sep and slots.isdigit() else None
+        for word in words[1:]:
+            key, _, value = word.partition("=")
+            if key in ("slots", "max_slots", "max-slots") and value.isdigit():
+                count = int(value) if key == "slots" or count is None else count
+            else:
+                count = -1
+        if not _HOST.match(name) or (sep and count is None) or (count is not None and count < 1):
+            raise SpecError(
+                f"{source}, line {number}: {raw.strip()!r} is not a host line; expected "
+                "'nodeA slots=4' (Open MPI) or 'nodeA:4' (MPICH).")
+        hosts[name] = hosts.get(name, 0) + (count or 1)
+    if not hosts:
+        raise SpecError(f"{source}: no host in it; write one host per line, 'nodeA slots=4'.")
+    return list(hosts.items())
+
+
+def format_hosts(hosts: list[tuple[str, int]]) -> str:
+    """The inverse of :func:`parse_hosts`: ``nodeA:4,nodeB:4``."""
+    return ",".join(f"{name}:{slots}" for name, slots in hosts)

@@ -73,7 +73,7 @@ class Cluster:
     def _launch(self) -> None:
         import ipyparallel
 
-        ip, location = mpiexec.controller_address(self.plan.multi_host)
+        ip, location = mpiexec.controller_address(self.plan.multi_host, self.plan.route)
         self.profile_dir = tempfile.mkdtemp(prefix="ipydist-")
         cluster = self._ipp = ipyparallel.Cluster(
             profile_dir=self.profile_dir,

@@ -22,6 +22,8 @@ from pathlib import Path
 
 from ipydist import protocol
 from ipydist.errors import LaunchError
+from ipydist.network import Route
+from ipydist.notebook.hosts import Hosts, mpiexec_host_args
 from ipydist.specs import describe_ranks, format_gpus
 
 #: Directories searched for ``mpiexec`` before ``$PATH``: the one holding this Python, which
@@ -136,6 +138,10 @@ class Plan:
     env: dict[str, str]
     multi_host: bool
     notes: list[str] = field(default_factory=list)
+    #: Across hosts: this host's way to them (the controller listens there); None on one host.
+    route: Route | None = None
+    #: The hosts, when named (``--hosts``, ``--hostfile``, Slurm): for the start table.
+    hosts: Hosts | None = None
 
 
 def plan(
@@ -146,11 +152,13 @@ def plan(
     cores: int | None = None,
     flavor: str | None = None,
     is_root: bool | None = None,
+    hosts: Hosts | None = None,
 ) -> Plan:
-    """Build mpiexec's arguments: oversubscription, running as root, environment forwarding."""
+    """Build mpiexec's arguments: hosts, oversubscription, running as root, environment
+    forwarding, and across hosts MPI's TCP kept to the network that reaches them."""
     flavor = flavor or mpi_flavor(mpiexec)
     user_args = shlex.split(mpi_args) if isinstance(mpi_args, str) else list(mpi_args)
-    multi_host = is_multi_host(user_args)
+    multi_host = is_multi_host(user_args) or bool(hosts and hosts.multi_host)
     cores = cores or os.cpu_count() or 1
     is_root = (os.geteuid() == 0) if is_root is None else is_root
     rank_env = dict(rank_env or {})
@@ -160,7 +168,16 @@ def plan(
     args: list[str] = []
     env: dict[str, str] = {}
     notes: list[str] = []
-
+    if hosts is not None and not is_multi_host(user_args):
+        args += mpiexec_host_args(hosts, flavor)
+    route = hosts.route if hosts is not None else None
+    if route is not None and flavor == "openmpi":
+        # PRRTE's daemons and MPI's TCP transport advertise every interface unless told.
+        pins = ((("--prtemca", "prte_if_include"), ("prte_if_include", "oob_tcp_if_include")),
+                (("--mca", "btl_tcp_if_include"), ("btl_tcp_if_include",)))
+        for (option, name), chosen in pins:
+            if not any(_mca_set(user_args, n) for n in chosen):
+                args += [option, name, route.network]
     if flavor == "openmpi":
         if is_root:
             env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
@@ -184,7 +201,7 @@ def plan(
         if not multi_host and np > cores:
             notes.append(f"{np} ranks on {cores} cores: ranks share cores.")
     env.update(rank_env)
-    return Plan(mpiexec, flavor, args + user_args, env, multi_host, notes)
+    return Plan(mpiexec, flavor, args + user_args, env, multi_host, notes, route, hosts)
 
 
 def describe_failure(what: str, output: str, code: int | None, mpiexec: str) -> str:
@@ -205,13 +222,17 @@ def _mca_set(user_args: list[str], name: str) -> bool:
     if f"OMPI_MCA_{name}" in os.environ:
         return True
     return any(
-        a in ("--mca", "-mca", "--gmca") and user_args[i + 1:i + 2] == [name]
+        a in ("--mca", "-mca", "--gmca", "--prtemca") and user_args[i + 1:i + 2] == [name]
         for i, a in enumerate(user_args)
     )
 
 
-def controller_address(multi_host: bool) -> tuple[str, str | None]:
-    """(ip to listen on, location engines connect to): loopback unless ranks run elsewhere."""
+def controller_address(multi_host: bool, route=None) -> tuple[str, str | None]:
+    """(ip to listen on, location engines connect to): loopback unless ranks run elsewhere;
+    across hosts, the address that reaches them (every interface only when the hosts are
+    named in a way ipydist cannot read, such as an mpiexec option it does not know)."""
+    if route is not None:
+        return route.address, route.address
     if multi_host:
         return "*", socket.getfqdn()
     return "127.0.0.1", None

@@ -40,7 +40,7 @@ def bootstrap(env: dict[str, str] | None = None):
     from ipydist.torch import runtime, shims
 
     _reached(comm.Get_rank(), protocol.PHASE_TORCH)
-    rt = runtime.topology_from_mpi(comm)
+    rt = runtime.topology_from_mpi(comm, advertise=_use_route_to(config.notebook_addr))
     # OMP_NUM_THREADS from the user (--env) wins; otherwise share the host's cores.
     threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or device.threads_per_rank(
         os.cpu_count() or 1, rt.local_size
@@ -81,6 +81,23 @@ def bootstrap(env: dict[str, str] | None = None):
         runtime.export_torchrun_env(rt)
         _reached(rt.rank, protocol.PHASE_ENV)
     return rt
+
+
+def _use_route_to(notebook_addr: str) -> str | None:
+    """Across hosts: gloo and NCCL use this host's interface that reaches the notebook host
+    (unless the user set theirs), and this rank's address there is what it offers as the
+    rendezvous address. On one host (no address given): None."""
+    if not notebook_addr:
+        return None
+    from ipydist import network
+
+    try:
+        route = network.route_to(notebook_addr)
+    except OSError:
+        return None  # the rendezvous falls back to the host's name
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        os.environ.setdefault(name, route.interface)
+    return route.address
 
 
 def _reached(rank: int, phase: str) -> None:

@@ -42,6 +42,8 @@ def info() -> dict:
         "size": rt.size,
         "local_rank": rt.local_rank,
         "local_size": rt.local_size,
+        "cross_rank": rt.cross_rank,
+        "cross_size": rt.cross_size,
         "host": rt.host or socket.gethostname(),
         "pid": os.getpid(),
         "device": str(rt.device),

@@ -20,6 +20,8 @@ from ipydist.torch.collectives import (
     barrier,
     broadcast,
     broadcast_,
+    cross_rank,
+    cross_size,
     device,
     init,
     local_rank,
@@ -42,6 +44,7 @@ __all__ = [
     "Average", "Compression", "DistributedOptimizer", "Max", "Min", "ReduceOp", "ShardSampler",
     "Sum", "allgather", "allgather_object", "allreduce", "allreduce_", "barrier",
     "broadcast", "broadcast_", "broadcast_object", "broadcast_optimizer_state",
-    "broadcast_parameters", "device", "init", "load_checkpoint", "local_rank", "local_size", "log",
+    "broadcast_parameters", "cross_rank", "cross_size", "device", "init", "load_checkpoint",
+    "local_rank", "local_size", "log",
     "rank", "save_checkpoint", "scale_lr", "shard", "size",
 ]

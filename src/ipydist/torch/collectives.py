@@ -73,6 +73,18 @@ def local_size() -> int:
     return _rt().local_size
 
 
+def cross_rank() -> int:
+    """This rank's index among the ranks that have its local rank: the index of its host when
+    every host runs the same number of ranks (Horovod's name)."""
+    return _rt().cross_rank
+
+
+def cross_size() -> int:
+    """How many ranks have this rank's local rank: the number of hosts, when every host runs
+    the same number of ranks (Horovod's name)."""
+    return _rt().cross_size
+
+
 def device() -> torch.device:
     """The device this rank computes on: its pinned GPU, or the CPU."""
     return _rt().device

@@ -35,6 +35,10 @@ class Runtime:
     local_rank: int
     local_size: int
     host: str
+    #: Horovod's cross rank and size: this rank's index among the ranks with its local rank
+    #: (one per host, so the host's index), and how many there are.
+    cross_rank: int = 0
+    cross_size: int = 1
     device_index: int | None = None
     backend: str = "gloo"
     master_addr: str = "127.0.0.1"
@@ -121,24 +125,30 @@ def mpi_world():
     return MPI.COMM_WORLD
 
 
-def topology_from_mpi(comm) -> Runtime:
-    """rank, size, local rank and local size from MPI; master address from where rank 0 is."""
+def topology_from_mpi(comm, advertise: str | None = None) -> Runtime:
+    """rank, size, local rank and local size from MPI; master address from where rank 0 is:
+    across hosts, rank 0's ``advertise`` address (the one on the network the hosts share), else
+    its fully qualified name."""
     from mpi4py import MPI
 
     host = socket.gethostname()
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
     local_rank, local_size = local.rank, local.size
     local.Free()
+    cross = comm.Split(color=local_rank, key=comm.rank)
+    cross_rank, cross_size = cross.rank, cross.size
+    cross.Free()
     hosts = comm.allgather(host)
     if len(set(hosts)) == 1:
         master_addr = "127.0.0.1"
     else:
-        master_addr = comm.bcast(socket.getfqdn() if comm.rank == 0 else None, root=0)
+        mine = advertise or socket.getfqdn()
+        master_addr = comm.bcast(mine if comm.rank == 0 else None, root=0)
     master_addr = os.environ.get(protocol.MASTER_ADDR_ENV) or master_addr
     return Runtime(
         rank=comm.rank, size=comm.size, local_rank=local_rank, local_size=local_size,
-        host=host, master_addr=master_addr, comm=comm, control_comm=comm.Dup(),
-        check_comm=comm.Dup(),
+        cross_rank=cross_rank, cross_size=cross_size, host=host, master_addr=master_addr,
+        comm=comm, control_comm=comm.Dup(), check_comm=comm.Dup(),
     )
 
 

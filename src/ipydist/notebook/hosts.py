@@ -1,0 +1,162 @@
+"""Which hosts the ranks run on, named by the user or by Slurm, and how the notebook reaches
+them: pure rules plus a look at the routing table (:mod:`ipydist.network`).
+
+Where hosts come from, first match wins: ``--hosts nodeA:4,nodeB:4``; ``--hostfile FILE`` (Open
+MPI's or MPICH's syntax); hosts named in ``--mpi-args`` (``--host``, ``--hostfile``); inside a
+Slurm allocation (``SLURM_JOB_ID`` set), the allocation's nodes and tasks per node. Otherwise
+this host alone, where nothing needs to listen beyond loopback.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+from ipydist import network, protocol
+from ipydist.errors import LaunchError
+from ipydist.specs import SpecError, parse_hostfile, parse_hosts
+
+
+@dataclass
+class Hosts:
+    """The hosts of one cluster: ``[(name, slots)]``, where that came from, and (across
+    hosts) this host's :class:`~ipydist.network.Route` to them."""
+
+    hosts: list[tuple[str, int]]
+    source: str
+    route: network.Route | None = None
+
+    @property
+    def slots(self) -> int:
+        return sum(slots for _, slots in self.hosts)
+
+    @property
+    def multi_host(self) -> bool:
+        return self.route is not None
+
+
+def choose(hosts: str | None = None, hostfile: str | None = None,
+           mpi_args: list[str] | None = None, env=None) -> Hosts | None:
+    """The cluster's hosts (see the module's docstring), or None for this host alone."""
+    env = os.environ if env is None else env
+    if hosts and hostfile:
+        raise SpecError("--hosts and --hostfile both name hosts: give one of them.")
+    if hosts:
+        return _with_route(Hosts(parse_hosts(hosts), f"--hosts {hosts}"))
+    if hostfile:
+        return _with_route(Hosts(_read_hostfile(hostfile, "--hostfile"), f"--hostfile {hostfile}"))
+    if named := _hosts_in_mpi_args(mpi_args or []):
+        return _with_route(named)
+    if env.get("SLURM_JOB_ID") and env.get("SLURM_JOB_NODELIST"):
+        nodes = expand_nodelist(env["SLURM_JOB_NODELIST"])
+        tasks = expand_tasks(env.get("SLURM_TASKS_PER_NODE", ""), len(nodes))
+        return _with_route(Hosts(list(zip(nodes, tasks)),
+                                 f"Slurm allocation {env['SLURM_JOB_ID']}"))
+    return None
+
+
+def _with_route(hosts: Hosts) -> Hosts:
+    """Find how this host reaches the others (none needed when every host is this one)."""
+    remote = [name for name, _ in hosts.hosts if not network.is_local(name)]
+    if not remote:
+        return hosts
+    routes = {}
+    for name in remote:
+        try:
+            routes[name] = network.route_to(name)
+        except OSError as e:
+            raise LaunchError(
+                f"{hosts.source}: cannot reach host {name} from here ({e}). Check the name "
+                "(ping it), or run the notebook on a host that reaches every rank's host.") from e
+    addresses = {r.address for r in routes.values()}
+    if len(addresses) > 1:
+        by = ", ".join(f"{name} via {r}" for name, r in routes.items())
+        raise LaunchError(
+            f"{hosts.source}: the hosts are reached through different interfaces ({by}); "
+            "ipydist listens on one. Name hosts on one network, or set IPYDIST_NOTEBOOK_ADDR "
+            "to the address they all reach.")
+    hosts.route = next(iter(routes.values()))
+    override = os.environ.get(protocol.NOTEBOOK_ADDR_ENV)
+    if override:
+        interface, net = network.interface_of(override)
+        hosts.route = network.Route(override, interface, net)
+    return hosts
+
+
+def _read_hostfile(path: str, option: str) -> list[tuple[str, int]]:
+    try:
+        with open(os.path.expanduser(path)) as f:
+            text = f.read()
+    except OSError as e:
+        raise SpecError(f"{option} {path}: cannot read it ({e.strerror}).") from None
+    return parse_hostfile(text, f"{option} {path}")
+
+
+_HOST_VALUE_OPTIONS = {"--host", "-host", "-H", "--hosts", "-hosts"}
+_HOSTFILE_OPTIONS = {"--hostfile", "-hostfile", "--machinefile", "-machinefile", "-f"}
+
+
+def _hosts_in_mpi_args(args: list[str]) -> Hosts | None:
+    """Hosts that the user's own mpiexec arguments name, so the wire is set up for them too."""
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if not eq:
+            value = args[i + 1] if i + 1 < len(args) else ""
+        if name in _HOST_VALUE_OPTIONS and value:
+            return Hosts(parse_hosts(value), f"--mpi-args {name} {value}")
+        if name in _HOSTFILE_OPTIONS and value:
+            return Hosts(_read_hostfile(value, f"--mpi-args {name}"),
+                         f"--mpi-args {name} {value}")
+    return None
+
+
+_BRACKETS = re.compile(r"^(?P<prefix>[^\[,]*)\[(?P<ranges>[^\]]+)\](?P<suffix>[^,]*)$")
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Slurm's compact node list (``node[01-03,07],gpu1``) as names, in order."""
+    names: list[str] = []
+    for part in _split_top(nodelist):
+        m = _BRACKETS.match(part)
+        if not m:
+            names.append(part)
+            continue
+        for piece in m.group("ranges").split(","):
+            lo, _, hi = piece.partition("-")
+            for n in range(int(lo), int(hi or lo) + 1):
+                names.append(f"{m.group('prefix')}{n:0{len(lo)}d}{m.group('suffix')}")
+    return names
+
+
+def _split_top(text: str) -> list[str]:
+    """Split at commas outside brackets."""
+    parts, depth, current = [], 0, ""
+    for ch in text:
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+    return [p for p in [*parts, current] if p]
+
+
+def expand_tasks(tasks_per_node: str, nodes: int) -> list[int]:
+    """Slurm's ``SLURM_TASKS_PER_NODE`` (``2(x3),1``) as one count per node; one each when
+    it is missing."""
+    counts: list[int] = []
+    for part in filter(None, tasks_per_node.split(",")):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not m:
+            return [1] * nodes
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts if len(counts) == nodes else [1] * nodes
+
+
+def mpiexec_host_args(hosts: Hosts, flavor: str) -> list[str]:
+    """The launcher's own way to name the hosts and their slots."""
+    listed = ",".join(f"{name}:{slots}" for name, slots in hosts.hosts)
+    if flavor == "mpich":
+        return ["-hosts", listed]
+    return ["--host", listed]
