@@ -1,9 +1,9 @@
-"""Safe by default (issue 5, item 6): on one host the cluster listens on loopback only, its
-connection files are private, and its messages are signed.
+"""Safe by default (issue 5, item 6; issue 14, item 2): on one host the cluster listens on
+loopback only, its rendezvous needs no port, its connection files are private, and its
+messages are signed.
 
-Two listeners are outside ipydist's control and are checked as the known exceptions: torch's
-TCPStore on rank 0 (the process-group rendezvous; torch binds it to every interface) and
-mpiexec's own daemon port (PRRTE refuses to run its out-of-band channel on loopback alone).
+One listener is outside ipydist's control and is checked as the known exception: mpiexec's
+own daemon port (PRRTE refuses to run its out-of-band channel on loopback alone).
 """
 
 from __future__ import annotations
@@ -28,13 +28,22 @@ def test_controller_and_ranks_listen_on_loopback_only(shell, capsys, cluster):
     controller = cluster.cluster.controller_pid
     assert listeners(controller), "the controller listens somewhere"
     assert {ip for ip, _ in listeners(controller)} <= set(LOOPBACK), listeners(controller)
-    run_cell(shell, capsys, "%everyrank import os; store_port = int(os.environ['MASTER_PORT'])")
-    store_port = cluster.pull("store_port", rank=0)
     for info in cluster.ranks:
         public = {(ip, port) for ip, port in listeners(info["pid"]) if ip not in LOOPBACK}
-        if info["rank"] == 0:
-            public = {(ip, port) for ip, port in public if port != store_port}
         assert public == set(), f"rank {info['rank']} listens on {public}"
+
+
+def test_the_rendezvous_store_is_a_private_file_not_a_port(shell, capsys, cluster):
+    result, _, err = run_cell(shell, capsys, """%%everyrank
+import os, stat
+from ipydist.torch import runtime
+_rt = runtime.get()
+store_kind = type(_rt.base_store).__name__
+store_mode = stat.S_IMODE(os.stat(os.path.dirname(_rt.store_path)).st_mode)
+""")
+    assert result.error_in_exec is None, err
+    assert cluster.pull("store_kind") == ["FileStore"] * cluster.size
+    assert cluster.pull("store_mode") == [0o700] * cluster.size, "only this user can enter"
 
 
 def test_connection_files_are_private_and_messages_signed(cluster):

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ipydist import protocol
-from ipydist.torch import retired
+from ipydist.torch import retired, store
 
 
 @dataclass
@@ -39,6 +39,10 @@ class Runtime:
     #: (one per host, so the host's index), and how many there are.
     cross_rank: int = 0
     cross_size: int = 1
+    #: Every rank on this one host: the rendezvous needs no port (see ``store.make_store``).
+    one_host: bool = False
+    #: The rendezvous FileStore's file on one host (empty for a TCPStore).
+    store_path: str = ""
     device_index: int | None = None
     backend: str = "gloo"
     master_addr: str = "127.0.0.1"
@@ -147,7 +151,8 @@ def topology_from_mpi(comm, advertise: str | None = None) -> Runtime:
     master_addr = os.environ.get(protocol.MASTER_ADDR_ENV) or master_addr
     return Runtime(
         rank=comm.rank, size=comm.size, local_rank=local_rank, local_size=local_size,
-        cross_rank=cross_rank, cross_size=cross_size, host=host, master_addr=master_addr,
+        cross_rank=cross_rank, cross_size=cross_size, one_host=len(set(hosts)) == 1,
+        host=host, master_addr=master_addr,
         comm=comm, control_comm=comm.Dup(), check_comm=comm.Dup(),
     )
 
@@ -179,38 +184,6 @@ def export_torchrun_env(rt: Runtime) -> None:
     )
 
 
-def _make_store(rt: Runtime, timeout_s: float):
-    """A TCPStore: rank 0 listens on a free port and tells the others over MPI."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if rt.comm is None:
-        if rt.size == 1 and not rt.master_port:
-            return dist.TCPStore(rt.master_addr, 0, 1, True, timeout=timeout)
-        return dist.TCPStore(
-            rt.master_addr, rt.master_port, rt.size, rt.rank == 0, timeout=timeout
-        )
-    def share_port(port: int) -> int:
-        return rt.comm.bcast(port, root=0)
-
-    store = None
-    port = 0
-    if rt.rank == 0:
-        try:
-            store = dist.TCPStore(
-                rt.master_addr, 0, rt.size, True, timeout=timeout, wait_for_workers=False
-            )
-            port = store.port
-        except Exception:
-            share_port(-1)  # the others must not wait for a port that will never come
-            raise
-    port = share_port(port)
-    if port < 0:
-        raise RuntimeError("rank 0 could not open the rendezvous store")
-    if rt.rank != 0:
-        store = dist.TCPStore(rt.master_addr, port, rt.size, False, timeout=timeout)
-    rt.master_port = port
-    return store
-
-
 def init_process_group(rt: Runtime, backend: str | None = None,
                        timeout_s: float | None = None) -> None:
     """Create the default process group for ``rt`` (collective: every rank calls it).
@@ -226,7 +199,7 @@ def init_process_group(rt: Runtime, backend: str | None = None,
     rt.backend = backend or rt.backend
     rendezvous = datetime.timedelta(seconds=timeout_s or rt.timeout_s)
     if rt.base_store is None:
-        rt.base_store = _make_store(rt, rendezvous.total_seconds())
+        rt.base_store = store.make_store(rt, rendezvous.total_seconds())
     else:
         rt.base_store.set_timeout(rendezvous)
     rt.generation += 1
