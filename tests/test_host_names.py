@@ -118,3 +118,12 @@ def test_named_host_start_and_too_few_slots(shell, capsys):
         assert "[rank 0] 0 1 0 2" in plain(out) and "[rank 1] 0 1 1 2" in plain(out)
     finally:
         run_cell(shell, capsys, "%dist_stop")
+
+
+def test_doctor_hosts_needs_hosts_it_can_reach():
+    from ipydist.cli.hostcheck import check_hosts
+
+    [only] = check_hosts("localhost:2", "mpiexec")
+    assert only.status == "NOTE" and "only this host" in only.detail
+    [bad] = check_hosts("no-such-host.invalid:2", "mpiexec")
+    assert bad.status == "FAIL" and "cannot reach host no-such-host.invalid" in bad.detail

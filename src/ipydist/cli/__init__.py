@@ -307,13 +307,18 @@ def _add_doctor(sub) -> None:
         "kernelspec; then start 2 ranks and run one allreduce. Exit code 0 only when "
         "nothing failed.",
     )
-    p.add_argument("--np", default="2", metavar="N",
-                   help="ranks for the test cluster (default: %(default)s)")
+    p.add_argument("--np", default=None, metavar="N",
+                   help="ranks for the test cluster (default: 2, or one per slot of --hosts)")
+    p.add_argument("--hosts", default=None, metavar="SPEC",
+                   help="also check these hosts over ssh (nodeA:2,nodeB:2): reachable, same "
+                   "Python and ipydist, mpiexec, GPUs, a connection back; the test cluster "
+                   "then runs on them")
     p.set_defaults(handler=_cmd_doctor)
 
 
 def _cmd_doctor(args: argparse.Namespace) -> None:
-    if not doctor.run(np=args.np):
+    np = args.np if args.np is not None else (None if args.hosts else 2)
+    if not doctor.run(np=np, hosts=args.hosts):
         raise CliError("some checks failed; each FAIL line above says how to fix it.")
 
 

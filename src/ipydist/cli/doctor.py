@@ -159,13 +159,14 @@ def check_kernelspec() -> Check:
     return Check(OK, "kernelspec", ", ".join(f"{n} ({d})" for n, d in sorted(found.items())))
 
 
-def check_cluster(np: int = 2) -> Check:
-    """Start ``np`` ranks, run one allreduce, stop them."""
+def check_cluster(np: int | None = 2, hosts: str | None = None) -> Check:
+    """Start ``np`` ranks (on ``hosts``, when named), run one allreduce, stop them."""
 
     t0 = time.perf_counter()
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            with Session(np=np) as s:  # --gpus auto: GPUs when there are (usable) ones
+            with Session(np=np, hosts=hosts) as s:  # --gpus auto: GPUs when usable ones exist
+                np = s.np
                 s.run("import torch, ipydist.torch as hvd\n"
                       "total = hvd.allreduce(torch.ones(1), op=hvd.Sum).item()", output="rank0")
                 total = s.pull("total", rank=0)
@@ -196,20 +197,26 @@ CHECKS: tuple[Callable[[], Check], ...] = (
 )
 
 
-def run(np: int = 2, out=None) -> bool:
-    """Print every check; True when none failed."""
+def run(np: int | None = 2, out=None, hosts: str | None = None) -> bool:
+    """Print every check (with ``hosts``, each host's too); True when none failed."""
     out = out or sys.stdout
     failed = False
-    for check in CHECKS:
+    checks = list(CHECKS)
+    if hosts:
+        from ipydist.cli.hostcheck import check_hosts
+
+        checks.append(lambda: check_hosts(hosts, mpiexec.find_mpiexec()))
+    for check in checks:
         try:
             result = check()
         except Exception as e:  # a check that breaks is a failed check, not a crash
             result = Check(FAIL, check.__name__.removeprefix("check_"), f"check crashed: {e}")
-        print(result.line(), file=out, flush=True)
-        failed |= result.status == FAIL
+        for one in result if isinstance(result, list) else [result]:
+            print(one.line(), file=out, flush=True)
+            failed |= one.status == FAIL
     if failed:
         print(f"{'--':<4}  {'cluster':<18} not started: fix the problems above first.", file=out)
         return False
-    result = check_cluster(np)
+    result = check_cluster(np, hosts)
     print(result.line(), file=out, flush=True)
     return result.status != FAIL

@@ -24,8 +24,12 @@ from ipydist.notebook import display, ipp, mpiexec, processes, startup, watchdog
 from ipydist.specs import describe_ranks, parse_ranks
 
 #: Controller heartbeat: a rank is declared gone after HEARTBEAT_MS * HEARTBEAT_MISSES ms.
+#: On one host a rank's death is seen by its pid at once, and the heartbeat only backs that
+#: up, so it is lenient (10 s, for a loaded machine); across hosts it is how a remote rank's
+#: death is seen at all, so it must say within 5 s (4 s).
 HEARTBEAT_MS = 200
 HEARTBEAT_MISSES = 50
+HEARTBEAT_MISSES_ACROSS_HOSTS = 20
 
 
 class Cluster:
@@ -89,7 +93,8 @@ class Cluster:
                 # Registration completes on the first heartbeat after an engine connects;
                 # ipyparallel's 3 s period would add up to 6 s to every start.
                 f"--HeartMonitor.period={HEARTBEAT_MS}",
-                f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
+                "--HeartMonitor.max_heartmonitor_misses="
+                f"{HEARTBEAT_MISSES_ACROSS_HOSTS if self.plan.multi_host else HEARTBEAT_MISSES}",
             ],
         )
         log_level = os.environ.get(protocol.ENGINE_LOG_LEVEL_ENV,
@@ -199,11 +204,15 @@ class Cluster:
         return self._watchdog[0].pid if self._watchdog else None
 
     def dead_ranks(self) -> list[dict]:
-        """The ranks whose process is gone (ranks on this host; the heartbeat covers others)."""
+        """The ranks that are gone: on this host, by their process; on another host, by the
+        controller's heartbeat (the engine it stopped hearing from is unregistered)."""
         if len(self._rank_procs) != len(self.ranks):  # looked up once per cluster
             self._rank_procs = [processes.local_process(info) for info in self.ranks]
+        remote = [proc is None for proc in self._rank_procs]
+        registered = set(self.client.ids) if any(remote) and self.client is not None else set()
         return [info for info, proc in zip(self.ranks, self._rank_procs)
-                if proc is not None and not processes.alive(proc)]
+                if (proc is not None and not processes.alive(proc))
+                or (proc is None and info["rank"] not in registered)]
 
     def controller_alive(self) -> bool:
         """Whether the controller, through which every message to the ranks goes, still runs."""
