@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
 import sys
 import tempfile
@@ -95,6 +96,7 @@ class Cluster:
                 f"--HeartMonitor.period={HEARTBEAT_MS}",
                 "--HeartMonitor.max_heartmonitor_misses="
                 f"{HEARTBEAT_MISSES_ACROSS_HOSTS if self.plan.multi_host else HEARTBEAT_MISSES}",
+                *self._encryption_args(),
             ],
         )
         log_level = os.environ.get(protocol.ENGINE_LOG_LEVEL_ENV,
@@ -113,6 +115,16 @@ class Cluster:
         cfg.environment = self.plan.env
         cluster.start_controller_sync()
         cluster.start_engines_sync()
+
+    def _encryption_args(self) -> list[str]:
+        """Across hosts (or with ipyparallel's own ``IPP_ENABLE_CURVE=1``), every socket of the
+        controller is CurveZMQ: encrypted, and only a peer with the server key from this
+        cluster's connection files (mode 0600, new keys per cluster) can connect. ipyparallel
+        would then drop its HMAC signing as redundant; ipydist keeps it, with a key of its own,
+        so a message must both come through the encrypted channel and carry the signature."""
+        if not (self.plan.multi_host or os.environ.get("IPP_ENABLE_CURVE") == "1"):
+            return []
+        return ["--IPController.enable_curve=True", f"--Session.key={secrets.token_hex(32)}"]
 
     def _wait_for_ranks(self, progress, deadline: float) -> None:
         """Wait for registration, watching mpiexec so that a failed launch ends the wait."""

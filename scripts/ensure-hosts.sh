@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Makes sure this machine can build the multi-host test cluster (tests/netns_hosts.py): Debian's
+# openssh-server (sshd, with the ssh client and ssh-keygen), so that mpiexec's default ssh launch
+# is what tests/test_hosts.py exercises, and a working `ip netns` (network namespaces, needs
+# root). Idempotent and silent when everything is there; installing needs root (apt-get).
+# Without root the multi-host tests skip, so this script then only says so and succeeds.
+set -euo pipefail
+
+SSHD=/usr/sbin/sshd
+TOOLS=("$SSHD" /usr/bin/ssh /usr/bin/ssh-keygen)
+
+missing() {
+    local tool
+    for tool in "${TOOLS[@]}"; do
+        [[ -x "$tool" ]] || return 0
+    done
+    return 1
+}
+
+if [[ "$(id -u)" -ne 0 ]]; then
+    # Network namespaces need root, so the multi-host tests skip for this user anyway.
+    if missing; then
+        echo "ensure-hosts: openssh-server is missing and the multi-host tests need root" >&2
+        echo "(network namespaces); they will skip. To run them, as root:" >&2
+        echo "  sudo apt-get update && sudo apt-get install -y --no-install-recommends openssh-server" >&2
+        echo "  sudo scripts/ensure-hosts.sh" >&2
+    fi
+    exit 0
+fi
+
+if missing; then
+    echo "ensure-hosts: installing Debian's openssh-server (for tests/test_hosts.py)..." >&2
+    apt-get update -qq
+    # policy-rc.d 101: the package must not start (or enable) a system sshd on port 22; the
+    # tests start their own sshd in each namespace host.
+    POLICY=/usr/sbin/policy-rc.d
+    if [[ ! -e "$POLICY" ]]; then
+        printf '#!/bin/sh\nexit 101\n' >"$POLICY"
+        chmod 755 "$POLICY"
+        trap 'rm -f "$POLICY"' EXIT
+    fi
+    DEBIAN_FRONTEND=noninteractive DEBCONF_NOWARNINGS=yes \
+        apt-get install -y -qq --no-install-recommends openssh-server openssh-client >/dev/null
+    if missing; then
+        echo "ensure-hosts: apt-get installed openssh-server but one of ${TOOLS[*]} is missing" >&2
+        exit 1
+    fi
+    echo "ensure-hosts: $("$SSHD" -V 2>&1 | head -n 1) installed" >&2
+fi
+
+# `ip netns` needs the kernel's network namespaces and a writable /run/netns.
+PROBE="ipydt-probe-$$"
+if ! ip netns add "$PROBE" 2>/dev/null; then
+    echo "ensure-hosts: 'ip netns add' fails here (no network namespaces in this container?);" >&2
+    echo "the multi-host tests (tests/test_hosts.py) will skip" >&2
+    exit 0
+fi
+ip netns del "$PROBE"
