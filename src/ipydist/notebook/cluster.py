@@ -33,6 +33,18 @@ HEARTBEAT_MISSES = 50
 HEARTBEAT_MISSES_ACROSS_HOSTS = 20
 
 
+def profile_parent(plan: mpiexec.Plan) -> str | None:
+    """Where the cluster's profile folder (its connection files) goes: the temp folder on one
+    host; across hosts, ``~/.ipydist`` (or ``$IPYDIST_PROFILE_PARENT``), since the ranks on
+    other hosts read the files there and a home folder is what a cluster's hosts share, where
+    /tmp is each host's own. The folder is 0700 and removed when the cluster stops."""
+    if not plan.multi_host:
+        return None
+    parent = os.environ.get("IPYDIST_PROFILE_PARENT") or os.path.expanduser("~/.ipydist")
+    os.makedirs(parent, mode=0o700, exist_ok=True)
+    return parent
+
+
 class Cluster:
     """The controller, mpiexec and its ranks, the client, and the watchdog of one cluster."""
 
@@ -79,7 +91,7 @@ class Cluster:
         import ipyparallel
 
         ip, location = mpiexec.controller_address(self.plan.multi_host, self.plan.route)
-        self.profile_dir = tempfile.mkdtemp(prefix="ipydist-")
+        self.profile_dir = tempfile.mkdtemp(prefix="ipydist-", dir=profile_parent(self.plan))
         cluster = self._ipp = ipyparallel.Cluster(
             profile_dir=self.profile_dir,
             n=self.np,

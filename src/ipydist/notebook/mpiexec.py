@@ -128,6 +128,12 @@ def is_multi_host(mpi_args: list[str]) -> bool:
     return any(a.split("=", 1)[0] in _HOST_OPTIONS for a in mpi_args)
 
 
+#: What ipyparallel tells its engines in their environment (the cluster's profile folder, where
+#: the connection files are, and its id). On this host they inherit it; on others, ssh starts
+#: them with a clean environment, so mpiexec must forward these.
+IPP_ENV = ("IPP_PROFILE_DIR", "IPP_CLUSTER_ID")
+
+
 @dataclass
 class Plan:
     """The mpiexec arguments and environment for one cluster, plus notes for the user."""
@@ -193,11 +199,12 @@ def plan(
             # second probing libfabric and UCX, and the TCP transport listens on every
             # interface of every rank.
             args += ["--mca", "btl", "self,sm"]
-        for name in rank_env:
+        for name in [*rank_env, *(IPP_ENV if multi_host else ())]:
             args += ["-x", name]
     elif flavor == "mpich":
-        if rank_env:
-            args += ["-genvlist", ",".join(rank_env)]
+        names = [*rank_env, *(IPP_ENV if multi_host else ())]
+        if names:
+            args += ["-genvlist", ",".join(names)]
         if not multi_host and np > cores:
             notes.append(f"{np} ranks on {cores} cores: ranks share cores.")
     env.update(rank_env)

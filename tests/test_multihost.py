@@ -1,0 +1,214 @@
+"""ipydist across hosts (issue 14): a notebook side on a login host starts 2 ranks on each of two
+other hosts (network namespaces with their own sshd: tests/netns_hosts.py), through the
+wheel's mpiexec and its ssh launch, as on a small cluster.
+
+Each test runs a short Python program on the login host -- the notebook's side, a
+``Session`` -- which prints one JSON line of what it saw; the test checks it, and that
+nothing is left on any host afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from netns_hosts import HostCluster, leftovers, unavailable
+
+REASON = unavailable()
+pytestmark = [pytest.mark.multihost, pytest.mark.skipif(REASON is not None, reason=str(REASON))]
+
+
+@pytest.fixture(scope="module")
+def host_cluster():
+    with HostCluster(2, login=True) as c:
+        yield c
+    assert leftovers(c.tag) == []
+
+
+@pytest.fixture
+def hosts(host_cluster):
+    yield host_cluster
+    left = host_cluster.wait_no_processes(10)
+    host_cluster.kill_processes()
+    assert left == {}, f"processes left on the test hosts 10 s after the session ended: {left}"
+
+
+def notebook_side(cluster: HostCluster, body: str, rank_code: str = "",
+                  timeout: float = 240) -> dict:
+    """Run ``body`` on the login host with ``session`` started on both nodes (2 ranks each);
+    ``body`` fills the dict ``out``, printed as the last line, and finds ``rank_code`` in
+    ``RANK_CODE``."""
+    hosts = ",".join(f"{h.name}:2" for h in cluster.hosts)
+    mpi_args = shlex.join(["--prtemca", "plm_ssh_agent", cluster.rsh_agent])
+    program = "\n".join([
+        "import json, sys",
+        "from ipydist import Session",
+        "out = {}",
+        f"RANK_CODE = {textwrap.dedent(rank_code)!r}",
+        f"session = Session(hosts={hosts!r}, mpi_args={mpi_args!r}, timeout=180)",
+        "try:",
+        "    session.start()",
+        textwrap.indent(textwrap.dedent(body).strip("\n"), "    "),
+        "finally:",
+        "    session.stop(quiet=True)",
+        "print('RESULT ' + json.dumps(out))",
+    ])
+    done = cluster.run("login", [sys.executable, "-c", program], capture_output=True,
+                       timeout=timeout)
+    text = done.stdout.decode(errors="replace")
+    lines = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, (
+        f"exit {done.returncode}\n{text[-3000:]}\n{done.stderr.decode(errors='replace')[-3000:]}")
+    return {**json.loads(lines[-1][len("RESULT "):]), "_stdout": text}
+
+
+def test_two_hosts_two_ranks_each_collectives_and_the_wire(hosts):
+    out = notebook_side(hosts, """
+        import glob, json, os, psutil
+        out["hosts"] = [r["host"] for r in session.ranks]
+        out["cross"] = [(r["cross_rank"], r["cross_size"], r["local_rank"]) for r in session.ranks]
+        session.run(RANK_CODE, output="rank0")
+        for name in ("s", "g", "b", "ifname", "master"):
+            out[name] = session.pull(name)
+        security = os.path.join(session.cluster.profile_dir, "security")
+        info = json.load(open(glob.glob(security + "/ipcontroller-*-client.json")[0]))
+        out["curve"] = bool(info.get("curve_serverkey")) and bool(info.get("key"))
+        pid = session.cluster.controller_pid
+        out["controller_listens"] = sorted({c.laddr.ip for c in
+            psutil.Process(pid).net_connections("inet") if c.status == "LISTEN"})
+    """, rank_code="""
+        import os
+        import torch, ipydist.torch as hvd
+        from ipydist.torch import runtime
+        s = hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum).item()
+        g = hvd.allgather(torch.full((hvd.rank() + 1,), float(hvd.rank()))).tolist()
+        b = hvd.broadcast(torch.tensor([float(hvd.rank() + 10)]), root_rank=3).item()
+        ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+        master = runtime.get().master_addr
+    """)
+    names = [h.name for h in hosts.hosts]
+    assert out["hosts"] == [names[0]] * 2 + [names[1]] * 2, out["hosts"]
+    assert out["cross"] == [[0, 2, 0], [0, 2, 1], [1, 2, 0], [1, 2, 1]]
+    assert out["s"] == [6.0] * 4
+    assert out["g"] == [[0.0, 1.0, 1.0, 2.0, 2.0, 2.0, 3.0, 3.0, 3.0, 3.0]] * 4
+    assert out["b"] == [13.0] * 4
+    node_addresses = {h.address for h in hosts.hosts}
+    assert set(out["master"]) == {hosts.hosts[0].address}, "rank 0's address on the hosts' net"
+    assert all(i and i != "lo" for i in out["ifname"]), out["ifname"]
+    assert out["curve"], "CurveZMQ server key and HMAC key in the connection file"
+    login = hosts.host("login").address
+    assert out["controller_listens"] == [login], (
+        f"the controller listens on the login host's address only: {out['controller_listens']}")
+    assert "2 hosts; the controller listens on " + login in out["_stdout"]
+    assert node_addresses.isdisjoint(out["controller_listens"])
+
+
+def test_a_remote_rank_killed_is_reported_with_its_host_and_restart_works(hosts):
+    out = notebook_side(hosts, """
+        import time
+        from ipydist.errors import RankDied, RankError
+        victim = session.ranks[3]
+        session.run("import ipydist.torch as hvd", output="rank0")
+        t0 = time.monotonic()
+        try:
+            session.run("import os, signal, time\\n"
+                        "if hvd.rank() == 3: os.kill(os.getpid(), signal.SIGKILL)\\n"
+                        "time.sleep(60)", output="rank0", timeout=90)
+        except Exception as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+        out["seconds"] = time.monotonic() - t0
+        out["victim_host"] = victim["host"]
+        session.restart()
+        session.run("import torch, ipydist.torch as hvd\\n"
+                    "s = hvd.allreduce(torch.ones(1), op=hvd.Sum).item()", output="rank0")
+        out["after"] = session.pull("s")
+        out["hosts_after"] = sorted({r["host"] for r in session.ranks})
+    """)
+    assert "rank 3" in out["error"] and out["victim_host"] in out["error"], out["error"]
+    print(f"\nipydist-measure: remote SIGKILL reported after {out['seconds']:.2f} s")
+    assert out["seconds"] < 5, f"the death took {out['seconds']:.1f} s to report"
+    assert out["after"] == [4.0] * 4
+    assert out["hosts_after"] == sorted(h.name for h in hosts.hosts)
+
+
+def test_stop_leaves_nothing_on_any_host(hosts):
+    t0 = time.monotonic()
+    notebook_side(hosts, "out['started'] = len(session.ranks)")
+    left = hosts.wait_no_processes(10)
+    assert left == {}, left
+    print(f"\nipydist-measure: multihost start+stop of 4 ranks on 2 hosts "
+          f"{time.monotonic() - t0:.1f} s")
+
+
+TRAIN = """
+import torch, ipydist.torch as hvd
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                               named_parameters=model.named_parameters())
+g = torch.Generator().manual_seed(100 + hvd.rank())
+for step in range(20):
+    x = torch.randn(32, 8, generator=g)
+    y = x.sum(dim=1, keepdim=True)
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+params = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
+"""
+
+
+def test_distributed_optimizer_across_hosts_matches_one_host(hosts):
+    import contextlib
+    import io
+
+    from ipydist import Session
+
+    out = notebook_side(hosts, """
+        session.run(RANK_CODE, output="rank0")
+        out["params"] = session.pull("params")
+    """, rank_code=TRAIN)
+    across = out["params"]
+    assert all(p == across[0] for p in across), "ranks identical across hosts"
+    with contextlib.redirect_stdout(io.StringIO()), Session(np=4) as here:
+        here.run(TRAIN, output="rank0")
+        one_host = here.pull("params", rank=0)
+    worst = max(abs(a - b) for a, b in zip(across[0], one_host))
+    assert worst < 1e-5, f"across hosts and on one host differ by {worst:g}"
+
+
+def test_a_killed_notebook_kernel_leaves_nothing_on_any_host(hosts):
+    """SIGKILL of the notebook side (as a kernel killed by the OS): its watchdog ends mpiexec,
+    and mpiexec's own teardown ends the daemons and ranks on the other hosts."""
+    hosts_spec = ",".join(f"{h.name}:2" for h in hosts.hosts)
+    mpi_args = shlex.join(["--prtemca", "plm_ssh_agent", hosts.rsh_agent])
+    program = (f"from ipydist import Session\n"
+               f"s = Session(hosts={hosts_spec!r}, mpi_args={mpi_args!r}, timeout=180).start()\n"
+               "print('STARTED', flush=True)\nimport time\ntime.sleep(600)\n")
+    proc = hosts.popen("login", [sys.executable, "-c", program], stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        seen = b""
+        while b"STARTED" not in seen and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen += line
+        assert b"STARTED" in seen, seen.decode(errors="replace")[-2000:]
+        busy = {h.name: hosts.processes(h.name) for h in hosts.hosts}
+        assert all(busy.values()), f"ranks run on every node: {busy}"
+        proc.kill()
+        t0 = time.monotonic()
+        left = hosts.wait_no_processes(10)
+        print(f"\nipydist-measure: after SIGKILL of the notebook side, every host empty in "
+              f"{time.monotonic() - t0:.2f} s")
+        assert left == {}, left
+    finally:
+        proc.kill()
+        proc.wait()
