@@ -212,3 +212,46 @@ def test_a_killed_notebook_kernel_leaves_nothing_on_any_host(hosts):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_status_interrupt_and_the_keys_across_hosts(hosts):
+    out = notebook_side(hosts, """
+        import copy, glob, json, os, tempfile, time, zmq
+        import ipyparallel
+        out["status"] = str(session.status())
+        t0 = time.monotonic()
+        try:
+            session.run("import time\\ntime.sleep(120)", output="rank0", timeout=3)
+        except Exception as e:
+            out["timeout"] = type(e).__name__
+        out["interrupt_s"] = time.monotonic() - t0
+        session.run("import ipydist.torch as hvd, torch\\n"
+                    "s = hvd.allreduce(torch.ones(1), op=hvd.Sum).item()", output="rank0")
+        out["after"] = session.pull("s")
+        security = os.path.join(session.cluster.profile_dir, "security")
+        good = json.load(open(glob.glob(security + "/ipcontroller-*-client.json")[0]))
+        for name, change in (("curve", {"curve_serverkey": zmq.curve_keypair()[0].decode()}),
+                             ("hmac", {"key": "0" * 64})):
+            bad = {**good, **change}
+            with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+                json.dump(bad, f)
+            try:
+                client = ipyparallel.Client(f.name, timeout=5)
+                try:
+                    client[:].apply_sync(lambda: 1)  # a request the controller must reject
+                    out[name] = "executed"
+                finally:
+                    client.close()
+            except Exception as e:
+                out[name] = type(e).__name__
+            finally:
+                os.unlink(f.name)
+    """, timeout=300)
+    for h in hosts.hosts:
+        assert h.name in out["status"], out["status"]
+    assert out["timeout"] == "CellTimeout" and out["interrupt_s"] < 20, out
+    assert out["after"] == [4.0] * 4, "the interrupted ranks on both hosts run the next cell"
+    print(f"\nipydist-measure: wrong keys: curve -> {out['curve']}, hmac -> {out['hmac']}; "
+          f"interrupt across hosts {out['interrupt_s']:.2f} s")
+    assert out["curve"] != "executed", "a client without the server key cannot connect"
+    assert out["hmac"] != "executed", "a client with the wrong signing key cannot execute"
