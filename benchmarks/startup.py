@@ -22,6 +22,8 @@ before any timing, so neither side pays the client-side imports. Every cluster i
 after it is measured, and the script checks that none of the processes it started survive.
 
     python benchmarks/startup.py [--np 2 4] [--repeats 3] [--rounds 50]
+    python benchmarks/startup.py --hosts nodeA:2,nodeB:2 [--mpi-args "..."]   # across hosts
+    python benchmarks/startup.py --hosts netns      # 2 namespace hosts on this machine (root)
 """
 
 from __future__ import annotations
@@ -209,7 +211,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--np", type=int, nargs="+", default=[2, 4], help="ranks per cluster")
     parser.add_argument("--repeats", type=int, default=3, help="starts measured per tool and np")
     parser.add_argument("--rounds", type=int, default=50, help="empty cells timed per magic")
+    parser.add_argument("--hosts", help="instead: start time on these hosts (nodeA:2,nodeB:2) "
+                        "against as many ranks on this host; 'netns' builds 2 test hosts here "
+                        "(root); see benchmarks/startup_hosts.py")
+    parser.add_argument("--mpi-args", default="", help="with --hosts: extra mpiexec arguments")
     args = parser.parse_args(argv)
+    if args.hosts:
+        import startup_hosts
+
+        if args.hosts == "netns":
+            return startup_hosts.on_namespace_hosts(args.repeats)
+        return startup_hosts.measure(args.hosts, args.mpi_args, args.repeats)
 
     prepare_environment()
     from IPython.testing.globalipapp import start_ipython
