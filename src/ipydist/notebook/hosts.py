@@ -69,18 +69,19 @@ def _with_route(hosts: Hosts) -> Hosts:
             raise LaunchError(
                 f"{hosts.source}: cannot reach host {name} from here ({e}). Check the name "
                 "(ping it), or run the notebook on a host that reaches every rank's host.") from e
+    override = os.environ.get(protocol.NOTEBOOK_ADDR_ENV)
+    if override:  # the user's choice where several interfaces lead to the hosts
+        interface, net = network.interface_of(override)
+        hosts.route = network.Route(override, interface, net)
+        return hosts
     addresses = {r.address for r in routes.values()}
     if len(addresses) > 1:
         by = ", ".join(f"{name} via {r}" for name, r in routes.items())
         raise LaunchError(
             f"{hosts.source}: the hosts are reached through different interfaces ({by}); "
-            "ipydist listens on one. Name hosts on one network, or set IPYDIST_NOTEBOOK_ADDR "
-            "to the address they all reach.")
+            f"ipydist listens on one. Name hosts on one network, or set "
+            f"{protocol.NOTEBOOK_ADDR_ENV} to the address they all reach.")
     hosts.route = next(iter(routes.values()))
-    override = os.environ.get(protocol.NOTEBOOK_ADDR_ENV)
-    if override:
-        interface, net = network.interface_of(override)
-        hosts.route = network.Route(override, interface, net)
     return hosts
 
 
