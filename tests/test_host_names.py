@@ -102,22 +102,22 @@ def test_tables_group_ranks_by_host():
         ("b", 0), ("b", 2), ("a", 1), ("a", 3)]
 
 
-def test_named_host_start_and_too_few_slots(shell, capsys):
-    from helpers import run_cell
+def test_named_host_start_and_too_few_slots():
+    import contextlib
+    import io
 
-    result, _, _ = run_cell(shell, capsys, "%dist_start --np 3 --hosts localhost:2")
-    assert "--np 3: --hosts localhost:2 gives 2 slots" in str(result.error_in_exec)
-    try:
-        result, out, err = run_cell(shell, capsys, "%dist_start --hosts localhost:2")
-        assert result.error_in_exec is None, err
-        assert "2 ranks ready in" in plain(out)
-        result, out, err = run_cell(
-            shell, capsys, "%everyrank import ipydist.torch as hvd; "
-            "print(hvd.cross_rank(), hvd.cross_size(), hvd.local_rank(), hvd.local_size())")
-        assert result.error_in_exec is None, err
-        assert "[rank 0] 0 1 0 2" in plain(out) and "[rank 1] 0 1 1 2" in plain(out)
-    finally:
-        run_cell(shell, capsys, "%dist_stop")
+    from ipydist import Session
+
+    with pytest.raises(SpecError, match="--np 3: --hosts localhost:2 gives 2 slots"):
+        Session(np=3, hosts="localhost:2").start()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), Session(hosts="localhost:2") as session:
+        session.run("import ipydist.torch as hvd\n"
+                    "place = (hvd.cross_rank(), hvd.cross_size(), hvd.local_rank(), "
+                    "hvd.local_size())", output="rank0")
+        places = session.pull("place")
+    assert "2 ranks ready in" in plain(out.getvalue()), "--np defaults to the slots"
+    assert places == [(0, 1, 0, 2), (0, 1, 1, 2)]
 
 
 def test_doctor_hosts_needs_hosts_it_can_reach():

@@ -68,7 +68,9 @@ def test_multi_host_plan():
     plan = mpiexec.plan(
         "mpiexec", 8, "--hostfile hosts", {"A": "1"}, cores=2, flavor="mpich", is_root=True
     )
-    assert plan.multi_host and plan.args == ["-genvlist", "A", "--hostfile", "hosts"]
+    assert plan.multi_host and plan.args == [
+        "-genvlist", "A,IPP_PROFILE_DIR,IPP_CLUSTER_ID", "--hostfile", "hosts"], (
+        "ipyparallel's variables reach engines that ssh started with a clean environment")
     assert "GLOO_SOCKET_IFNAME" not in plan.env, "ranks on several hosts need a real interface"
     assert mpiexec.controller_address(True)[0] == "*"
     assert mpiexec.controller_address(False) == ("127.0.0.1", None)

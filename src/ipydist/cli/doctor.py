@@ -13,29 +13,17 @@ import io
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
 from ipydist.cli import kernelspec
+from ipydist.cli.checks import FAIL, NOTE, OK, Check
+from ipydist.cli.hostcheck import check_hosts
 from ipydist.errors import LaunchError
 from ipydist.notebook import mpiexec
 from ipydist.session import Session
 
-OK, FAIL, NOTE = "OK", "FAIL", "NOTE"
 MIN_PYTHON = (3, 10)
-
-
-@dataclass
-class Check:
-    status: str
-    name: str
-    detail: str
-    fix: str = ""
-
-    def line(self) -> str:
-        fix = f" Fix: {self.fix}" if self.fix else ""
-        return f"{self.status:<4}  {self.name:<18} {self.detail}{fix}"
 
 
 def _version(dist: str) -> str | None:
@@ -203,8 +191,6 @@ def run(np: int | None = 2, out=None, hosts: str | None = None) -> bool:
     failed = False
     checks = list(CHECKS)
     if hosts:
-        from ipydist.cli.hostcheck import check_hosts
-
         checks.append(lambda: check_hosts(hosts, mpiexec.find_mpiexec()))
     for check in checks:
         try:

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from ipydist.cli.doctor import FAIL, NOTE, OK, Check
+from ipydist.cli.checks import FAIL, NOTE, OK, Check
 from ipydist.errors import LaunchError
 from ipydist.notebook.hosts import choose
 from ipydist.specs import SpecError
