@@ -110,8 +110,23 @@ PHASE_GROUP = "group"
 PHASE_ENV = "env"
 _PHASE = re.compile(
     re.escape(PHASE_MARKER) + rf" (\d+) ({PHASE_TORCH}|{PHASE_GROUP}|{PHASE_ENV})\b")
-#: Data-message key of a metrics batch from ``hvd.log()`` (see :func:`to_columns`).
+#: Data-message key prefix of a metrics batch from ``hvd.log()`` (see :func:`to_columns`).
+#: Each batch has its own key, ``ipydist.metrics.<seq>`` (:func:`metrics_key`): ipyparallel
+#: keeps only the latest value of a key in a request's metadata, and batches that arrive before
+#: the notebook hooks into a cell's output (a busy notebook can take a while after sending the
+#: cell) are found only there, so each must stay until the notebook takes it.
 METRICS_KEY = "ipydist.metrics"
+
+
+def metrics_key(seq: int) -> str:
+    """The data-message key of metrics batch ``seq``."""
+    return f"{METRICS_KEY}.{seq}"
+
+
+def is_metrics_key(key: str) -> bool:
+    return key.startswith(METRICS_KEY + ".")
+
+
 #: Data-message key of "waiting in collective X for N s" / "no longer waiting" reports.
 STATE_KEY = "ipydist.state"
 #: Data-message key of ``"started"`` / ``"ended"``, sent as a rank begins and ends a cell's

@@ -16,10 +16,15 @@ from typing import Any
 from ipyparallel.serialize import deserialize_object
 
 from ipydist.notebook import ipp
-from ipydist.protocol import CELL_KEY, METRICS_KEY, STATE_KEY
+from ipydist.protocol import CELL_KEY, STATE_KEY, is_metrics_key
 
-#: Data-message keys the ranks send, and the kind of event each becomes.
-_DATA_EVENTS = {METRICS_KEY: "metrics", STATE_KEY: "state", CELL_KEY: "cell"}
+#: Data-message keys the ranks send, and the kind of event each becomes (besides the metrics
+#: batches, each under its own key: see :data:`ipydist.protocol.METRICS_KEY`).
+_DATA_EVENTS = {STATE_KEY: "state", CELL_KEY: "cell"}
+
+
+def _data_kind(key: str) -> str | None:
+    return "metrics" if is_metrics_key(key) else _DATA_EVENTS.get(key)
 
 
 @dataclass
@@ -39,8 +44,10 @@ class IOPubCollector:
     first callback (the metadata then already includes that message), or at :meth:`finish` if
     no message came after attaching. A lock makes sure exactly one of the two takes it, so no
     output is lost or shown twice, and no extra wake-up of the IO thread is needed. (Metrics
-    batches are the exception: the metadata keeps only the latest one, which the snapshot
-    includes; batches are numbered, so the history ignores it if it comes twice.)
+    batches are the exception: each has its own key in the metadata, taken out of it as it is
+    queued, so none is lost however late the callbacks come, nor kept twice in memory; one may
+    be queued twice, by the snapshot and by its own message, and the history ignores the repeat
+    by its number.)
     """
 
     def __init__(self, async_result, ranks: list[int]):
@@ -68,10 +75,15 @@ class IOPubCollector:
             self.events.put(Event(rank, "display_data", output))
         if md["execute_result"]:
             self.events.put(Event(rank, "execute_result", md["execute_result"]))
-        # the latest metrics batch (a repeat is ignored by the history) and the latest state
-        for key, kind in _DATA_EVENTS.items():
-            value = (md.get("data") or {}).get(key)
-            if value is not None:
+        # every metrics batch not taken yet, and the latest state of the rank and its cell
+        data = md.get("data") or {}
+        for key in list(data):
+            kind = _data_kind(key)
+            if kind == "metrics":
+                value = data.pop(key, None)
+            elif kind is not None:
+                value = data.get(key)
+            if kind is not None and value is not None:
                 self.events.put(Event(rank, kind, value))
         return True
 
@@ -90,12 +102,15 @@ class IOPubCollector:
                 # after it): take it from there rather than unpack a large batch twice.
                 data = future.output.metadata.get("data") or {}
                 for key in content.get("keys", ()):
-                    if key not in _DATA_EVENTS:
+                    kind = _data_kind(key)
+                    if kind is None:
                         continue
-                    value = data.get(key)
-                    if value is None:
+                    # a batch leaves the metadata once queued (the snapshot may have taken it)
+                    value = data.pop(key, None) if kind == "metrics" else data.get(key)
+                    if value is None and kind != "metrics":
                         value = deserialize_object(msg["buffers"])[0][key]
-                    self.events.put(Event(rank, _DATA_EVENTS[key], value))
+                    if value is not None:
+                        self.events.put(Event(rank, kind, value))
 
         return on_iopub
 

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from ipydist.protocol import METRICS_KEY
+from ipydist.protocol import metrics_key
 from ipydist.rank.batching import MetricBatcher
 from ipydist.rank.channel import publish
 from ipydist.torch import runtime
@@ -67,7 +67,7 @@ def log(step: int | None = None, total: int | None = None, reduce: str | None = 
     point = (step, time.time(), values) if _is_rank0 or reduce == "none" else None
     batch = _batcher.add(point, since_last, runtime.take_waited())
     if batch is not None:
-        publish(METRICS_KEY, batch)
+        publish(metrics_key(batch["seq"]), batch)
 
 
 def flush() -> None:
@@ -79,7 +79,7 @@ def flush() -> None:
     batch = _batcher.flush()
     _batcher.total = _batcher.batch_size = None
     if batch is not None:
-        publish(METRICS_KEY, batch)
+        publish(metrics_key(batch["seq"]), batch)
 
 
 def _is_number(v) -> bool:
