@@ -88,6 +88,23 @@ class DistMagics(Magics):
         "inside a Slurm allocation the default is its nodes",
     )
     @argument(
+        "--launcher", default="mpiexec", metavar="NAME",
+        help="mpiexec (default; over ssh across hosts) or slurm: srun in this Slurm "
+        "allocation, or outside one salloc for a new allocation, then srun in it",
+    )
+    @argument("--partition", default=None, metavar="NAME",
+              help="with --launcher slurm outside an allocation: the partition to ask for")
+    @argument("--time", default=None, metavar="LIMIT",
+              help="with --launcher slurm outside an allocation: the job's time limit, "
+              "as Slurm writes it (30, 1:00:00, 1-0)")
+    @argument("--account", default=None, metavar="NAME",
+              help="with --launcher slurm outside an allocation: the account to charge")
+    @argument(
+        "--slurm-args", default="", metavar='"..."',
+        help='with --launcher slurm: extra arguments for salloc (new allocation) or srun '
+        '(inside one), e.g. --slurm-args="--nodes=2 --gres=gpu:4"',
+    )
+    @argument(
         "--mpi-args", default="", metavar='"..."',
         help='extra mpiexec arguments, written with = and quotes, e.g. '
         '--mpi-args="--hostfile hosts"',
@@ -113,7 +130,8 @@ class DistMagics(Magics):
     )
     @line_magic
     def dist_start(self, line: str = ""):
-        """Start a cluster of ranks launched by mpiexec, with torch.distributed ready on each."""
+        """Start a cluster of ranks launched by mpiexec (or Slurm), with torch.distributed ready
+        on each."""
         args = parse_argstring(self.dist_start, line)
         if self.session is not None and self.session.running:
             raise UsageError(words.MAGICS.already_running(self.session.size))
@@ -123,6 +141,8 @@ class DistMagics(Magics):
                 backend=args.backend, mpi=args.mpi, mpi_args=args.mpi_args,
                 timeout=args.timeout, env=args.env, init=not args.no_init,
                 stall_warning=args.stall_warning, hosts=args.hosts, hostfile=args.hostfile,
+                launcher=args.launcher, partition=args.partition, time_limit=args.time,
+                account=args.account, slurm_args=args.slurm_args,
             )
             session.words = words.MAGICS
             session.start()

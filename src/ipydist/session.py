@@ -22,7 +22,7 @@ import weakref
 
 from ipydist import protocol
 from ipydist.errors import ClusterError, RankDied, RankError
-from ipydist.notebook import display, mpiexec, recovery, words
+from ipydist.notebook import display, mpiexec, recovery, slurm, words
 from ipydist.notebook.cell import CellRun, RunResult
 from ipydist.notebook.cluster import Cluster
 from ipydist.notebook.hosts import choose as choose_hosts
@@ -66,12 +66,21 @@ class Session:
         stall_warning: float = STALL_WARNING_SECONDS,
         hosts: str | None = None,
         hostfile: str | None = None,
+        launcher: str = "mpiexec",
+        partition: str | None = None,
+        time_limit: str | None = None,
+        account: str | None = None,
+        slurm_args: str = "",
     ):
         #: ``--np`` as given (None: one per slot of the named hosts, else per GPU or core).
         self.np_given = None if np is None else parse_np(np)
         self.np = self.np_given or mpiexec.default_np()
         self.hosts = hosts
         self.hostfile = hostfile
+        #: ``mpiexec`` (also over ssh) or ``slurm`` (srun, with salloc outside an allocation).
+        self.launcher = slurm.parse_launcher(launcher)
+        self.slurm = slurm.Request(partition or None, time_limit or None, account or None,
+                                   shlex.split(slurm_args or ""))
         self.gpus = parse_gpus(gpus)
         self.backend = parse_backend(backend)
         self.mpi = mpi
@@ -113,20 +122,27 @@ class Session:
         if self.running:
             raise ClusterError(self.words.already_running(self.size))
         t0 = time.perf_counter()
-        named = choose_hosts(self.hosts, self.hostfile, shlex.split(self.mpi_args))
-        if named is not None:
-            self.np = self.np_given or named.slots
-            if self.np > named.slots and "--oversubscribe" not in self.mpi_args:
-                raise SpecError(
-                    f"--np {self.np}: {named.source} gives {named.slots} slots. Name more "
-                    "slots (nodeA:4), or pass --mpi-args=--oversubscribe to share them.")
+        slurm.check_request(self.slurm, self.launcher, self._host_options())
+        if self.launcher == "slurm":
+            self.np, named = slurm.ranks_and_hosts(self.np_given, self.slurm)
+        else:
+            named = choose_hosts(self.hosts, self.hostfile, shlex.split(self.mpi_args))
+            if named is not None:
+                self.np = self.np_given or named.slots
+                if self.np > named.slots and "--oversubscribe" not in self.mpi_args:
+                    raise SpecError(
+                        f"--np {self.np}: {named.source} gives {named.slots} slots. Name more "
+                        "slots (nodeA:4), or pass --mpi-args=--oversubscribe to share them.")
         route = named.route if named is not None else None
         config = protocol.RankConfig(
             gpus=format_gpus(self.gpus), backend=self.backend, init=self.init,
             notebook_addr=route.address if route else "")
-        plan = mpiexec.plan(
-            mpiexec.find_mpiexec(self.mpi), self.np, self.mpi_args,
-            {**config.to_env(), **self.env}, hosts=named)
+        rank_env = {**config.to_env(), **self.env}
+        if self.launcher == "slurm":
+            plan = slurm.plan(self.np, slurm.mpi_flavor_of(self.mpi), self.slurm, rank_env, named)
+        else:
+            plan = mpiexec.plan(
+                mpiexec.find_mpiexec(self.mpi), self.np, self.mpi_args, rank_env, hosts=named)
         if not plan.multi_host:
             mpiexec.check_gpus_here(self.gpus, self.backend)
         for note in plan.notes:  # information, not a warning: no red stderr block
@@ -154,13 +170,20 @@ class Session:
                   "address that reaches them")
         return self
 
+    def _host_options(self) -> list[str]:
+        """The mpiexec options given, which --launcher slurm has no use for."""
+        given = [("--hosts", self.hosts), ("--hostfile", self.hostfile),
+                 ("--mpi-args", self.mpi_args)]
+        return [option for option, value in given if value]
+
     def death_report(self) -> str:
         """Which rank died and how, for the cell's error; empty when every rank is alive."""
         dead = self.cluster.dead_ranks() if self.cluster is not None else []
         if not dead:
             return ""
         output = self.cluster.mpiexec_output(wait_for_exit=2.0)
-        return mpiexec.describe_death(output, self.cluster.dead_ranks(), self.words.restart)
+        return mpiexec.describe_death(output, self.cluster.dead_ranks(), self.words.restart,
+                                      self.cluster.plan.launcher)
 
     def stop(self, quiet: bool = False) -> None:
         """Stop engines, mpiexec and the controller, and make sure none of them is left."""

@@ -119,6 +119,12 @@ class CellRun:
         replies = ipp.replies(self.ar, self.targets)
         failures = {rank: _as_failure(reply) for rank, reply in replies.items()
                     if isinstance(reply, Exception)}
+        if any(failure.ename == "EngineError" for failure in failures.values()):
+            # ipyparallel failed the cell of a rank whose engine it saw die (on another host,
+            # where that is the first news of it): say which rank died and how, as for a death
+            # seen while waiting, rather than report its task's error
+            if death := self.session.death_report():
+                raise RankDied(death)
         if failures or self.unstopped:
             notes = self._recover(self.released)
             # the rank that failed while others still ran goes first; otherwise rank order

@@ -15,13 +15,14 @@ import logging
 import os
 import secrets
 import shutil
+import socket
 import sys
 import tempfile
 import time
 
 from ipydist import protocol
 from ipydist.errors import ClusterError
-from ipydist.notebook import display, ipp, mpiexec, processes, startup, watchdog
+from ipydist.notebook import display, ipp, mpiexec, processes, slurm, startup, watchdog
 from ipydist.specs import describe_ranks, parse_ranks
 
 #: Controller heartbeat: a rank is declared gone after HEARTBEAT_MS * HEARTBEAT_MISSES ms.
@@ -76,11 +77,10 @@ class Cluster:
 
         On failure the caller must still :meth:`stop`, which ends whatever did start.
         """
-        name = mpiexec.FLAVOR_NAMES.get(self.plan.flavor, "mpiexec")
         self.startup = startup.StartWatch(
-            self.np, f"Starting {self.np} ranks with {name}",
+            self.np, f"Starting {self.np} ranks with {self.plan.title}",
             init=protocol.RankConfig.from_env(self.plan.env).init, started=started,
-            live=display.in_kernel())
+            live=display.in_kernel(), launcher=self.plan.launcher)
         self.startup.show(progress, None, [], force=True)
         self._launch()
         self.startup.launched()
@@ -114,7 +114,7 @@ class Cluster:
         log_level = os.environ.get(protocol.ENGINE_LOG_LEVEL_ENV,
                                    protocol.DEFAULT_ENGINE_LOG_LEVEL)
         cfg = cluster.config.MPIEngineSetLauncher
-        cfg.mpi_cmd = [self.plan.mpiexec]
+        cfg.mpi_cmd = self.plan.command
         cfg.mpi_args = self.plan.args
         cfg.engine_cmd = [sys.executable, "-m", protocol.RANK_MODULE]
         cfg.engine_args = [
@@ -152,12 +152,12 @@ class Cluster:
                 break
             if not processes.alive(launcher.process):
                 raise ClusterError(self._launch_failure(
-                    f"mpiexec exited before the {self.np} ranks started"))
+                    f"{self.plan.launcher} exited before the {self.np} ranks started"))
             if time.perf_counter() > deadline:
                 watch.look(launcher.output_file, registered)
                 raise ClusterError(self._launch_failure(
                     f"only {len(registered)} of {self.np} ranks started within --timeout "
-                    f"{self.timeout:g} s; by then: {watch.so_far()}"))
+                    f"{self.timeout:g} s; by then: {watch.so_far()}{self._queue_note()}"))
             watch.show(progress, launcher.output_file, registered)
             time.sleep(0.02)
         watch.show(progress, launcher.output_file, registered, force=True)
@@ -169,16 +169,32 @@ class Cluster:
                 f"engine ids do not match MPI ranks for {describe_ranks(mismatched)}")
         watch.ready()
 
+    def _queue_note(self) -> str:
+        """For a Slurm job still waiting in the queue: why, as squeue says."""
+        watch = self.startup
+        if not self.plan.allocates or watch.job is None or watch.granted:
+            return ""
+        reason = slurm.pending_reason(watch.job)
+        said = f" (squeue's reason: {reason})" if reason else ""
+        return (f". Slurm job {watch.job} still waits for nodes{said}; it is cancelled. Ask "
+                "for fewer ranks or another --partition, or give --timeout more seconds")
+
     def _launch_failure(self, what: str) -> str:
         """The message for a launch that failed, from what mpiexec and the ranks printed."""
         code = processes.exit_code(self._mpiexec_launcher().process)
-        return mpiexec.describe_failure(what, self.mpiexec_output(), code, self.plan.mpiexec)
+        return mpiexec.describe_failure(what, self.mpiexec_output(), code, self.plan.mpiexec,
+                                        self.plan.hint)
 
     # --- while it runs -----------------------------------------------------------------------
 
     @property
     def size(self) -> int:
         return len(self.ranks)
+
+    @property
+    def slurm_job(self) -> str | None:
+        """The Slurm job this cluster asked for with salloc (None: it made none)."""
+        return self.startup.job if self.startup is not None and self.plan.allocates else None
 
     @property
     def controller_pid(self) -> int | None:
@@ -216,8 +232,13 @@ class Cluster:
         return [r for r in ranks if ipp.has_pending_requests(self.client, r)]
 
     def pids(self) -> list[int]:
-        """Every process of the cluster that we know of: ranks, nannies, controller, mpiexec."""
-        pids = [p for info in self.ranks for p in (info["pid"], info.get("nanny_pid")) if p]
+        """Every process of the cluster on this host that we know of: ranks, nannies,
+        controller, mpiexec. A rank on another host is left out: its pid means nothing here
+        (here it may be another process, which must not be signalled); mpiexec's or Slurm's
+        teardown ends it."""
+        here = socket.gethostname()
+        pids = [p for info in self.ranks if info["host"] == here
+                for p in (info["pid"], info.get("nanny_pid")) if p]
         if self._ipp is not None:
             for launcher in [self._ipp.controller, *self._ipp.engines.values()]:
                 if launcher is not None and getattr(launcher, "pid", -1) > 0:
@@ -303,6 +324,9 @@ class Cluster:
                 if not quiet:
                     print(f"ipydist: stopping the cluster: {e}", file=sys.stderr)
         processes.reap(pids)
+        if self.slurm_job is not None:
+            # salloc gives its job back when srun ends; this makes sure, should it not have
+            slurm.cancel(self.slurm_job)
         if self._watchdog is not None:
             proc, pipe = self._watchdog
             os.close(pipe)  # the watchdog finds nothing left to end, and exits

@@ -43,20 +43,20 @@ def choose(hosts: str | None = None, hostfile: str | None = None,
     if hosts and hostfile:
         raise SpecError("--hosts and --hostfile both name hosts: give one of them.")
     if hosts:
-        return _with_route(Hosts(parse_hosts(hosts), f"--hosts {hosts}"))
+        return with_route(Hosts(parse_hosts(hosts), f"--hosts {hosts}"))
     if hostfile:
-        return _with_route(Hosts(_read_hostfile(hostfile, "--hostfile"), f"--hostfile {hostfile}"))
+        return with_route(Hosts(_read_hostfile(hostfile, "--hostfile"), f"--hostfile {hostfile}"))
     if named := _hosts_in_mpi_args(mpi_args or []):
-        return _with_route(named)
+        return with_route(named)
     if env.get("SLURM_JOB_ID") and env.get("SLURM_JOB_NODELIST"):
         nodes = expand_nodelist(env["SLURM_JOB_NODELIST"])
         tasks = expand_tasks(env.get("SLURM_TASKS_PER_NODE", ""), len(nodes))
-        return _with_route(Hosts(list(zip(nodes, tasks)),
+        return with_route(Hosts(list(zip(nodes, tasks)),
                                  f"Slurm allocation {env['SLURM_JOB_ID']}"))
     return None
 
 
-def _with_route(hosts: Hosts) -> Hosts:
+def with_route(hosts: Hosts) -> Hosts:
     """Find how this host reaches the others (none needed when every host is this one)."""
     remote = [name for name, _ in hosts.hosts if not network.is_local(name)]
     if not remote:

@@ -148,6 +148,24 @@ class Plan:
     route: Route | None = None
     #: The hosts, when named (``--hosts``, ``--hostfile``, Slurm): for the start table.
     hosts: Hosts | None = None
+    #: What ipyparallel runs before ``-n N ARGS program``: mpiexec, or Slurm's ``srun`` (or
+    #: ``salloc ... srun``: :mod:`ipydist.notebook.slurm`).
+    command: list[str] = field(default_factory=list)
+    #: How the start line names the launch (``Open MPI``, ``Slurm (srun in job 12)``...).
+    title: str = ""
+    #: What to check when the launch fails, after the launcher's own words.
+    hint: str = "Check the MPI installation (mpiexec --version), --mpi and --mpi-args."
+    #: Whether the cluster made a Slurm allocation of its own, to give back when it stops.
+    allocates: bool = False
+
+    def __post_init__(self):
+        self.command = self.command or [self.mpiexec]
+        self.title = self.title or FLAVOR_NAMES.get(self.flavor, "mpiexec")
+
+    @property
+    def launcher(self) -> str:
+        """The name of the command that starts the ranks (``mpiexec``, ``srun``, ``salloc``)."""
+        return os.path.basename(self.command[0])
 
 
 def plan(
@@ -211,8 +229,10 @@ def plan(
     return Plan(mpiexec, flavor, args + user_args, env, multi_host, notes, route, hosts)
 
 
-def describe_failure(what: str, output: str, code: int | None, mpiexec: str) -> str:
-    """The message for a launch that failed: the ranks' own lines, then mpiexec's last words."""
+def describe_failure(what: str, output: str, code: int | None, mpiexec: str,
+                     hint: str = Plan.hint) -> str:
+    """The message for a launch that failed: the ranks' own lines, then the launcher's last
+    words (``mpiexec``: its path), then ``hint`` when no rank said what was wrong."""
     ours = [ln for ln in output.splitlines() if ln.startswith(protocol.ERROR_PREFIX)]
     tail = [ln for ln in output.splitlines() if ln.strip() and ln not in ours][-25:]
     parts = [what + (f" (exit code {code})." if code not in (None, 0) else ".")]
@@ -220,7 +240,7 @@ def describe_failure(what: str, output: str, code: int | None, mpiexec: str) -> 
     if tail:
         parts += ["", f"{os.path.basename(mpiexec)} said:", *tail]
     if not ours:
-        parts += ["", "Check the MPI installation (mpiexec --version), --mpi and --mpi-args."]
+        parts += ["", hint]
     return "\n".join(parts)
 
 
@@ -253,14 +273,19 @@ _OMPI_DEATH = re.compile(
     r"process rank (\d+) with PID (\d+) on\s+node (\S+) exited on\s+signal (\d+)", re.IGNORECASE
 )
 _MPICH_DEATH = re.compile(r"PID (\d+) RUNNING AT (\S+).*?KILLED BY SIGNAL: (\d+)", re.DOTALL)
+#: Slurm's srun: "srun: error: node2: task 3: Killed" (the first task to end badly).
+_SRUN_DEATH = re.compile(r"srun: error: (\S+): tasks? (\d+)[-,\d]*: ([A-Z][a-z]+(?: [a-z]+)*)")
+_SRUN_SIGNALS = {"Killed": signal.SIGKILL, "Terminated": signal.SIGTERM,
+                 "Segmentation fault": signal.SIGSEGV, "Aborted": signal.SIGABRT}
 
 
-def describe_death(output: str, dead: list[dict], restart: str) -> str:
-    """Which rank died and how, from mpiexec's report (``dead``: the rank infos found gone);
-    ``restart`` is how the user starts a fresh cluster (``%dist_restart``).
+def describe_death(output: str, dead: list[dict], restart: str,
+                   launcher: str = "mpiexec") -> str:
+    """Which rank died and how, from the launcher's report (``dead``: the rank infos found
+    gone); ``restart`` is how the user starts a fresh cluster (``%dist_restart``).
 
-    mpiexec names the rank that died first and its signal; by the time the notebook looks, it
-    has usually ended the other ranks too, so those are reported as stopped by mpiexec.
+    mpiexec (or srun) names the rank that died first and its signal; by the time the notebook
+    looks, it has usually ended the other ranks too, so those are reported as stopped by it.
     """
     by_pid = {info["pid"]: info for info in dead}
     culprit, cause = None, None
@@ -270,6 +295,10 @@ def describe_death(output: str, dead: list[dict], restart: str) -> str:
     elif (m := _MPICH_DEATH.search(output)) and int(m.group(1)) in by_pid:
         culprit = by_pid[int(m.group(1))]["rank"]
         cause = _signal_text(int(m.group(3)))
+    elif m := _SRUN_DEATH.search(output):
+        culprit = int(m.group(2))
+        sig = _SRUN_SIGNALS.get(m.group(3))
+        cause = _signal_text(int(sig)) if sig else m.group(3).lower()
     infos = {info["rank"]: info for info in dead}
     if culprit not in infos:
         culprit = min(infos)
@@ -278,7 +307,7 @@ def describe_death(output: str, dead: list[dict], restart: str) -> str:
     text += f": {cause}." if cause else "."
     others = sorted(r for r in infos if r != culprit)
     if others:
-        text += f" mpiexec then stopped {describe_ranks(others)}."
+        text += f" {launcher} then stopped {describe_ranks(others)}."
     return text + f" Run {restart} to start a fresh cluster with the same arguments."
 
 

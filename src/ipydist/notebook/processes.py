@@ -7,6 +7,7 @@ and kills what is still there, so that nothing of a cluster is left running.
 from __future__ import annotations
 
 import socket
+import time
 
 import psutil
 
@@ -79,10 +80,25 @@ def end(procs: list[psutil.Process], grace: float = 3.0) -> None:
 
 
 def _kill_after(procs: list[psutil.Process], grace: float) -> None:
-    _, still = psutil.wait_procs(procs, timeout=grace)
+    still = _wait(procs, grace)
     for p in still:
         try:
             p.kill()
         except psutil.Error:
             pass
-    psutil.wait_procs(still, timeout=grace)
+    _wait(still, grace)
+
+
+def _wait(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """psutil.wait_procs, for processes that may go at any moment: a process that exits
+    between two of psutil's looks can make it raise (``pidfd_open``: ENOENT), which must not
+    abort a stop. Returns those still running."""
+    try:
+        return psutil.wait_procs(procs, timeout=timeout)[1]
+    except (OSError, psutil.Error):
+        deadline = time.monotonic() + timeout
+        still = [p for p in procs if alive(p)]
+        while still and time.monotonic() < deadline:
+            time.sleep(0.05)
+            still = [p for p in still if alive(p)]
+        return still

@@ -1,5 +1,5 @@
-"""Following a start as it happens: mpiexec launched, torch imported, process group made,
-engines registered, with the seconds since the start began.
+"""Following a start as it happens: mpiexec launched (or a Slurm job granted), torch
+imported, process group made, engines registered, with the seconds since the start began.
 
 Until its engine registers, a rank has no channel to the notebook. What the notebook does have
 is mpiexec's output, which mpiexec forwards from every host (a marker file in a local folder
@@ -15,12 +15,15 @@ import math
 import time
 
 from ipydist import protocol
+from ipydist.notebook.slurm import allocation_in
 from ipydist.specs import describe_ranks
 
 #: Seconds between two looks at mpiexec's output (and so between two redraws of the line).
 UPDATE_SECONDS = 0.1
 
 _MARKER = protocol.PHASE_MARKER.encode()
+#: In salloc's output: "salloc: Pending job allocation 12", "salloc: Granted job allocation 12".
+_ALLOCATION = b"job allocation"
 
 
 def without_markers(output: str) -> str:
@@ -38,8 +41,10 @@ class StartWatch:
     one is shown only when a step begins or ends.
     """
 
-    def __init__(self, np: int, title: str, init: bool, started: float, live: bool):
+    def __init__(self, np: int, title: str, init: bool, started: float, live: bool,
+                 launcher: str = "mpiexec"):
         self.np = np
+        self.launcher = launcher
         self.title = title
         self.live = live
         self.started = started
@@ -53,6 +58,9 @@ class StartWatch:
         self.launched_at: float | None = None
         self.ready_at: float | None = None
         self.registered: list[int] = []
+        #: The Slurm job that salloc asked for (None: no salloc), and whether it was granted.
+        self.job: str | None = None
+        self.granted = False
         self._offset = 0  # how much of mpiexec's output was read
         self._partial = b""  # the last line read, while its newline has not come
         self._looked = -math.inf
@@ -86,6 +94,10 @@ class StartWatch:
             for line in data.decode(errors="replace").splitlines():
                 if found := protocol.parse_phase(line):
                     self.reached(*found, now)
+        if _ALLOCATION in data:
+            job, granted = allocation_in(data.decode(errors="replace"))
+            self.job = job or self.job
+            self.granted = self.granted or granted
 
     def reached(self, rank: int, phase: str, now: float | None = None) -> None:
         """Rank ``rank`` got past ``phase`` (and so past every step before it)."""
@@ -112,8 +124,11 @@ class StartWatch:
         """(label, count or None, ranks not there yet) of each step to show: those some rank
         got to, and the first that not every rank did (the one the start waits in)."""
         if self.launched_at is None:
-            return [("launching mpiexec", None, [])]
-        shown: list[tuple[str, int | None, list[int]]] = [("mpiexec launched", None, [])]
+            return [(f"launching {self.launcher}", None, [])]
+        shown: list[tuple[str, int | None, list[int]]] = [(f"{self.launcher} launched", None, [])]
+        if self.job is not None:
+            state = "granted" if self.granted else "pending (waiting for nodes)"
+            shown.append((f"Slurm job {self.job} {state}", None, []))
         counted = [(self._labels[p], set(ranks)) for p, ranks in self.seen.items()]
         counted.append(("engines registered", set(self.registered)))
         waiting_shown = False

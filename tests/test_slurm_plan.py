@@ -1,0 +1,113 @@
+"""``--launcher slurm``'s rules, without Slurm: the srun and salloc command lines, what is refused
+and how it is said, salloc's job lines, srun's report of a rank that died (issue 14). The real
+launch, against slurmctld and slurmds, is in tests/test_slurm_launch.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from ipydist.notebook import mpiexec, slurm
+from ipydist.notebook.startup import StartWatch
+from ipydist.specs import SpecError
+
+ALLOCATION = {"SLURM_JOB_ID": "12", "SLURM_JOB_NODELIST": "node[1-2]",
+              "SLURM_TASKS_PER_NODE": "2(x2)"}
+
+
+@pytest.fixture(autouse=True)
+def slurm_on_path(monkeypatch):
+    """Slurm's commands by name: what they would be on a login node."""
+    monkeypatch.setattr(slurm, "find", lambda name: f"/usr/bin/{name}")
+
+
+def test_inside_an_allocation_the_ranks_are_one_srun_step_with_the_mpi_plugin():
+    command, args = slurm.commands(4, "openmpi", slurm.Request(args=["--cpu-bind=none"]),
+                                   ALLOCATION)
+    assert command == ["/usr/bin/srun"]
+    assert args == ["--mpi=pmix", "--kill-on-bad-exit=1", "--export=ALL", "--cpu-bind=none"]
+    _, args = slurm.commands(4, "mpich", slurm.Request(), ALLOCATION)
+    assert args[0] == "--mpi=pmi2"
+    _, args = slurm.commands(4, "openmpi", slurm.Request(), {**ALLOCATION,
+                                                             "SLURM_MPI_TYPE": "pmix_v4"})
+    assert not any(a.startswith("--mpi") for a in args), "the site's SLURM_MPI_TYPE is kept"
+
+
+def test_outside_an_allocation_salloc_asks_for_the_tasks_and_runs_srun():
+    request = slurm.Request("gpu", "1:00:00", "proj", ["--nodes=2"])
+    command, args = slurm.commands(8, "openmpi", request, {})
+    assert command == ["/usr/bin/salloc", "--ntasks=8", "--partition=gpu", "--time=1:00:00",
+                       "--account=proj", "--job-name=ipydist", "--nodes=2", "/usr/bin/srun"]
+    assert args[0] == "--mpi=pmix"
+    command, _ = slurm.commands(2, "openmpi", slurm.Request(args=["-J", "mine"]), {})
+    assert "--job-name=ipydist" not in command
+
+
+def test_the_plan_keeps_one_host_on_loopback_and_names_the_launch():
+    plan = slurm.plan(2, "openmpi", slurm.Request(), {"A": "1"}, None, env={})
+    assert plan.launcher == "salloc" and plan.allocates and not plan.multi_host
+    assert plan.env == {"A": "1", "GLOO_SOCKET_IFNAME": "lo", "OMPI_MCA_btl": "self,sm"}
+    assert plan.title == "Slurm (salloc, then srun)"
+    inside = slurm.plan(2, "openmpi", slurm.Request(), {}, None, env=ALLOCATION)
+    assert inside.launcher == "srun" and not inside.allocates
+    assert inside.title == "Slurm (srun in job 12)"
+    assert "--partition" in inside.hint
+
+
+@pytest.mark.parametrize("kwargs, mpiexec_options, env, words", [
+    ({"partition": "gpu"}, [], {}, "--partition: these ask Slurm for the ranks; add "
+     "--launcher slurm."),
+    ({"args": ["--nodes=2"]}, [], {}, "--slurm-args: these ask Slurm"),
+    ({}, ["--hosts"], {}, "--hosts: with --launcher slurm, Slurm places the ranks"),
+    ({"time": "10"}, [], ALLOCATION, "--time: this notebook runs inside Slurm job 12"),
+])
+def test_options_that_do_not_fit_are_refused_with_what_to_do(kwargs, mpiexec_options, env,
+                                                             words):
+    launcher = "mpiexec" if "these ask Slurm" in words else "slurm"
+    with pytest.raises(SpecError) as e:
+        slurm.check_request(slurm.Request(**kwargs), launcher, mpiexec_options, env)
+    assert words in str(e.value)
+
+
+def test_launcher_names_and_counts_are_checked():
+    with pytest.raises(SpecError, match="--launcher srun: expected mpiexec"):
+        slurm.parse_launcher("srun")
+    assert slurm.ranks_and_hosts(None, slurm.Request(), ALLOCATION | {"SLURM_JOB_NODELIST":
+                                                                      "localhost",
+                                                                      "SLURM_TASKS_PER_NODE":
+                                                                      "3"})[0] == 3
+    with pytest.raises(SpecError, match="Slurm job 12 has 3 tasks"):
+        slurm.ranks_and_hosts(4, slurm.Request(), ALLOCATION | {
+            "SLURM_JOB_NODELIST": "localhost", "SLURM_TASKS_PER_NODE": "3"})
+    with pytest.raises(SpecError, match="give --np, the number of ranks"):
+        slurm.ranks_and_hosts(None, slurm.Request(), {})
+
+
+def test_sallocs_job_lines_are_read_as_they_come():
+    assert slurm.allocation_in("salloc: Pending job allocation 31\n") == ("31", False)
+    assert slurm.allocation_in("salloc: Pending job allocation 31\nsalloc: job 31 queued and "
+                               "waiting for resources\nsalloc: Granted job allocation 31\n") \
+        == ("31", True)
+    assert slurm.allocation_in("torch imported\n") == (None, False)
+
+
+def test_the_start_line_shows_the_slurm_job(tmp_path):
+    out = tmp_path / "out"
+    w = StartWatch(2, "Starting 2 ranks with Slurm", init=True, started=0.0, live=True,
+                   launcher="salloc")
+    assert w.so_far() == "launching salloc"
+    w.launched(now=0.1)
+    out.write_text("salloc: Pending job allocation 7\n")
+    w.read(str(out), now=0.2)
+    assert w.so_far().startswith("salloc launched · Slurm job 7 pending (waiting for nodes) · ")
+    out.write_text("salloc: Pending job allocation 7\nsalloc: Granted job allocation 7\n")
+    w.read(str(out), now=0.3)
+    assert "Slurm job 7 granted · torch imported 0/2" in w.text(now=0.4)
+
+
+def test_a_rank_that_srun_saw_die_is_named_with_its_signal():
+    dead = [{"rank": r, "pid": 100 + r, "host": "node2"} for r in (2, 3)]
+    output = ("srun: error: node2: task 3: Killed\nsrun: Terminating StepId=12.0\n"
+              "srun: error: node2: task 2: Terminated\n")
+    text = mpiexec.describe_death(output, dead, "%dist_restart", "srun")
+    assert text.startswith("rank 3 (pid 103 on node2) died: killed by signal 9 (SIGKILL)")
+    assert "srun then stopped rank 2." in text
