@@ -224,3 +224,31 @@ def test_a_killed_test_run_leaves_nothing(sig):
         assert stale and not any(x.startswith("process") for x in stale)
         remove_stale()
     assert leftovers(tag) == []
+
+
+def test_doctor_checks_each_host_over_ssh_then_starts_ranks_there():
+    """``ipydist doctor --hosts`` on the login host, as a user would run it: every host OK and a
+    cluster started across them; with one host down, that host's FAIL line says what to do and
+    no cluster is started. Its own hosts, since one is powered off."""
+    argv = [PYTHON, "-m", "ipydist", "doctor", "--hosts", "node1:2,node2:2"]
+    with HostCluster(2, login=True) as c:
+        env = {**os.environ, "OMPI_MCA_plm_rsh_agent": c.rsh_agent,
+               "PRTE_MCA_plm_ssh_agent": c.rsh_agent}
+        t0 = time.monotonic()
+        done = c.run("login", argv, capture_output=True, timeout=240, env=env)
+        measure("doctor --hosts (2 hosts, then 4 ranks across them)", time.monotonic() - t0)
+        text = done.stdout.decode()
+        assert done.returncode == 0, text + done.stderr.decode()
+        for host in ("node1", "node2"):
+            assert f"OK    {host}              {host}: Python " in text, text
+        assert "reaches the notebook" in text
+        assert "OK    cluster            4 ranks started, allreduce correct" in text, text
+        c.power_off("node2")
+        done = c.run("login", argv, capture_output=True, timeout=240, env=env)
+        text = done.stdout.decode()
+        assert done.returncode == 1, text
+        assert "OK    node1" in text
+        assert "FAIL  node2              ssh failed: " in text, text
+        assert "start sshd on it" in text or "host is down" in text, text
+        assert "--    cluster            not started" in text, text
+    assert leftovers(c.tag) == []

@@ -111,3 +111,16 @@ def test_a_rank_that_srun_saw_die_is_named_with_its_signal():
     text = mpiexec.describe_death(output, dead, "%dist_restart", "srun")
     assert text.startswith("rank 3 (pid 103 on node2) died: killed by signal 9 (SIGKILL)")
     assert "srun then stopped rank 2." in text
+
+
+def test_the_magic_takes_the_slurm_options_and_refuses_them_without_the_launcher(shell):
+    from IPython.utils.capture import capture_output
+
+    with capture_output() as captured:
+        result = shell.run_cell("%dist_start --np 2 --partition debug --time 10")
+    text = str(result.error_in_exec or "") + captured.stderr
+    assert "--partition and --time: these ask Slurm for the ranks; add --launcher slurm." in text
+    with capture_output() as captured:
+        result = shell.run_cell("%dist_start --launcher sbatch")
+    text = str(result.error_in_exec or "") + captured.stderr
+    assert "--launcher sbatch: expected mpiexec" in text

@@ -94,12 +94,29 @@ def _check_one(host: str, mpiexec_path: str, address: str, port: int, listener) 
     if proc.returncode != 0 or not stdout.strip():
         said = (stderr.strip().splitlines() or ["no output"])[-1]
         if proc.returncode == 255:
-            return Check(FAIL, host, f"ssh failed: {said}",
-                         "set up key-based ssh to it (ssh-copy-id), with no prompt.")
+            return Check(FAIL, host, f"ssh failed: {said}", _ssh_fix(said))
         return Check(FAIL, host, f"{sys.executable} failed there: {said}",
                      "install the same environment at the same path on every host "
                      "(or share it over a network filesystem).")
     return _judge(host, json.loads(stdout.strip().splitlines()[-1]))
+
+
+#: What ssh's last words mean, and what to do about them.
+_SSH_FIXES = [
+    (("Connection refused",), "nothing answers ssh there: start sshd on it (port 22, or the "
+                              "port your ssh config names)."),
+    (("Could not resolve", "Name or service not known"), "check the host name (getent hosts)."),
+    (("No route to host", "timed out", "Network is unreachable"),
+     "the host is down or a firewall is in the way: check that it is up and TCP reaches it."),
+    (("Host key verification failed",), "add the host's key to known_hosts (ssh to it once)."),
+]
+
+
+def _ssh_fix(said: str) -> str:
+    for signs, fix in _SSH_FIXES:
+        if any(sign in said for sign in signs):
+            return fix
+    return "set up key-based ssh to it (ssh-copy-id), with no prompt."
 
 
 def _communicate(proc, listener) -> tuple[str, str]:
