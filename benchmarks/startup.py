@@ -24,6 +24,7 @@ after it is measured, and the script checks that none of the processes it starte
     python benchmarks/startup.py [--np 2 4] [--repeats 3] [--rounds 50]
     python benchmarks/startup.py --hosts nodeA:2,nodeB:2 [--mpi-args "..."]   # across hosts
     python benchmarks/startup.py --hosts netns      # 2 namespace hosts on this machine (root)
+    python benchmarks/startup.py --hosts netns --slurm   # and --launcher slurm on them
 """
 
 from __future__ import annotations
@@ -215,13 +216,16 @@ def main(argv: list[str] | None = None) -> int:
                         "against as many ranks on this host; 'netns' builds 2 test hosts here "
                         "(root); see benchmarks/startup_hosts.py")
     parser.add_argument("--mpi-args", default="", help="with --hosts: extra mpiexec arguments")
+    parser.add_argument("--slurm", action="store_true",
+                        help="with --hosts: also time --launcher slurm (salloc, then srun); "
+                        "with --hosts netns, a Slurm cluster is built on the test hosts")
     args = parser.parse_args(argv)
     if args.hosts:
         import startup_hosts
 
         if args.hosts == "netns":
-            return startup_hosts.on_namespace_hosts(args.repeats)
-        return startup_hosts.measure(args.hosts, args.mpi_args, args.repeats)
+            return startup_hosts.on_namespace_hosts(args.repeats, args.slurm)
+        return startup_hosts.measure(args.hosts, args.mpi_args, args.repeats, args.slurm)
 
     prepare_environment()
     from IPython.testing.globalipapp import start_ipython
