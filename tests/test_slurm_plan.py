@@ -8,7 +8,7 @@ import pytest
 
 from ipydist.notebook import mpiexec, slurm
 from ipydist.notebook.startup import StartWatch
-from ipydist.specs import SpecError
+from ipydist.specs import SpecError, parse_launcher
 
 ALLOCATION = {"SLURM_JOB_ID": "12", "SLURM_JOB_NODELIST": "node[1-2]",
               "SLURM_TASKS_PER_NODE": "2(x2)"}
@@ -70,7 +70,7 @@ def test_options_that_do_not_fit_are_refused_with_what_to_do(kwargs, mpiexec_opt
 
 def test_launcher_names_and_counts_are_checked():
     with pytest.raises(SpecError, match="--launcher srun: expected mpiexec"):
-        slurm.parse_launcher("srun")
+        parse_launcher("srun")
     assert slurm.ranks_and_hosts(None, slurm.Request(), ALLOCATION | {"SLURM_JOB_NODELIST":
                                                                       "localhost",
                                                                       "SLURM_TASKS_PER_NODE":

@@ -35,6 +35,7 @@ from ipydist.specs import (
     parse_backend,
     parse_env,
     parse_gpus,
+    parse_launcher,
     parse_np,
     parse_ranks,
     parse_seconds,
@@ -78,7 +79,7 @@ class Session:
         self.hosts = hosts
         self.hostfile = hostfile
         #: ``mpiexec`` (also over ssh) or ``slurm`` (srun, with salloc outside an allocation).
-        self.launcher = slurm.parse_launcher(launcher)
+        self.launcher = parse_launcher(launcher)
         self.slurm = slurm.Request(partition or None, time_limit or None, account or None,
                                    shlex.split(slurm_args or ""))
         self.gpus = parse_gpus(gpus)

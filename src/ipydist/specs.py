@@ -143,6 +143,18 @@ def parse_backend(backend: str) -> str:
     return backend
 
 
+#: ``--launcher`` values: mpiexec (also over ssh), or Slurm's srun (and salloc).
+LAUNCHERS = ("mpiexec", "slurm")
+
+
+def parse_launcher(launcher: str) -> str:
+    if launcher not in LAUNCHERS:
+        raise SpecError(
+            f"--launcher {launcher}: expected mpiexec (the default; also across hosts over "
+            "ssh) or slurm (srun in this Slurm allocation, or salloc for a new one).")
+    return launcher
+
+
 #: A host name or address as MPI launchers accept it (letters, digits, ``.-_``, IPv4).
 _HOST = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9._-]*[A-Za-z0-9_])?$")
 

@@ -57,18 +57,6 @@ def current_job(env=None) -> str | None:
     return env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or None
 
 
-#: ``--launcher`` values.
-LAUNCHERS = ("mpiexec", "slurm")
-
-
-def parse_launcher(launcher: str) -> str:
-    if launcher not in LAUNCHERS:
-        raise SpecError(
-            f"--launcher {launcher}: expected mpiexec (the default; also across hosts over "
-            "ssh) or slurm (srun in this Slurm allocation, or salloc for a new one).")
-    return launcher
-
-
 def check_request(request: Request, launcher: str, mpiexec_options: list[str],
                   env=None) -> None:
     """Refuse, with what to do instead: Slurm options without ``--launcher slurm``; mpiexec's
