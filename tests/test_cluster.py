@@ -47,7 +47,26 @@ place = dict(
     assert [i["rank"] for i in cluster.ranks] == list(range(NP))
 
 
-def test_allreduce_ops(shell, capsys, cluster):
+@pytest.fixture(params=["mpi", "gloo"])
+def transport(request, shell, capsys, cluster):
+    """Each collective test on both wires of CPU tensors: MPI (the default where mpiexec started
+    the ranks) and gloo, switched on every rank for the test and back after it."""
+    def use(name: str) -> None:
+        ok(shell, capsys, "%everyrank from ipydist.torch import runtime as _rt, transport as _tp"
+                          f"; _rt.get().transport = {name!r}; _uses = _tp.uses_mpi(__import__("
+                          "'torch').ones(1))")
+        assert shell.run_line_magic("dist_pull", "_uses") == [name == "mpi"] * NP
+
+    use(request.param)
+    yield request.param
+    use("mpi")
+
+
+def test_the_ranks_say_which_wire_their_collectives_take(cluster):
+    assert [info["transport"] for info in cluster.ranks] == ["mpi"] * NP
+
+
+def test_allreduce_ops(shell, capsys, cluster, transport):
     ok(shell, capsys, """%%everyrank
 import torch, ipydist.torch as hvd
 r = float(hvd.rank())
@@ -65,6 +84,11 @@ inplace = torch.ones(3)
 same = hvd.allreduce_(inplace, op=hvd.Sum) is inplace
 got["inplace"] = inplace.tolist()
 got["same"] = same
+strided = torch.arange(6.0).reshape(2, 3).t()  # not contiguous: reduced through a copy
+hvd.allreduce_(strided, op=hvd.Sum)
+got["strided"] = strided.tolist()
+got["bf16"] = hvd.allreduce(torch.ones(2, dtype=torch.bfloat16), op=hvd.Sum).tolist()
+got["i64"] = hvd.allreduce(torch.tensor([2**40 + hvd.rank()]), op=hvd.Max).tolist()
 """)
     total = sum(range(NP))
     for r, got in enumerate(shell.run_line_magic("dist_pull", "got")):
@@ -75,20 +99,27 @@ got["same"] = same
         assert got["untouched"] == [r, 2 * r], "allreduce must not change its input"
         assert got["int_avg"] == [total // NP]
         assert got["inplace"] == [NP] * 3 and got["same"] is True
+        assert got["strided"] == [[NP * v for v in row] for row in [[0, 3], [1, 4], [2, 5]]]
+        assert got["bf16"] == [NP, NP], "bfloat16 (no MPI type) takes gloo"
+        assert got["i64"] == [2**40 + NP - 1]
 
 
-def test_allgather_unequal_first_dimension(shell, capsys, cluster):
+def test_allgather_unequal_first_dimension(shell, capsys, cluster, transport):
     ok(shell, capsys, """%%everyrank
 import torch, ipydist.torch as hvd
 mine = torch.full((hvd.rank() + 1, 2), float(hvd.rank()))
 gathered = hvd.allgather(mine)
+even = hvd.allgather(torch.full((2,), hvd.rank(), dtype=torch.int32))
 """)
     expected = [[float(r)] * 2 for r in range(NP) for _ in range(r + 1)]
     for gathered in shell.run_line_magic("dist_pull", "gathered"):
         assert gathered.tolist() == expected
+    for even in shell.run_line_magic("dist_pull", "even"):
+        assert even.tolist() == [r for r in range(NP) for _ in range(2)]
+        assert even.dtype == __import__("torch").int32
 
 
-def test_broadcast_and_objects(shell, capsys, cluster):
+def test_broadcast_and_objects(shell, capsys, cluster, transport):
     ok(shell, capsys, """%%everyrank
 import torch, ipydist.torch as hvd
 t = torch.tensor([float(hvd.rank())] * 3)
@@ -106,7 +137,7 @@ res = dict(b=b.tolist(), before=before.tolist(), t=t.tolist(), obj=obj, objs=obj
         assert res["objs"] == [("rank", i) for i in range(NP)]
 
 
-def test_broadcast_parameters_and_optimizer_state(shell, capsys, cluster):
+def test_broadcast_parameters_and_optimizer_state(shell, capsys, cluster, transport):
     ok(shell, capsys, """%%everyrank
 import torch, ipydist.torch as hvd
 torch.manual_seed(hvd.rank())  # different weights on every rank

@@ -59,9 +59,16 @@ def test_openmpi_plan_leaves_fitting_runs_and_user_choices_alone():
         "mpiexec", 2, ["--mca", "btl", "self,tcp"], {}, cores=8, flavor="openmpi", is_root=False
     )
     # the user's transports, and gloo kept on loopback (one host)
-    assert plan.args == ["-x", "GLOO_SOCKET_IFNAME", "--mca", "btl", "self,tcp"]
-    assert plan.env["GLOO_SOCKET_IFNAME"] == "lo"
+    tuning = "OMPI_MCA_coll_libnbc_iallreduce_algorithm"
+    assert plan.args == ["-x", tuning, "-x", "GLOO_SOCKET_IFNAME", "--mca", "btl", "self,tcp"]
+    assert plan.env["GLOO_SOCKET_IFNAME"] == "lo" and plan.env[tuning] == "3"
     assert plan.notes == [] and "OMPI_ALLOW_RUN_AS_ROOT" not in plan.env
+
+
+def test_the_users_open_mpi_tuning_wins(monkeypatch):
+    monkeypatch.setenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "1")
+    plan = mpiexec.plan("mpiexec", 2, "", {}, cores=8, flavor="openmpi", is_root=False)
+    assert "OMPI_MCA_coll_libnbc_iallreduce_algorithm" not in plan.env
 
 
 def test_multi_host_plan():

@@ -11,6 +11,7 @@ from helpers import run_cell, wait_gone
 
 import ipydist
 from ipydist.errors import ClusterError, RankError
+from ipydist.specs import SpecError
 
 
 def cluster_pids(session) -> dict[str, list[int]]:
@@ -63,7 +64,8 @@ def test_session_context_manager_runs_and_cleans_up(capsys):
 def test_dist_stop_ends_every_process(shell, capsys, no_cluster, magics):
     result, out, _ = run_cell(shell, capsys, "%dist_start --np 2")
     assert result.error_in_exec is None
-    assert out.splitlines()[0].split() == ["rank", "host", "pid", "device", "backend"]
+    assert out.splitlines()[0].split() == ["rank", "host", "pid", "device", "backend",
+                                           "transport"]
     pids = cluster_pids(magics.session)
     result, out, _ = run_cell(shell, capsys, "%dist_stop")
     assert "Stopped 2 ranks." in out
@@ -106,3 +108,17 @@ def test_no_init_leaves_the_process_group_to_user_code(capsys):
         )
         assert s.pull("got") == [(False, 2.0, "0", "2"), (False, 2.0, "1", "2")]
         assert [r["backend"] for r in s.ranks] == ["(none)", "(none)"]
+
+
+def test_transport_gloo_puts_cpu_collectives_back_on_the_process_group(capsys):
+    with pytest.raises(SpecError, match="--transport tcp: expected auto"):
+        ipydist.Session(np=2, transport="tcp")
+    with ipydist.Session(np=2, transport="gloo") as s:
+        assert [r["transport"] for r in s.ranks] == ["gloo", "gloo"]
+        s.run("import torch, ipydist.torch as hvd\n"
+              "from ipydist.torch import transport\n"
+              "t = torch.ones(3)\n"
+              "wire = transport.uses_mpi(t)\n"
+              "total = hvd.allreduce(t, op=hvd.Sum).tolist()")
+        assert s.pull("wire") == [False, False]
+        assert s.pull("total") == [[2.0] * 3] * 2

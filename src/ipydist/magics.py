@@ -74,6 +74,9 @@ class DistMagics(Magics):
     @argument("--backend", default="auto", metavar="NAME",
               help="auto (NCCL when ranks have GPUs, else gloo), nccl, gloo, or mpi (torch's "
               "own MPI backend, in a torch built with MPI)")
+    @argument("--transport", default="auto", metavar="NAME",
+              help="the wire of ipydist's collectives on CPU tensors: auto (MPI, where mpiexec "
+              "or srun started the ranks: 2-20x faster than gloo on one host), mpi, or gloo")
     @argument("--mpi", default=None, metavar="PATH",
               help="the mpiexec to use (default: $IPYDIST_MPIEXEC, the one next to this "
               "Python, then $PATH)")
@@ -138,7 +141,8 @@ class DistMagics(Magics):
         try:
             session = Session(
                 np=args.np if args.np is not None else self.kernel_np, gpus=args.gpus,
-                backend=args.backend, mpi=args.mpi, mpi_args=args.mpi_args,
+                backend=args.backend, transport=args.transport, mpi=args.mpi,
+                mpi_args=args.mpi_args,
                 timeout=args.timeout, env=args.env, init=not args.no_init,
                 stall_warning=args.stall_warning, hosts=args.hosts, hostfile=args.hostfile,
                 launcher=args.launcher, partition=args.partition, time_limit=args.time,

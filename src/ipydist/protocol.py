@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 GPUS_ENV = "IPYDIST_GPUS"
 BACKEND_ENV = "IPYDIST_BACKEND"
+TRANSPORT_ENV = "IPYDIST_TRANSPORT"
 INIT_ENV = "IPYDIST_INIT"
 #: Seconds a collective may wait before it raises (torch's process-group timeout); users set it
 #: with ``--env IPYDIST_PG_TIMEOUT=S``.
@@ -50,6 +51,8 @@ class RankConfig:
     gpus: str = "auto"
     #: ``auto``, ``nccl``, ``gloo`` or ``mpi`` (as ``--backend`` takes it).
     backend: str = "auto"
+    #: ``auto``, ``mpi`` or ``gloo``: the wire of ipydist's collectives on CPU tensors.
+    transport: str = "auto"
     #: Whether the bootstrap creates the default process group (``--no-init``: False).
     init: bool = True
     pg_timeout: float = DEFAULT_PG_TIMEOUT
@@ -60,6 +63,8 @@ class RankConfig:
 
     def to_env(self) -> dict[str, str]:
         env = {GPUS_ENV: self.gpus, BACKEND_ENV: self.backend, INIT_ENV: "1" if self.init else "0"}
+        if self.transport != "auto":
+            env[TRANSPORT_ENV] = self.transport
         if self.pg_timeout != DEFAULT_PG_TIMEOUT:
             env[PG_TIMEOUT_ENV] = f"{self.pg_timeout:g}"
         if self.master_addr:
@@ -74,6 +79,7 @@ class RankConfig:
         return cls(
             gpus=env.get(GPUS_ENV, "auto"),
             backend=env.get(BACKEND_ENV, "auto"),
+            transport=env.get(TRANSPORT_ENV, "auto"),
             init=env.get(INIT_ENV, "1") == "1",
             pg_timeout=float(env.get(PG_TIMEOUT_ENV) or DEFAULT_PG_TIMEOUT),
             master_addr=env.get(MASTER_ADDR_ENV, ""),

@@ -39,6 +39,7 @@ from ipydist.specs import (
     parse_np,
     parse_ranks,
     parse_seconds,
+    parse_transport,
 )
 
 DEFAULT_START_TIMEOUT = 120.0
@@ -58,6 +59,7 @@ class Session:
         np: int | None = None,
         gpus: str | list[int] = "auto",
         backend: str = "auto",
+        transport: str = "auto",
         mpi: str | None = None,
         mpi_args: str = "",
         timeout: float = DEFAULT_START_TIMEOUT,
@@ -84,6 +86,7 @@ class Session:
                                    shlex.split(slurm_args or ""))
         self.gpus = parse_gpus(gpus)
         self.backend = parse_backend(backend)
+        self.transport = parse_transport(transport)
         self.mpi = mpi
         self.mpi_args = mpi_args or ""
         self.timeout = parse_seconds(timeout, "--timeout")
@@ -136,7 +139,8 @@ class Session:
                         "slots (nodeA:4), or pass --mpi-args=--oversubscribe to share them.")
         route = named.route if named is not None else None
         config = protocol.RankConfig(
-            gpus=format_gpus(self.gpus), backend=self.backend, init=self.init,
+            gpus=format_gpus(self.gpus), backend=self.backend, transport=self.transport,
+            init=self.init,
             notebook_addr=route.address if route else "")
         rank_env = {**config.to_env(), **self.env}
         if self.launcher == "slurm":
@@ -300,12 +304,13 @@ class Session:
     def _ranks_table(self) -> display.Table:
         """The table after a start. Its caption is short: in HTML a caption is as wide as the
         table, so a longer one wraps (the columns already say the backend and the ranks)."""
-        rows = [[i["rank"], i["host"], i["pid"], i["device"], i["backend"]]
+        rows = [[i["rank"], i["host"], i["pid"], i["device"], i["backend"], i["transport"]]
                 for i in grouped_by_host(self.ranks)]
         hosts = len({i["host"] for i in self.ranks})
         where = f" on {hosts} hosts" if hosts > 1 else ""
         caption = f"{self.size} ranks{where} ready in {self.startup_seconds:.1f} s"
-        return display.Table(["rank", "host", "pid", "device", "backend"], rows, caption)
+        return display.Table(["rank", "host", "pid", "device", "backend", "transport"], rows,
+                             caption)
 
 
 def grouped_by_host(ranks: list[dict]) -> list[dict]:

@@ -143,6 +143,18 @@ def parse_backend(backend: str) -> str:
     return backend
 
 
+#: ``--transport`` values: the wire of ipydist's collectives on CPU tensors.
+TRANSPORTS = ("auto", "mpi", "gloo")
+
+
+def parse_transport(transport: str) -> str:
+    if transport not in TRANSPORTS:
+        raise SpecError(
+            f"--transport {transport}: expected auto (MPI for CPU tensors when mpiexec or srun "
+            "started the ranks), mpi or gloo.")
+    return transport
+
+
 #: ``--launcher`` values: mpiexec (also over ssh), or Slurm's srun (and salloc).
 LAUNCHERS = ("mpiexec", "slurm")
 

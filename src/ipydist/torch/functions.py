@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ipydist.rank.sampler import waits_for_peers
-from ipydist.torch import agreement, consistency, waiting
+from ipydist.torch import agreement, consistency, transport, waiting
 from ipydist.torch.collectives import _check_root, _rt, rank, size
 
 
@@ -82,7 +82,10 @@ def broadcast_parameters(params, root_rank: int = 0) -> None:
     for tensors in groups.values():
         consistency.track_tensors(tensors)  # kept in step after an interrupt, too
         flat = torch.cat([t.reshape(-1) for t in tensors])
-        waiting.wait_for(dist.broadcast(flat, src=root_rank, async_op=True))
+        if transport.uses_mpi(flat):
+            transport.broadcast_(flat, root_rank)
+        else:
+            waiting.wait_for(dist.broadcast(flat, src=root_rank, async_op=True))
         offset = 0
         for t in tensors:
             n = t.numel()

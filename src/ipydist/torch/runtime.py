@@ -57,6 +57,12 @@ class Runtime:
     #: A duplicate of ``comm`` for ipydist's own messages (recovery's votes), so they never
     #: meet user code's MPI calls.
     control_comm: Any = None
+    #: Another, for the data of ipydist's collectives when they go over MPI (see
+    #: :mod:`ipydist.torch.transport`), and whether one of them was left pending by a release.
+    data_comm: Any = None
+    data_pending: bool = False
+    #: The wire of ipydist's collectives on CPU tensors: ``mpi`` or ``gloo``.
+    transport: str = "gloo"
     #: Another duplicate, for the check that every rank makes the same collective call
     #: (``ipydist.torch.agreement``); replaced when a release left a check unfinished.
     check_comm: Any = None
@@ -75,10 +81,15 @@ class Runtime:
     broken: bool = False
 
     @property
+    def oversubscribed(self) -> bool:
+        """More ranks on this host than it has cores: a wait must not spin."""
+        return self.local_size > (os.cpu_count() or 1)
+
+    @property
     def checks_unfinished(self) -> bool:
         """Whether ``check_comm`` holds a check not every rank may have finished (one a
         release interrupted, or one sent ahead): the recovery then replaces it."""
-        return self.check_pending or bool(self.announced)
+        return self.check_pending or self.data_pending or bool(self.announced)
 
     @property
     def device(self) -> torch.device:
@@ -149,11 +160,15 @@ def topology_from_mpi(comm, advertise: str | None = None) -> Runtime:
         mine = advertise or socket.getfqdn()
         master_addr = comm.bcast(mine if comm.rank == 0 else None, root=0)
     master_addr = os.environ.get(protocol.MASTER_ADDR_ENV) or master_addr
+    # MPI carries ipydist's collectives on CPU tensors unless --transport gloo said otherwise
+    # (see ipydist.torch.transport): ranks that MPI started can always use it
+    setting = protocol.RankConfig.from_env().transport
     return Runtime(
+        transport="gloo" if setting == "gloo" else "mpi",
         rank=comm.rank, size=comm.size, local_rank=local_rank, local_size=local_size,
         cross_rank=cross_rank, cross_size=cross_size, one_host=len(set(hosts)) == 1,
         host=host, master_addr=master_addr,
-        comm=comm, control_comm=comm.Dup(), check_comm=comm.Dup(),
+        comm=comm, control_comm=comm.Dup(), check_comm=comm.Dup(), data_comm=comm.Dup(),
     )
 
 

@@ -9,6 +9,7 @@ broken meanwhile.
 from __future__ import annotations
 
 import datetime
+import os
 import time
 
 from ipydist.torch import runtime
@@ -46,42 +47,59 @@ def wait_for(work) -> None:
             check_usable()
 
 
-#: Polling an MPI request: sleep between tests, a twentieth of the time waited so far, at least
-#: _MPI_SLEEP_MIN and at most _MPI_SLEEP_MAX. Never spin or yield: with ranks on every core,
-#: a rank spinning here takes the core that a peer's gloo threads need to finish the call
-#: before (measured on 2 cores, np=2: yielding made a tiny allreduce 35 % slower, sleeping
-#: 50 us made it 0-5 % slower), and a rank far behind must not find its peers spinning on its
-#: cores, nor starve the engine's heartbeat.
+#: Polling an MPI request. MPI moves a nonblocking operation only inside MPI calls, so where
+#: every rank has a core of its own a wait calls ``Test`` back to back, yielding the core in
+#: between (``sched_yield``, free when the core has nothing else to run): sleeping between
+#: tests left a 64 MB allreduce at 0.44x raw MPI, as the operation stood still while the rank
+#: slept. A check (``check_comm``) is where a rank waits for a slower one, so after
+#: _SPIN_SECONDS its wait turns to sleeps, a twentieth of the time waited so far, between
+#: _MPI_SLEEP_MIN and _MPI_SLEEP_MAX: a rank far behind must not find its peers spinning on its
+#: cores, nor starve the engine's heartbeat. A data operation (``data_comm``) starts only once
+#: every rank has passed the check, so every rank is there, and it spins until done. With more
+#: ranks on a host than cores, no wait spins (spinning ranks took the cores their peers, and a
+#: CPU hog, needed: an interrupt then took up to 3 s to end a loop of small allreduces).
+_SPIN_SECONDS = 0.02
 _MPI_SLEEP_MIN = 0.00005
 _MPI_SLEEP_MAX = 0.02
 
 
-def wait_for_mpi(request) -> None:
-    """Wait for a nonblocking MPI operation of ipydist's on ``check_comm``, polling from
-    Python: a release ends the wait (:func:`check_usable`, or the KeyboardInterrupt a
-    release sends), which a blocking MPI call would not allow. A wait left that way leaves
-    the operation pending, and the communicator is replaced by the recovery."""
+def wait_for_mpi(request, data: bool = False) -> None:
+    """Wait for a nonblocking MPI operation of ipydist's, on ``check_comm`` (or, with
+    ``data``, on ``data_comm``), polling from Python: a release ends the wait
+    (:func:`check_usable`, or the KeyboardInterrupt a release sends), which a blocking MPI call
+    would not allow. A wait left that way leaves the operation pending, and the communicator
+    is replaced by the recovery."""
+    if request.Test():  # a small operation is often done at once
+        return
     rt = runtime.get()
-    rt.check_pending = True
+    flag = "data_pending" if data else "check_pending"
+    setattr(rt, flag, True)
+    spin = not rt.oversubscribed
     start = time.monotonic()
     while not request.Test():
         check_usable()
         waited = time.monotonic() - start
-        time.sleep(min(max(waited / 20, _MPI_SLEEP_MIN), _MPI_SLEEP_MAX))
-    rt.check_pending = False
+        if spin and (data or waited < _SPIN_SECONDS):
+            os.sched_yield()
+        else:
+            time.sleep(min(max(waited / 20, _MPI_SLEEP_MIN), _MPI_SLEEP_MAX))
+    setattr(rt, flag, False)
 
 
 def replace_check_comm(deadline: float) -> bool:
-    """A fresh ``check_comm`` (collective, nonblocking, given up at ``deadline``): a check a
-    release left unfinished would otherwise be matched by the next one."""
+    """A fresh ``check_comm`` and ``data_comm`` (collective, nonblocking, given up at
+    ``deadline``): a check or a collective a release left unfinished would otherwise be
+    matched by the next one."""
     rt = runtime.get()
     if rt is None or rt.control_comm is None:
         return True
-    fresh, request = rt.control_comm.Idup()
-    while not request.Test():
+    fresh_check, check_request = rt.control_comm.Idup()
+    fresh_data, data_request = rt.control_comm.Idup()
+    while not (check_request.Test() and data_request.Test()):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.002)
-    rt.check_comm, rt.check_pending = fresh, False
+    rt.check_comm, rt.check_pending = fresh_check, False
+    rt.data_comm, rt.data_pending = fresh_data, False
     rt.announced.clear()  # they belong to the old communicator
     return True
