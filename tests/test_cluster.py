@@ -223,8 +223,12 @@ for i in range(3):
     time.sleep(0.3)
 print()
 """)
-    for r in range(NP):  # every state tagged, each ending in "\\r" so the next overwrites it
-        assert f"[rank {r}] step 0 on rank {r}\r" in out, repr(out)
+    # every state shown is tagged and ends in "\\r", so the next overwrites it. A state that
+    # was overwritten before the notebook hooked into the cell's output is gone (ipyparallel
+    # keeps the text as a terminal would show it), as it would be on a terminal: so each rank
+    # shows at least one of its earlier states, not necessarily all of them
+    for r in range(NP):
+        assert any(f"[rank {r}] step {i} on rank {r}\r" in out for i in (0, 1)), repr(out)
         assert f"[rank {r}] step 2 on rank {r}" in out, repr(out)
     assert not re.search(r"\r(?!\[)", out), f"a redraw without its tag: {out!r}"
 
