@@ -130,41 +130,37 @@ def format_gpus(gpus: str | list[int]) -> str:
     return gpus if isinstance(gpus, str) else ",".join(map(str, gpus))
 
 
+def _one_of(value: str, option: str, choices: tuple[str, ...], expected: str) -> str:
+    """``value`` if it is one of ``choices``; else a SpecError saying what ``option`` takes."""
+    if value not in choices:
+        raise SpecError(f"{option} {value}: expected {expected}.")
+    return value
+
+
 #: ``--backend`` values: ``mpi`` is torch.distributed's own MPI backend, which needs a torch
 #: built with MPI.
 BACKENDS = ("auto", "nccl", "gloo", "mpi")
-
-
-def parse_backend(backend: str) -> str:
-    if backend not in BACKENDS:
-        raise SpecError(
-            f"--backend {backend}: expected auto, nccl, gloo or mpi (auto: NCCL when ranks "
-            "have GPUs, else gloo).")
-    return backend
-
-
 #: ``--transport`` values: the wire of ipydist's collectives on CPU tensors.
 TRANSPORTS = ("auto", "mpi", "gloo")
-
-
-def parse_transport(transport: str) -> str:
-    if transport not in TRANSPORTS:
-        raise SpecError(
-            f"--transport {transport}: expected auto (MPI for CPU tensors when mpiexec or srun "
-            "started the ranks), mpi or gloo.")
-    return transport
-
-
 #: ``--launcher`` values: mpiexec (also over ssh), or Slurm's srun (and salloc).
 LAUNCHERS = ("mpiexec", "slurm")
 
 
+def parse_backend(backend: str) -> str:
+    return _one_of(backend, "--backend", BACKENDS,
+                   "auto, nccl, gloo or mpi (auto: NCCL when ranks have GPUs, else gloo)")
+
+
+def parse_transport(transport: str) -> str:
+    return _one_of(transport, "--transport", TRANSPORTS,
+                   "auto (MPI for CPU tensors when mpiexec or srun started the ranks), mpi or "
+                   "gloo")
+
+
 def parse_launcher(launcher: str) -> str:
-    if launcher not in LAUNCHERS:
-        raise SpecError(
-            f"--launcher {launcher}: expected mpiexec (the default; also across hosts over "
-            "ssh) or slurm (srun in this Slurm allocation, or salloc for a new one).")
-    return launcher
+    return _one_of(launcher, "--launcher", LAUNCHERS,
+                   "mpiexec (the default; also across hosts over ssh) or slurm (srun in this "
+                   "Slurm allocation, or salloc for a new one)")
 
 
 #: A host name or address as MPI launchers accept it (letters, digits, ``.-_``, IPv4).
