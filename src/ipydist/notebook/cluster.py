@@ -15,7 +15,6 @@ import logging
 import os
 import secrets
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -236,8 +235,7 @@ class Cluster:
         controller, mpiexec. A rank on another host is left out: its pid means nothing here
         (here it may be another process, which must not be signalled); mpiexec's or Slurm's
         teardown ends it."""
-        here = socket.gethostname()
-        pids = [p for info in self.ranks if info["host"] == here
+        pids = [p for info in self.ranks if processes.is_here(info)
                 for p in (info["pid"], info.get("nanny_pid")) if p]
         if self._ipp is not None:
             for launcher in [self._ipp.controller, *self._ipp.engines.values()]:

@@ -20,11 +20,14 @@ def alive(proc) -> bool:
         return False
 
 
+def is_here(info: dict) -> bool:
+    """Whether a rank (its info) runs on this host: elsewhere its pid means another process."""
+    return info["host"] == socket.gethostname()
+
+
 def local_process(info: dict):
     """The psutil process of a rank on this host; None for a rank on another host."""
-    if info["host"] != socket.gethostname():
-        return None
-    return process(info["pid"])
+    return process(info["pid"]) if is_here(info) else None
 
 
 def process(pid: int):

@@ -45,12 +45,7 @@ def _names():
 def allreduce_(tensor: torch.Tensor, op: str) -> None:
     """Reduce ``tensor`` in place over MPI (``op``: sum, min or max)."""
     mpi = _names()
-    buf = tensor if tensor.is_contiguous() else tensor.contiguous()
-    request = runtime.get().data_comm.Iallreduce(mpi["in_place"], buf.detach().numpy(),
-                                                 mpi[op])
-    waiting.wait_for_mpi(request, data=True)
-    if buf is not tensor:
-        tensor.copy_(buf)
+    _in_place(tensor, lambda comm, buf: comm.Iallreduce(mpi["in_place"], buf, mpi[op]))
 
 
 def allgather(tensor: torch.Tensor, world: int) -> torch.Tensor:
@@ -63,8 +58,13 @@ def allgather(tensor: torch.Tensor, world: int) -> torch.Tensor:
 
 
 def broadcast_(tensor: torch.Tensor, root: int) -> None:
+    _in_place(tensor, lambda comm, buf: comm.Ibcast(buf, root=root))
+
+
+def _in_place(tensor: torch.Tensor, post) -> None:
+    """Run ``post(data_comm, numpy view)`` on ``tensor``'s memory and wait for it; a tensor
+    that is not contiguous goes through a contiguous copy, written back."""
     buf = tensor if tensor.is_contiguous() else tensor.contiguous()
-    request = runtime.get().data_comm.Ibcast(buf.detach().numpy(), root=root)
-    waiting.wait_for_mpi(request, data=True)
+    waiting.wait_for_mpi(post(runtime.get().data_comm, buf.detach().numpy()), data=True)
     if buf is not tensor:
         tensor.copy_(buf)
