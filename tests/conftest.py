@@ -4,8 +4,12 @@ tests import are in helpers.py."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
-from helpers import NP, cluster_processes
+from helpers import NP, cluster_processes, run_cell
 
 
 @pytest.fixture(scope="session")
@@ -45,3 +49,32 @@ def no_cluster(shell, magics):
         magics.session.stop(quiet=True)
     magics.session = None
     return set(cluster_processes())
+
+
+@pytest.fixture(params=["mpi", "gloo"])
+def transport(request, shell, capsys, cluster):
+    """Each collective test on both wires of CPU tensors: MPI (the default where mpiexec started
+    the ranks) and gloo, switched on every rank for the test and back after it."""
+    def use(name: str) -> None:
+        result, out, err = run_cell(
+            shell, capsys, "%everyrank from ipydist.torch import runtime as _rt, transport as _tp"
+                           f"; _rt.get().transport = {name!r}; _uses = _tp.uses_mpi(__import__("
+                           "'torch').ones(1))")
+        assert result.error_in_exec is None, (out, err)
+        assert shell.run_line_magic("dist_pull", "_uses") == [name == "mpi"] * NP
+
+    use(request.param)
+    yield request.param
+    use("mpi")
+
+
+@pytest.fixture
+def hogs():
+    """Busy loops on every core, at normal priority, for the length of one test."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+             for _ in range(os.cpu_count() or 2)]
+    yield procs
+    for p in procs:
+        p.kill()
+    for p in procs:
+        p.wait(timeout=10)

@@ -47,21 +47,6 @@ place = dict(
     assert [i["rank"] for i in cluster.ranks] == list(range(NP))
 
 
-@pytest.fixture(params=["mpi", "gloo"])
-def transport(request, shell, capsys, cluster):
-    """Each collective test on both wires of CPU tensors: MPI (the default where mpiexec started
-    the ranks) and gloo, switched on every rank for the test and back after it."""
-    def use(name: str) -> None:
-        ok(shell, capsys, "%everyrank from ipydist.torch import runtime as _rt, transport as _tp"
-                          f"; _rt.get().transport = {name!r}; _uses = _tp.uses_mpi(__import__("
-                          "'torch').ones(1))")
-        assert shell.run_line_magic("dist_pull", "_uses") == [name == "mpi"] * NP
-
-    use(request.param)
-    yield request.param
-    use("mpi")
-
-
 def test_the_ranks_say_which_wire_their_collectives_take(cluster):
     assert [info["transport"] for info in cluster.ranks] == ["mpi"] * NP
 

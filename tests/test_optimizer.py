@@ -63,7 +63,7 @@ def run_ok(shell, capsys, code):
     ],
 )
 def test_matches_one_process_on_the_union_of_batches(
-    shell, capsys, cluster, make_opt, passes, cap, buckets
+    shell, capsys, cluster, transport, make_opt, passes, cap, buckets
 ):
     run_ok(shell, capsys, EQUIVALENCE.format(
         make_opt=make_opt, passes=passes, cap=cap, compression="none"))
@@ -82,7 +82,7 @@ def test_compressed_gradients_keep_ranks_identical(shell, capsys, cluster, compr
         assert maxdiff < 5e-2  # close to fp32 training, not equal
 
 
-def test_parameter_without_gradient_on_some_ranks(shell, capsys, cluster):
+def test_parameter_without_gradient_on_some_ranks(shell, capsys, cluster, transport):
     """A branch used on odd ranks only: no deadlock; the used branch still gets averaged."""
     run_ok(shell, capsys, """%%everyrank
 import torch, ipydist.torch as hvd
@@ -106,7 +106,50 @@ state = (unused.weight.grad is None, hvd.allgather(branch.weight.detach().unsque
         assert all(w.equal(weights[0]) for w in weights)
 
 
-def test_clipping_with_synchronize_and_skip_synchronize(shell, capsys, cluster):
+def test_large_parameters_travel_in_their_own_memory(shell, capsys, cluster, transport):
+    """A parameter of 1 MB or more is a bucket of its own, reduced over MPI in the gradient's
+    memory (in pieces when large): the average still matches one process on the union of the
+    batches, a rank without its gradient sends zeros, and one without a gradient anywhere keeps
+    None. On gloo the same buckets are packed as before."""
+    run_ok(shell, capsys, """%%everyrank
+import torch, ipydist.torch as hvd
+from ipydist.torch import optimizer as _opt, transport as _tp
+N, r, b = hvd.size(), hvd.rank(), 4
+def make():
+    torch.manual_seed(5)  # 3000 x 1000 floats: 12 MB, three pieces over MPI
+    return torch.nn.ModuleDict(dict(
+        big=torch.nn.Linear(1000, 3000), side=torch.nn.Linear(1000, 3000),
+        never=torch.nn.Linear(1000, 300), head=torch.nn.Linear(3000, 1)))
+model, ref = make(), make()
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                               named_parameters=model.named_parameters())
+ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+torch.manual_seed(0)
+X = torch.randn(3 * N * b, 1000)
+def loss(m, x, use_side):
+    h = m["big"](x) + (m["side"](x) if use_side else 0)
+    return m["head"](torch.tanh(h)).square().mean()
+for step in range(3):
+    lo = step * N * b
+    opt.zero_grad()
+    loss(model, X[lo + r * b:lo + (r + 1) * b], use_side=r == 0).backward()
+    opt.step()
+    ref_opt.zero_grad()  # one process: the side branch sees rank 0's rows only
+    total = sum(loss(ref, X[lo + k * b:lo + (k + 1) * b], use_side=k == 0) for k in range(N)) / N
+    total.backward()
+    ref_opt.step()
+own = sum(bk.own for bk in opt._buckets)
+maxdiff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+outcome = (own, maxdiff, model["never"].weight.grad is None, _tp.uses_mpi(X))
+""")
+    for own, maxdiff, never_none, mpi in shell.run_line_magic("dist_pull", "outcome"):
+        assert own == 3, "big's, side's and never's weights (1 MB or more) are buckets alone"
+        assert maxdiff < 1e-5, maxdiff
+        assert never_none, "a parameter with no gradient on any rank keeps grad None"
+        assert mpi == (transport == "mpi")
+
+
+def test_clipping_with_synchronize_and_skip_synchronize(shell, capsys, cluster, transport):
     run_ok(shell, capsys, """%%everyrank
 import torch, ipydist.torch as hvd
 torch.manual_seed(hvd.rank())

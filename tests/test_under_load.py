@@ -20,7 +20,6 @@ import _thread
 import os
 import random
 import re
-import subprocess
 import sys
 import threading
 import time
@@ -41,18 +40,6 @@ TRIALS = int(os.environ.get("IPYDIST_TEST_TRIALS", "2"))
 CHAOS_CELLS = int(os.environ.get("IPYDIST_TEST_CHAOS_CELLS", "10"))
 #: Seed of the chaos test's draws (printed, so a failure can be replayed).
 CHAOS_SEED = int(os.environ.get("IPYDIST_TEST_CHAOS_SEED", str(int(time.time()) % 100000)))
-
-@pytest.fixture
-def hogs():
-    """Busy loops on every core, at normal priority, for the length of one test."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-             for _ in range(os.cpu_count() or 2)]
-    yield procs
-    for p in procs:
-        p.kill()
-    for p in procs:
-        p.wait(timeout=10)
-
 
 @pytest.fixture
 def loaded(cluster, shell, capsys, hogs):

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ipydist.rank.sampler import waits_for_peers
-from ipydist.torch import agreement, consistency, runtime, waiting
+from ipydist.torch import agreement, consistency, runtime, transport, waiting
 from ipydist.torch.collectives import Average, ReduceOp, Sum, _rt, size
 from ipydist.torch.compression import Compression, Compressor
 
@@ -45,6 +45,10 @@ from ipydist.torch.compression import Compression, Compressor
 DEFAULT_BUCKET_CAP_MB = 25.0
 #: Cap of the first bucket (DDP's too): small, so communication starts early in backward.
 FIRST_BUCKET_MB = 1.0
+#: A parameter at least this large is a bucket of its own, which MPI reduces in the gradient's
+#: own memory: packing it into a bucket and unpacking it again cost two passes over it, a
+#: third of DistributedOptimizer's overhead on benchmarks/train_step.py's large model.
+OWN_BUCKET_BYTES = 1 << 20
 
 #: Attribute on each parameter holding the hook of the DistributedOptimizer that owns it. A
 #: notebook re-runs cells, so a second DistributedOptimizer over the same model must take the
@@ -60,7 +64,13 @@ class _Bucket:
     params: list[torch.nn.Parameter]
     numel: int
     ready: set[int] = field(default_factory=set)
-    work: object = None
+    work: object = None  # the allreduce in flight: a torch Work, or an MPI chain (``mpi``)
+    mpi: bool = False
+    #: One large parameter (OWN_BUCKET_BYTES): over MPI, uncompressed, its gradient travels in
+    #: place (``sent``), followed by its had-gradient flag (``flag``).
+    own: bool = False
+    sent: torch.Tensor | None = None
+    flag: torch.Tensor | None = None
     wire: torch.Tensor | None = None
     ctx: object = None
     buffer: torch.Tensor | None = None  # gradients, then one had-gradient flag per parameter
@@ -154,11 +164,22 @@ class _DistributedMixin:
         ):
             self._launch(self._buckets[self._next_launch])
             self._next_launch += 1
+        self._progress()
+
+    def _progress(self) -> None:
+        """Move the MPI allreduces in flight on: MPI moves them only inside its calls, and
+        each gradient hook is a chance to make one while backward goes on."""
+        for bucket in self._buckets[:self._next_launch]:
+            if bucket.mpi and not transport.progress(bucket.work):
+                return  # later ones wait behind it
 
     def _launch(self, bucket: _Bucket) -> None:
         """Pack the bucket (gradients, then one had-gradient flag per parameter) and send it."""
         if not self._step_agreed:
             self._agree_on_step()
+        if self._in_place(bucket):
+            self._launch_in_place(bucket)
+            return
         if bucket.buffer is None:
             bucket.allocate()
         flat = bucket.buffer
@@ -183,7 +204,26 @@ class _DistributedMixin:
                     view.copy_(g)
         flat[bucket.numel:].copy_(torch.tensor([g is not None for g in grads]))
         bucket.wire, bucket.ctx = self._compression.compress(flat)
-        bucket.work = dist.all_reduce(bucket.wire, op=dist.ReduceOp.SUM, async_op=True)
+        bucket.mpi = transport.uses_mpi(bucket.wire)
+        if bucket.mpi:
+            bucket.work = transport.start_allreduce(bucket.wire)
+        else:
+            bucket.work = dist.all_reduce(bucket.wire, op=dist.ReduceOp.SUM, async_op=True)
+
+    def _in_place(self, bucket: _Bucket) -> bool:
+        """Whether the bucket's one gradient travels in its own memory (the same answer on
+        every rank: the agreement check made the plan, dtype, device and compression equal)."""
+        return (bucket.own and self._compression is Compression.none
+                and transport.uses_mpi(bucket.params[0]))
+
+    def _launch_in_place(self, bucket: _Bucket) -> None:
+        p = bucket.params[0]
+        grad = p.grad
+        bucket.sent = torch.zeros_like(p) if grad is None else (
+            grad if grad.is_contiguous() else grad.contiguous())
+        bucket.flag = torch.tensor([float(grad is not None)], dtype=p.dtype)
+        bucket.mpi = True
+        bucket.work = transport.start_allreduce(bucket.sent, also=[bucket.flag])
 
     @waits_for_peers("allreduce of gradients (DistributedOptimizer)")
     def _agree_on_step(self) -> None:
@@ -224,8 +264,14 @@ class _DistributedMixin:
             self._next_launch += 1
         for bucket in self._buckets:
             t0 = time.perf_counter()
-            waiting.wait_for(bucket.work)
+            if bucket.mpi:
+                transport.finish(bucket.work)
+            else:
+                waiting.wait_for(bucket.work)
             runtime.note_wait(time.perf_counter() - t0)  # for the live view's straggler strip
+            if bucket.sent is not None:
+                self._unpack_in_place(bucket)
+                continue
             flat = self._compression.decompress(bucket.wire, bucket.ctx)
             had_grad = flat[bucket.numel:].tolist()
             views = bucket.views if flat is bucket.buffer else [
@@ -255,12 +301,25 @@ class _DistributedMixin:
         self._passes_left = dict.fromkeys(self._passes_left, self._passes)
         self._grad_marks = self._current_marks()
 
+    def _unpack_in_place(self, bucket: _Bucket) -> None:
+        p, sent = bucket.params[0], bucket.sent
+        if bucket.flag.item() > 0:  # some rank had a gradient
+            if p.grad is None:
+                p.grad = sent
+            elif sent is not p.grad:
+                p.grad.copy_(sent)
+            scale = self._prescale * self._postscale
+            if scale != 1.0:
+                p.grad.mul_(scale)
+        bucket.work = bucket.sent = bucket.flag = None
+        bucket.ready.clear()
+
     def _abandon_pending(self) -> None:
         """Forget a gradient averaging that a failed or interrupted cell left half done (its
         collectives are void: the group is rebuilt where they broke it), so the next cell can
         call ``zero_grad()`` and train on."""
         for bucket in self._buckets:
-            bucket.work = bucket.wire = bucket.ctx = None
+            bucket.work = bucket.wire = bucket.ctx = bucket.sent = bucket.flag = None
             bucket.ready.clear()
         self._next_launch = 0
         self._step_agreed = False
@@ -328,11 +387,14 @@ def _plan_buckets(params, cap_bytes: float) -> list[_Bucket]:
 
     As in DDP, a bucket closes once it holds at least its cap, and the first bucket's cap is
     small (FIRST_BUCKET_MB), so that the first allreduce starts early in backward and overlaps
-    the rest of it.
+    the rest of it. A parameter of OWN_BUCKET_BYTES or more is a bucket of its own.
     """
     buckets: list[_Bucket] = []
     open_by_kind: dict[tuple, tuple[_Bucket, float]] = {}
     for p in reversed(params):
+        if p.numel() * p.element_size() >= OWN_BUCKET_BYTES:
+            buckets.append(_Bucket([p], p.numel(), own=True))
+            continue
         kind = (p.dtype, p.device)
         if kind not in open_by_kind:
             limit = min(cap_bytes, FIRST_BUCKET_MB * 2**20) if not buckets else cap_bytes

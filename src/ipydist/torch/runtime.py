@@ -58,9 +58,10 @@ class Runtime:
     #: meet user code's MPI calls.
     control_comm: Any = None
     #: Another, for the data of ipydist's collectives when they go over MPI (see
-    #: :mod:`ipydist.torch.transport`), and whether one of them was left pending by a release.
+    #: :mod:`ipydist.torch.transport`), and those submitted and not finished, oldest first (a
+    #: release, or an interrupted backward, can leave some behind).
     data_comm: Any = None
-    data_pending: bool = False
+    data_queue: collections.deque = field(default_factory=collections.deque)
     #: The wire of ipydist's collectives on CPU tensors: ``mpi`` or ``gloo``.
     transport: str = "gloo"
     #: Another duplicate, for the check that every rank makes the same collective call
@@ -89,7 +90,7 @@ class Runtime:
     def checks_unfinished(self) -> bool:
         """Whether ``check_comm`` holds a check not every rank may have finished (one a
         release interrupted, or one sent ahead): the recovery then replaces it."""
-        return self.check_pending or self.data_pending or bool(self.announced)
+        return self.check_pending or bool(self.data_queue) or bool(self.announced)
 
     @property
     def device(self) -> torch.device:
@@ -99,6 +100,10 @@ class Runtime:
 
 
 _runtime: Runtime | None = None
+#: What a collective raises on a rank a release broke (until the recovery rebuilds its group).
+RELEASED_MESSAGE = ("this rank was released (a peer failed, or the cell was interrupted or "
+                    "timed out): its process group is broken until the cell ends and the ranks "
+                    "recover")
 _original_init_process_group = dist.init_process_group
 #: Seconds this rank spent blocked in ipydist's collectives since :func:`take_waited` last ran.
 _waited = 0.0
@@ -272,6 +277,10 @@ def break_communication() -> bool:
     if rt is None or rt.group is None:
         return False
     rt.broken = True
+    release = getattr(rt.group, "release", None)  # ipydist's MPI backend (--backend mpi)
+    if release is not None:
+        release(RELEASED_MESSAGE)
+        return True
     if rt.backend == "nccl":
         try:
             rt.group._get_backend(torch.device("cuda")).abort()

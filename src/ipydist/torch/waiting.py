@@ -16,9 +16,6 @@ from ipydist.torch import runtime
 
 #: How often a wait for a collective looks whether a release broke the group meanwhile.
 _WAIT_POLL = datetime.timedelta(seconds=0.1)
-RELEASED_MESSAGE = ("this rank was released (a peer failed, or the cell was interrupted or "
-                    "timed out): its process group is broken until the cell ends and the ranks "
-                    "recover")
 
 
 def check_usable() -> None:
@@ -27,7 +24,7 @@ def check_usable() -> None:
     after its release (a training loop) must not post another."""
     rt = runtime.get()
     if rt is not None and rt.broken and rt.group is not None:
-        raise RuntimeError(RELEASED_MESSAGE)
+        raise RuntimeError(runtime.RELEASED_MESSAGE)
 
 
 def wait_for(work) -> None:
@@ -68,22 +65,31 @@ def wait_for_mpi(request, data: bool = False) -> None:
     ``data``, on ``data_comm``), polling from Python: a release ends the wait
     (:func:`check_usable`, or the KeyboardInterrupt a release sends), which a blocking MPI call
     would not allow. A wait left that way leaves the operation pending, and the communicator
-    is replaced by the recovery."""
+    is replaced by the recovery (a check marks itself pending here; a data operation stays
+    in ``runtime.data_queue`` until done, see :mod:`ipydist.torch.transport`). ``request``:
+    an MPI request, or anything with its ``Test()``."""
     if request.Test():  # a small operation is often done at once
         return
     rt = runtime.get()
-    flag = "data_pending" if data else "check_pending"
-    setattr(rt, flag, True)
+    if not data:
+        rt.check_pending = True
     spin = not rt.oversubscribed
     start = time.monotonic()
     while not request.Test():
         check_usable()
         waited = time.monotonic() - start
-        if spin and (data or waited < _SPIN_SECONDS):
-            os.sched_yield()
-        else:
-            time.sleep(min(max(waited / 20, _MPI_SLEEP_MIN), _MPI_SLEEP_MAX))
-    setattr(rt, flag, False)
+        pause(waited, spin and (data or waited < _SPIN_SECONDS))
+    if not data:
+        rt.check_pending = False
+
+
+def pause(waited: float, spin: bool) -> None:
+    """Between two tests of an MPI request that has been waited for ``waited`` seconds: yield
+    the core (``spin``), or sleep a twentieth of the time waited so far, within bounds."""
+    if spin:
+        os.sched_yield()
+    else:
+        time.sleep(min(max(waited / 20, _MPI_SLEEP_MIN), _MPI_SLEEP_MAX))
 
 
 def replace_check_comm(deadline: float) -> bool:
@@ -100,6 +106,7 @@ def replace_check_comm(deadline: float) -> bool:
             return False
         time.sleep(0.002)
     rt.check_comm, rt.check_pending = fresh_check, False
-    rt.data_comm, rt.data_pending = fresh_data, False
+    rt.data_comm = fresh_data
+    rt.data_queue.clear()  # operations of the old communicator
     rt.announced.clear()  # they belong to the old communicator
     return True
