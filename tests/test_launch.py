@@ -114,6 +114,7 @@ def test_plan_device():
     assert device.resolve_backend("auto", 0) == "nccl"
     assert device.resolve_backend("auto", None) == "gloo"
     assert device.resolve_backend("gloo", 0) == "gloo"
+    assert device.resolve_backend("mpi", None) == "mpi4py"  # ipydist's, over mpi4py
 
 
 def test_threads_per_rank():

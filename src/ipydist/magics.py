@@ -72,8 +72,9 @@ class DistMagics(Magics):
         "a list such as 0,1: only these GPUs",
     )
     @argument("--backend", default="auto", metavar="NAME",
-              help="auto (NCCL when ranks have GPUs, else gloo), nccl, gloo, or mpi (torch's "
-              "own MPI backend, in a torch built with MPI)")
+              help="the torch.distributed backend (DDP's): auto (NCCL when ranks have GPUs, "
+              "else gloo), nccl, gloo, or mpi (ipydist's, over mpi4py: CPU tensors, 2-20x "
+              "faster than gloo on one host)")
     @argument("--transport", default="auto", metavar="NAME",
               help="the wire of ipydist's collectives on CPU tensors: auto (MPI, where mpiexec "
               "or srun started the ranks: 2-20x faster than gloo on one host), mpi, or gloo")

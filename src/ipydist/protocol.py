@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 GPUS_ENV = "IPYDIST_GPUS"
 BACKEND_ENV = "IPYDIST_BACKEND"
+#: What ``--backend mpi`` gives: ipydist's torch.distributed backend over mpi4py, by this name.
+MPI_BACKEND = "mpi4py"
 TRANSPORT_ENV = "IPYDIST_TRANSPORT"
 INIT_ENV = "IPYDIST_INIT"
 #: Seconds a collective may wait before it raises (torch's process-group timeout); users set it

@@ -137,8 +137,8 @@ def _one_of(value: str, option: str, choices: tuple[str, ...], expected: str) ->
     return value
 
 
-#: ``--backend`` values: ``mpi`` is torch.distributed's own MPI backend, which needs a torch
-#: built with MPI.
+#: ``--backend`` values: ``mpi`` is ipydist's torch.distributed backend over mpi4py
+#: (``ipydist.torch.mpi_backend``).
 BACKENDS = ("auto", "nccl", "gloo", "mpi")
 #: ``--transport`` values: the wire of ipydist's collectives on CPU tensors.
 TRANSPORTS = ("auto", "mpi", "gloo")

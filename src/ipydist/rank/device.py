@@ -4,6 +4,7 @@ host's GPUs and knows how many ranks share the host. Pure logic, tested without 
 from __future__ import annotations
 
 from ipydist.errors import LaunchError
+from ipydist.protocol import MPI_BACKEND
 from ipydist.specs import format_gpus
 
 
@@ -45,8 +46,11 @@ def plan_device(
 
 
 def resolve_backend(backend: str, device_index: int | None) -> str:
-    """nccl when the rank has a GPU, gloo otherwise, unless ``--backend`` says which."""
-    if backend in ("nccl", "gloo", "mpi"):
+    """nccl when the rank has a GPU, gloo otherwise, unless ``--backend`` says which (``mpi``:
+    ipydist's backend over mpi4py, ``ipydist.torch.mpi_backend``)."""
+    if backend == "mpi":
+        return MPI_BACKEND
+    if backend in ("nccl", "gloo"):
         return backend
     return "nccl" if device_index is not None else "gloo"
 

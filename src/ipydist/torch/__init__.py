@@ -38,6 +38,7 @@ from ipydist.torch.functions import (
     broadcast_parameters,
 )
 from ipydist.torch.metrics import log
+from ipydist.torch.mpi_backend import register as _register_mpi_backend
 from ipydist.torch.optimizer import DistributedOptimizer
 
 __all__ = [
@@ -48,3 +49,5 @@ __all__ = [
     "local_rank", "local_size", "log",
     "rank", "save_checkpoint", "scale_lr", "shard", "size",
 ]
+
+_register_mpi_backend()  # backend="mpi4py" (--backend mpi) for init_process_group and new_group

@@ -14,6 +14,7 @@ import weakref
 
 import torch.distributed as dist
 
+from ipydist.protocol import MPI_BACKEND
 from ipydist.torch import retired, runtime
 
 _reuse_announced = False
@@ -62,14 +63,17 @@ def _reusing_init_process_group(*args, **kwargs):
 
 
 def _plain_backend(asked, rt: runtime.Runtime | None) -> str | None:
-    """"gloo" or "nccl" for a backend ipydist can make itself; None for anything else."""
+    """"gloo", "nccl" or "mpi4py" for a backend ipydist can make itself; None for anything
+    else."""
     if rt is None:
         return None
     if asked is None:
         return rt.backend
     name = str(asked).lower()
-    if name in ("gloo", "nccl"):
+    if name in ("gloo", "nccl", MPI_BACKEND):
         return name
+    if name == "mpi" and not dist.is_mpi_available():  # torch's own: ipydist's stands in
+        return MPI_BACKEND
     if name == "cpu:gloo,cuda:nccl" and rt.device_index is not None:
         return "nccl"
     return None
