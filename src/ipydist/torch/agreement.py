@@ -77,6 +77,9 @@ _known: dict[object, int] = {}
 #: reused: the exchange is waited for before it returns, so no two calls share one in flight.
 _buffers: dict[tuple, tuple[torch.Tensor, list[torch.Tensor]]] = {}
 _CPU = torch.device("cpu")
+#: Headers already built, by the arguments of :func:`header` (at most _HEADERS_KEPT).
+_headers: dict[tuple, np.ndarray] = {}
+_HEADERS_KEPT = 512
 _ONE_BITS = struct.unpack("<q", struct.pack("<d", 1.0))[0]
 
 
@@ -319,7 +322,13 @@ def agree(kind: str, tensor: torch.Tensor | None = None, *, dtype: torch.dtype |
         dtype = tensor.dtype if dtype is None else dtype
         device = tensor.device if device is None else device
         shape = tensor.shape if shape is None else shape
-    mine = header(kind, dtype, device, shape, op, root, prescale, postscale, extra, carried or 0)
+    key = (kind, dtype, device, tuple(shape) if shape is not None else None, op, root,
+           prescale, postscale, extra, carried or 0)
+    mine = _headers.get(key)
+    if mine is None:  # a training loop repeats a few calls: build each header once
+        if len(_headers) >= _HEADERS_KEPT:
+            _headers.clear()
+        mine = _headers[key] = np.asarray(header(*key), dtype=np.int64)
     headers = _exchange(rt, mine)
     if _enabled:
         problem = disagreement(headers)
@@ -328,7 +337,7 @@ def agree(kind: str, tensor: torch.Tensor | None = None, *, dtype: torch.dtype |
     return None if carried is None else [h[CARRIED] for h in headers]
 
 
-def _exchange(rt: runtime.Runtime, words: list[int]) -> list[list[int]]:
+def _exchange(rt: runtime.Runtime, words: np.ndarray) -> list[list[int]]:
     """Every rank's header, in rank order.
 
     Over MPI when mpiexec started the ranks: a nonblocking all-gather on a communicator kept
@@ -351,10 +360,10 @@ def _exchange(rt: runtime.Runtime, words: list[int]) -> list[list[int]]:
     return found
 
 
-def _exchange_over_mpi(rt: runtime.Runtime, words: list[int]) -> list[list[int]]:
+def _exchange_over_mpi(rt: runtime.Runtime, words: np.ndarray) -> list[list[int]]:
     every = np.empty((rt.size, HEADER_WORDS), dtype=np.int64)
     t0 = time.perf_counter()
-    waiting.wait_for_mpi(rt.check_comm.Iallgather(np.asarray(words, dtype=np.int64), every))
+    waiting.wait_for_mpi(rt.check_comm.Iallgather(words, every))
     runtime.note_wait(time.perf_counter() - t0)  # the straggler strip counts it as waiting
     return every.tolist()
 

@@ -106,8 +106,8 @@ class Progress(threading.Thread):
     """Posts a group's collectives, in the order they were submitted (the same on every rank),
     tests them, and completes their futures; sleeps on a condition while nothing is
     submitted. Only this thread touches the group's communicator. It spins (``sched_yield``
-    between tests) unless ranks outnumber cores, as ipydist's own waits do
-    (:mod:`ipydist.torch.waiting`)."""
+    between tests), for a short while only where ranks outnumber cores, as ipydist's own waits
+    do (``waiting.spin_limit``)."""
 
     def __init__(self, name: str) -> None:
         super().__init__(name=f"ipydist-{NAME}-{name}", daemon=True)
@@ -147,8 +147,7 @@ class Progress(threading.Thread):
             self.join(wait)
 
     def run(self) -> None:
-        rt = runtime.get()
-        spin = rt is None or not rt.oversubscribed
+        spin_for = waiting.spin_limit(runtime.get(), data=True)
         idle_since = None
         while True:
             with self.ready:
@@ -176,7 +175,7 @@ class Progress(threading.Thread):
                           "process group's timeout")
                 return
             idle_since = idle_since or now
-            waiting.pause(now - idle_since, spin)
+            waiting.pause(now - idle_since, now - idle_since < spin_for)
 
     @staticmethod
     def _complete(posted: Posted) -> None:

@@ -52,8 +52,10 @@ SPLIT_ABOVE = 8 << 20
 
 
 def pieces(array) -> list:
-    """``array`` (1-D numpy), or its consecutive pieces when it is large (see PIECE_BYTES)."""
-    if array.nbytes <= SPLIT_ABOVE:
+    """``array`` (1-D numpy), or its consecutive pieces when it is large (see PIECE_BYTES)
+    and the ranks split large reductions (``runtime.Runtime.split_large``)."""
+    rt = runtime.get()
+    if array.nbytes <= SPLIT_ABOVE or (rt is not None and not rt.split_large):
         return [array]
     step = max(1, PIECE_BYTES // array.itemsize)
     return [array[i:i + step] for i in range(0, array.size, step)]
