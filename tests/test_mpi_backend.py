@@ -237,3 +237,15 @@ print("same:", bool(hvd.allreduce(w, op=hvd.Max).equal(hvd.allreduce(w, op=hvd.M
       dist.get_backend())
 """)
     assert "[all ranks] same: True mpi4py" in out, out
+
+
+def test_user_code_asking_for_mpi_keeps_the_group(shell, capsys, mpi_cluster):
+    """Code written for torch's own MPI backend calls init_process_group("mpi"): the torch
+    wheels have none, so ipydist's group, which stands in for it, is kept."""
+    ok(shell, capsys, """%%everyrank
+import torch.distributed as dist
+before = dist.group.WORLD
+dist.init_process_group(backend="mpi")
+kept = (dist.group.WORLD is before, dist.get_backend())
+""")
+    assert shell.run_line_magic("dist_pull", "kept") == [(True, "mpi4py")] * NP
