@@ -130,6 +130,12 @@ if objs != [{"rank": k} for k in range(N)]:
 box = [f"from {r}"]; dist.broadcast_object_list(box, src=3)
 if box != ["from 3"]:
     wrong.append(f"broadcast_object_list: {box}")
+from ipydist.torch import runtime as _rt
+_rt.get().split_large = True  # 4 ranks on 2 cores agreed on whole; pieces on every rank now
+big = torch.full((3_000_000,), float(r + 1))  # 12 MB: three pieces
+dist.all_reduce(big, op=dist.ReduceOp.MAX)
+_rt.get().split_large = False
+check("all_reduce in pieces", big[::999_999], torch.full((4,), float(N)))
 half = dist.new_group([0, 1])  # made on every rank, used by its members
 if r < 2:
     t = torch.ones(1); dist.all_reduce(t, group=half)

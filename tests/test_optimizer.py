@@ -106,11 +106,17 @@ state = (unused.weight.grad is None, hvd.allgather(branch.weight.detach().unsque
         assert all(w.equal(weights[0]) for w in weights)
 
 
-def test_large_parameters_travel_in_their_own_memory(shell, capsys, cluster, transport):
+@pytest.mark.parametrize("split", [True, False], ids=["pieces", "whole"])
+def test_large_parameters_travel_in_their_own_memory(shell, capsys, cluster, transport, split):
     """A parameter of 1 MB or more is a bucket of its own, reduced over MPI in the gradient's
-    memory (in pieces when large): the average still matches one process on the union of the
-    batches, a rank without its gradient sends zeros, and one without a gradient anywhere keeps
-    None. On gloo the same buckets are packed as before."""
+    memory (in 4 MB pieces when above 8 MB, unless a host has more ranks than cores: the test
+    cluster has, so the test sets it both ways on every rank): the average still matches one
+    process on the union of the batches, a rank without its gradient sends zeros, and one
+    without a gradient anywhere keeps None. On gloo the same buckets are packed as before."""
+    run_ok(shell, capsys, f"""%%everyrank
+from ipydist.torch import runtime as _rt
+_rt.get().split_large = {split}
+""")
     run_ok(shell, capsys, """%%everyrank
 import torch, ipydist.torch as hvd
 from ipydist.torch import optimizer as _opt, transport as _tp
@@ -140,9 +146,12 @@ for step in range(3):
     ref_opt.step()
 own = sum(bk.own for bk in opt._buckets)
 maxdiff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
-outcome = (own, maxdiff, model["never"].weight.grad is None, _tp.uses_mpi(X))
+outcome = (own, maxdiff, model["never"].weight.grad is None, _tp.uses_mpi(X),
+           len(_tp.pieces(model["big"].weight.grad.reshape(-1).numpy())))
+_rt.get().split_large = False  # as the ranks agreed at start on this cluster
 """)
-    for own, maxdiff, never_none, mpi in shell.run_line_magic("dist_pull", "outcome"):
+    for own, maxdiff, never_none, mpi, pieces in shell.run_line_magic("dist_pull", "outcome"):
+        assert pieces == (3 if split else 1)
         assert own == 3, "big's, side's and never's weights (1 MB or more) are buckets alone"
         assert maxdiff < 1e-5, maxdiff
         assert never_none, "a parameter with no gradient on any rank keeps grad None"
