@@ -1,0 +1,72 @@
+"""1-bit quantization with error feedback (ipydist.torch.onebit) on known vectors: pure
+arithmetic, no cluster."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ipydist.torch import onebit
+
+
+def test_one_group_on_a_known_vector():
+    q = onebit.quantize(torch.tensor([1.0, 2.0, -1.0, -3.0]))
+    assert q.levels.tolist() == [[-2.0, 1.5]]  # mean of the negatives, mean of the rest
+    assert q.bits.tolist() == [0b0011]
+    assert onebit.dequantize(q).tolist() == [1.5, 1.5, -2.0, -2.0]
+
+
+def test_bits_are_packed_little_endian_and_zero_counts_as_one():
+    x = torch.tensor([1.0, -1, -1, -1, -1, -1, -1, 0.0, 5.0])
+    q = onebit.quantize(x)
+    assert q.bits.tolist() == [0b10000001, 0b1]
+    assert q.numel == 9 and q.bits.nbytes == 2
+
+
+def test_each_group_has_its_own_levels_and_padding_takes_no_part():
+    n = onebit.GROUP + 10  # a full group, then a group of 10 values
+    x = torch.cat([torch.full((onebit.GROUP,), 4.0), torch.tensor([-1.0] * 5 + [3.0] * 5)])
+    q = onebit.quantize(x)
+    assert q.levels.shape == (2, 2)
+    assert q.levels[0, 1] == 4.0 and q.levels[0, 0] == 0.0  # no negatives in group 0
+    assert q.levels[1].tolist() == [-1.0, 3.0]  # not pulled towards 0 by the padding
+    assert onebit.dequantize(q).equal(x) and q.numel == n
+
+
+def test_the_residual_is_exactly_what_was_not_sent():
+    torch.manual_seed(0)
+    grad, residual = torch.randn(3000), torch.randn(3000) * 0.1
+    x = grad + residual
+    q = onebit.quantize_with_feedback(grad, residual)
+    assert residual.equal(x - onebit.dequantize(q))
+
+
+def test_error_feedback_sends_everything_in_the_end():
+    """Over many steps the messages plus the last residual add up to the gradients: nothing
+    is lost, only delayed."""
+    torch.manual_seed(1)
+    residual = torch.zeros(2000, dtype=torch.float32)
+    sent = torch.zeros(2000, dtype=torch.float64)
+    total = torch.zeros(2000, dtype=torch.float64)
+    for _ in range(50):
+        grad = torch.randn(2000)
+        total += grad.double()
+        sent += onebit.dequantize(onebit.quantize_with_feedback(grad, residual)).double()
+    assert torch.allclose(sent + residual.double(), total, atol=1e-4)
+    assert residual.abs().max() < 10, "the residual stays bounded"
+
+
+def test_a_message_is_at_least_20_times_smaller_than_float32():
+    q = onebit.quantize(torch.randn(1 << 20))
+    assert (4 << 20) / q.nbytes >= 20, q.nbytes
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, onebit.GROUP, 3 * onebit.GROUP + 1])
+def test_quantizing_is_deterministic_and_sizes_follow_the_length(n):
+    torch.manual_seed(n)
+    x = torch.randn(n)
+    a, b = onebit.quantize(x), onebit.quantize(x.clone())
+    assert np.array_equal(a.bits, b.bits) and np.array_equal(a.levels, b.levels)
+    assert a.bits.nbytes == -(-n // 8) and a.levels.shape == (onebit.groups(n), 2)
+    assert onebit.dequantize(a).shape == (n,)
