@@ -7,12 +7,10 @@ accumulated, a hook starts an asynchronous allreduce of the whole bucket, so com
 overlaps the rest of backward; ``step()`` waits for what is still in flight, writes the averaged
 gradients back, and runs the wrapped optimizer. Buckets are always launched in index order, so
 every rank issues the same collectives in the same order. A model whose gradients fit in one
-bucket gets no hooks at all: its single allreduce runs in ``step()``.
-
-Each bucket carries one extra number per parameter, "this rank had a gradient", summed with the
-gradients. A parameter that got no gradient on some ranks therefore never blocks the others
-(its bucket is sent with zeros by ``step()``), and one that got no gradient anywhere keeps
-``grad = None``, as it would in a single process.
+bucket gets no hooks at all: its single allreduce runs in ``step()``. How a bucket is packed,
+sent (over MPI or the process group) and unpacked is :mod:`ipydist.torch.buckets`; a parameter
+that got no gradient on some ranks never blocks the others (its bucket is sent with zeros by
+``step()``), and one that got no gradient anywhere keeps ``grad = None``, as in one process.
 
 Before the first bucket of each step leaves, the ranks check that they all send the same
 buckets (:mod:`ipydist.torch.agreement`): a rank with a different model raises, with the
@@ -30,59 +28,21 @@ import contextlib
 import time
 import warnings
 import weakref
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from ipydist.rank.sampler import waits_for_peers
-from ipydist.torch import agreement, consistency, runtime, transport, waiting
+from ipydist.torch import agreement, buckets, consistency, runtime
 from ipydist.torch.collectives import Average, ReduceOp, Sum, _rt, size
 from ipydist.torch.compression import Compression, Compressor
 
 #: Default bucket size, DDP's; benchmarks/train_step.py sweeps it (see the README).
 DEFAULT_BUCKET_CAP_MB = 25.0
-#: Cap of the first bucket (DDP's too): small, so communication starts early in backward.
-FIRST_BUCKET_MB = 1.0
-#: A parameter at least this large is a bucket of its own, which MPI reduces in the gradient's
-#: own memory: packing it into a bucket and unpacking it again cost two passes over it, a
-#: third of DistributedOptimizer's overhead on benchmarks/train_step.py's large model.
-OWN_BUCKET_BYTES = 1 << 20
-
 #: Attribute on each parameter holding the hook of the DistributedOptimizer that owns it. A
 #: notebook re-runs cells, so a second DistributedOptimizer over the same model must take the
 #: hooks over, or the first one's hooks would start collectives nobody waits for.
 _HOOK_ATTR = "_ipydist_grad_hook"
-
-
-@dataclass
-class _Bucket:
-    """Parameters sent together, and the buffer they travel in (kept between steps: a fresh
-    allocation of many megabytes each step costs more than the copy into it)."""
-
-    params: list[torch.nn.Parameter]
-    numel: int
-    ready: set[int] = field(default_factory=set)
-    work: object = None  # the allreduce in flight: a torch Work, or an MPI chain (``mpi``)
-    mpi: bool = False
-    #: One large parameter (OWN_BUCKET_BYTES): over MPI, uncompressed, its gradient travels in
-    #: place (``sent``), followed by its had-gradient flag (``flag``).
-    own: bool = False
-    sent: torch.Tensor | None = None
-    flag: torch.Tensor | None = None
-    wire: torch.Tensor | None = None
-    ctx: object = None
-    buffer: torch.Tensor | None = None  # gradients, then one had-gradient flag per parameter
-    views: list[torch.Tensor] = field(default_factory=list)
-
-    def allocate(self) -> None:
-        first = self.params[0]
-        self.buffer = torch.empty(
-            self.numel + len(self.params), dtype=first.dtype, device=first.device
-        )
-        grads = self.buffer[:self.numel].split([p.numel() for p in self.params])
-        self.views = [v.view_as(p) for v, p in zip(grads, self.params)]
 
 
 class _DistributedMixin:
@@ -111,7 +71,7 @@ class _DistributedMixin:
         f = float(gradient_predivide_factor)
         self._prescale = 1.0 if op is Sum else (1.0 / f if f != 1.0 else 1.0 / size())
         self._postscale = f / size() if op is Average and f != 1.0 else 1.0
-        self._buckets = _plan_buckets(params, bucket_cap_mb * 2**20)
+        self._buckets = buckets.plan(params, bucket_cap_mb * 2**20)
         self._slot = {id(p): (b, i) for b, bucket in enumerate(self._buckets)
                       for i, p in enumerate(bucket.params)}
         self._passes_left = {id(p): self._passes for p in params}
@@ -164,66 +124,14 @@ class _DistributedMixin:
         ):
             self._launch(self._buckets[self._next_launch])
             self._next_launch += 1
-        self._progress()
+        for bucket in self._buckets[:self._next_launch]:  # each hook is a chance to move MPI on
+            if not bucket.progress():
+                break  # later ones wait behind it
 
-    def _progress(self) -> None:
-        """Move the MPI allreduces in flight on: MPI moves them only inside its calls, and
-        each gradient hook is a chance to make one while backward goes on."""
-        for bucket in self._buckets[:self._next_launch]:
-            if bucket.mpi and not transport.progress(bucket.work):
-                return  # later ones wait behind it
-
-    def _launch(self, bucket: _Bucket) -> None:
-        """Pack the bucket (gradients, then one had-gradient flag per parameter) and send it."""
+    def _launch(self, bucket: buckets.Bucket) -> None:
         if not self._step_agreed:
             self._agree_on_step()
-        if self._in_place(bucket):
-            self._launch_in_place(bucket)
-            return
-        if bucket.buffer is None:
-            bucket.allocate()
-        flat = bucket.buffer
-        grads = [p.grad for p in bucket.params]
-        if len(grads) > 8 and bucket.numel < 65536 * len(grads):
-            # many small tensors: one cat and one scale beat a dispatch per tensor
-            torch.cat(
-                [g.reshape(-1) if g is not None else v.new_zeros(v.numel())
-                 for g, v in zip(grads, bucket.views)],
-                out=flat[:bucket.numel],
-            )
-            if self._prescale != 1.0:
-                flat[:bucket.numel].mul_(self._prescale)
-        else:
-            # few large tensors: copy and scale in one pass each, as DDP does
-            for g, view in zip(grads, bucket.views):
-                if g is None:
-                    view.zero_()
-                elif self._prescale != 1.0:
-                    torch.mul(g, self._prescale, out=view)
-                else:
-                    view.copy_(g)
-        flat[bucket.numel:].copy_(torch.tensor([g is not None for g in grads]))
-        bucket.wire, bucket.ctx = self._compression.compress(flat)
-        bucket.mpi = transport.uses_mpi(bucket.wire)
-        if bucket.mpi:
-            bucket.work = transport.start_allreduce(bucket.wire)
-        else:
-            bucket.work = dist.all_reduce(bucket.wire, op=dist.ReduceOp.SUM, async_op=True)
-
-    def _in_place(self, bucket: _Bucket) -> bool:
-        """Whether the bucket's one gradient travels in its own memory (the same answer on
-        every rank: the agreement check made the plan, dtype, device and compression equal)."""
-        return (bucket.own and self._compression is Compression.none
-                and transport.uses_mpi(bucket.params[0]))
-
-    def _launch_in_place(self, bucket: _Bucket) -> None:
-        p = bucket.params[0]
-        grad = p.grad
-        bucket.sent = torch.zeros_like(p) if grad is None else (
-            grad if grad.is_contiguous() else grad.contiguous())
-        bucket.flag = torch.tensor([float(grad is not None)], dtype=p.dtype)
-        bucket.mpi = True
-        bucket.work = transport.start_allreduce(bucket.sent, also=[bucket.flag])
+        bucket.launch(self._compression, self._prescale)
 
     @waits_for_peers("allreduce of gradients (DistributedOptimizer)")
     def _agree_on_step(self) -> None:
@@ -264,63 +172,20 @@ class _DistributedMixin:
             self._next_launch += 1
         for bucket in self._buckets:
             t0 = time.perf_counter()
-            if bucket.mpi:
-                transport.finish(bucket.work)
-            else:
-                waiting.wait_for(bucket.work)
+            bucket.finish()
             runtime.note_wait(time.perf_counter() - t0)  # for the live view's straggler strip
-            if bucket.sent is not None:
-                self._unpack_in_place(bucket)
-                continue
-            flat = self._compression.decompress(bucket.wire, bucket.ctx)
-            had_grad = flat[bucket.numel:].tolist()
-            views = bucket.views if flat is bucket.buffer else [
-                v.view_as(p) for v, p in zip(
-                    flat[:bucket.numel].split([p.numel() for p in bucket.params]),
-                    bucket.params)
-            ]
-            grads, sources = [], []
-            for p, view, had in zip(bucket.params, views, had_grad):
-                if had > 0:
-                    if p.grad is None:
-                        p.grad = view.clone()
-                    else:
-                        grads.append(p.grad)
-                        sources.append(view)
-            if grads:
-                torch._foreach_copy_(grads, sources)  # one dispatch for the whole bucket
-            if self._postscale != 1.0:
-                torch._foreach_mul_(
-                    [p.grad for p, had in zip(bucket.params, had_grad) if had > 0],
-                    self._postscale,
-                )
-            bucket.work = bucket.wire = bucket.ctx = None
-            bucket.ready.clear()
+            bucket.unpack(self._compression, self._prescale, self._postscale)
         self._next_launch = 0
         self._step_agreed = False
         self._passes_left = dict.fromkeys(self._passes_left, self._passes)
         self._grad_marks = self._current_marks()
-
-    def _unpack_in_place(self, bucket: _Bucket) -> None:
-        p, sent = bucket.params[0], bucket.sent
-        if bucket.flag.item() > 0:  # some rank had a gradient
-            if p.grad is None:
-                p.grad = sent
-            elif sent is not p.grad:
-                p.grad.copy_(sent)
-            scale = self._prescale * self._postscale
-            if scale != 1.0:
-                p.grad.mul_(scale)
-        bucket.work = bucket.sent = bucket.flag = None
-        bucket.ready.clear()
 
     def _abandon_pending(self) -> None:
         """Forget a gradient averaging that a failed or interrupted cell left half done (its
         collectives are void: the group is rebuilt where they broke it), so the next cell can
         call ``zero_grad()`` and train on."""
         for bucket in self._buckets:
-            bucket.work = bucket.wire = bucket.ctx = bucket.sent = bucket.flag = None
-            bucket.ready.clear()
+            bucket.abandon()
         self._next_launch = 0
         self._step_agreed = False
         self._announced = None  # the recovery replaces the communicator it was sent on
@@ -380,32 +245,6 @@ def _names_for(params, named_parameters) -> dict[int, str]:
             "pass the named_parameters() of the model the optimizer was built on."
         )
     return {id(p): by_id[id(p)] for p in params}
-
-
-def _plan_buckets(params, cap_bytes: float) -> list[_Bucket]:
-    """Fused buckets of one dtype and device, in reverse order of the parameters.
-
-    As in DDP, a bucket closes once it holds at least its cap, and the first bucket's cap is
-    small (FIRST_BUCKET_MB), so that the first allreduce starts early in backward and overlaps
-    the rest of it. A parameter of OWN_BUCKET_BYTES or more is a bucket of its own.
-    """
-    buckets: list[_Bucket] = []
-    open_by_kind: dict[tuple, tuple[_Bucket, float]] = {}
-    for p in reversed(params):
-        if p.numel() * p.element_size() >= OWN_BUCKET_BYTES:
-            buckets.append(_Bucket([p], p.numel(), own=True))
-            continue
-        kind = (p.dtype, p.device)
-        if kind not in open_by_kind:
-            limit = min(cap_bytes, FIRST_BUCKET_MB * 2**20) if not buckets else cap_bytes
-            open_by_kind[kind] = (_Bucket([], 0), limit)
-            buckets.append(open_by_kind[kind][0])
-        bucket, limit = open_by_kind[kind]
-        bucket.params.append(p)
-        bucket.numel += p.numel()
-        if bucket.numel * p.element_size() >= limit:
-            del open_by_kind[kind]
-    return buckets
 
 
 def DistributedOptimizer(  # noqa: N802 - Horovod's name, a factory like Horovod's

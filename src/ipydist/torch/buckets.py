@@ -1,0 +1,190 @@
+"""DistributedOptimizer's gradient buckets: how they are planned, packed, sent and unpacked.
+
+A bucket is a set of parameters whose gradients travel in one allreduce. Packed buckets copy
+their gradients (scaled, for Average) into one buffer followed by one "this rank had a
+gradient" flag per parameter, summed with the gradients, so that a parameter without a gradient
+on some ranks is averaged with zeros there and one without a gradient anywhere keeps ``None``.
+A parameter of OWN_BUCKET_BYTES or more is a bucket of its own: over MPI and uncompressed, its
+gradient is reduced where it lies, followed by its flag, with no pack and no unpack. The wire
+is MPI or the process group (:mod:`ipydist.torch.transport`); the optimizer decides when.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ipydist.torch import transport, waiting
+from ipydist.torch.compression import Compression, Compressor
+
+#: Cap of the first bucket (DDP's too): small, so communication starts early in backward.
+FIRST_BUCKET_MB = 1.0
+#: A parameter at least this large is a bucket of its own, which MPI reduces in the gradient's
+#: own memory: packing it into a bucket and unpacking it again cost two passes over it, a
+#: third of DistributedOptimizer's overhead on benchmarks/train_step.py's large model.
+OWN_BUCKET_BYTES = 1 << 20
+
+
+@dataclass
+class Bucket:
+    """Parameters sent together, and the buffer they travel in (kept between steps: a fresh
+    allocation of many megabytes each step costs more than the copy into it)."""
+
+    params: list[torch.nn.Parameter]
+    numel: int
+    ready: set[int] = field(default_factory=set)
+    work: object = None  # the allreduce in flight: a torch Work, or an MPI chain (``mpi``)
+    mpi: bool = False
+    #: One large parameter (OWN_BUCKET_BYTES): over MPI, uncompressed, its gradient travels in
+    #: place (``sent``), followed by its had-gradient flag (``flag``).
+    own: bool = False
+    sent: torch.Tensor | None = None
+    flag: torch.Tensor | None = None
+    wire: torch.Tensor | None = None
+    ctx: object = None
+    buffer: torch.Tensor | None = None  # gradients, then one had-gradient flag per parameter
+    views: list[torch.Tensor] = field(default_factory=list)
+
+    def allocate(self) -> None:
+        first = self.params[0]
+        self.buffer = torch.empty(
+            self.numel + len(self.params), dtype=first.dtype, device=first.device
+        )
+        grads = self.buffer[:self.numel].split([p.numel() for p in self.params])
+        self.views = [v.view_as(p) for v, p in zip(grads, self.params)]
+
+    # --- sending ------------------------------------------------------------------------------
+
+    def launch(self, compression: type[Compressor], prescale: float) -> None:
+        """Start this bucket's allreduce (the caller has checked the step with the others)."""
+        if self.travels_in_place(compression):
+            self._launch_in_place()
+            return
+        if self.buffer is None:
+            self.allocate()
+        flat = self.buffer
+        grads = [p.grad for p in self.params]
+        if len(grads) > 8 and self.numel < 65536 * len(grads):
+            # many small tensors: one cat and one scale beat a dispatch per tensor
+            torch.cat(
+                [g.reshape(-1) if g is not None else v.new_zeros(v.numel())
+                 for g, v in zip(grads, self.views)],
+                out=flat[:self.numel],
+            )
+            if prescale != 1.0:
+                flat[:self.numel].mul_(prescale)
+        else:
+            # few large tensors: copy and scale in one pass each, as DDP does
+            for g, view in zip(grads, self.views):
+                if g is None:
+                    view.zero_()
+                elif prescale != 1.0:
+                    torch.mul(g, prescale, out=view)
+                else:
+                    view.copy_(g)
+        flat[self.numel:].copy_(torch.tensor([g is not None for g in grads]))
+        self.wire, self.ctx = compression.compress(flat)
+        self.mpi = transport.uses_mpi(self.wire)
+        if self.mpi:
+            self.work = transport.start_allreduce(self.wire)
+        else:
+            self.work = dist.all_reduce(self.wire, op=dist.ReduceOp.SUM, async_op=True)
+
+    def travels_in_place(self, compression: type[Compressor]) -> bool:
+        """Whether the bucket's one gradient travels in its own memory (the same answer on
+        every rank: the agreement check made the plan, dtype, device and compression equal)."""
+        return (self.own and compression is Compression.none
+                and transport.uses_mpi(self.params[0]))
+
+    def _launch_in_place(self) -> None:
+        p = self.params[0]
+        grad = p.grad
+        self.sent = torch.zeros_like(p) if grad is None else (
+            grad if grad.is_contiguous() else grad.contiguous())
+        self.flag = torch.tensor([float(grad is not None)], dtype=p.dtype)
+        self.mpi = True
+        self.work = transport.start_allreduce(self.sent, also=[self.flag])
+
+    def progress(self) -> bool:
+        """Let an MPI allreduce move on (MPI moves it only inside its calls); True once done
+        (a gloo one moves by itself: True)."""
+        return not self.mpi or transport.progress(self.work)
+
+    # --- receiving ----------------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Wait for the allreduce (a release ends the wait)."""
+        if self.mpi:
+            transport.finish(self.work)
+        else:
+            waiting.wait_for(self.work)
+
+    def unpack(self, compression: type[Compressor], prescale: float, postscale: float) -> None:
+        """Write the averaged gradients into the parameters' ``grad``."""
+        if self.sent is not None:
+            self._unpack_in_place(prescale * postscale)
+            return
+        flat = compression.decompress(self.wire, self.ctx)
+        had_grad = flat[self.numel:].tolist()
+        views = self.views if flat is self.buffer else [
+            v.view_as(p) for v, p in zip(
+                flat[:self.numel].split([p.numel() for p in self.params]), self.params)
+        ]
+        grads, sources = [], []
+        for p, view, had in zip(self.params, views, had_grad):
+            if had > 0:
+                if p.grad is None:
+                    p.grad = view.clone()
+                else:
+                    grads.append(p.grad)
+                    sources.append(view)
+        if grads:
+            torch._foreach_copy_(grads, sources)  # one dispatch for the whole bucket
+        if postscale != 1.0:
+            torch._foreach_mul_(
+                [p.grad for p, had in zip(self.params, had_grad) if had > 0], postscale)
+        self.abandon()
+
+    def _unpack_in_place(self, scale: float) -> None:
+        p, sent = self.params[0], self.sent
+        if self.flag.item() > 0:  # some rank had a gradient
+            if p.grad is None:
+                p.grad = sent
+            elif sent is not p.grad:
+                p.grad.copy_(sent)
+            if scale != 1.0:
+                p.grad.mul_(scale)
+        self.abandon()
+
+    def abandon(self) -> None:
+        """Forget what is in flight (done, or void after a release) and the gradients seen."""
+        self.work = self.wire = self.ctx = self.sent = self.flag = None
+        self.ready.clear()
+
+
+def plan(params, cap_bytes: float) -> list[Bucket]:
+    """Fused buckets of one dtype and device, in reverse order of the parameters.
+
+    As in DDP, a bucket closes once it holds at least its cap, and the first bucket's cap is
+    small (FIRST_BUCKET_MB), so that the first allreduce starts early in backward and overlaps
+    the rest of it. A parameter of OWN_BUCKET_BYTES or more is a bucket of its own.
+    """
+    buckets: list[Bucket] = []
+    open_by_kind: dict[tuple, tuple[Bucket, float]] = {}
+    for p in reversed(params):
+        if p.numel() * p.element_size() >= OWN_BUCKET_BYTES:
+            buckets.append(Bucket([p], p.numel(), own=True))
+            continue
+        kind = (p.dtype, p.device)
+        if kind not in open_by_kind:
+            limit = min(cap_bytes, FIRST_BUCKET_MB * 2**20) if not buckets else cap_bytes
+            open_by_kind[kind] = (Bucket([], 0), limit)
+            buckets.append(open_by_kind[kind][0])
+        bucket, limit = open_by_kind[kind]
+        bucket.params.append(p)
+        bucket.numel += p.numel()
+        if bucket.numel * p.element_size() >= limit:
+            del open_by_kind[kind]
+    return buckets
