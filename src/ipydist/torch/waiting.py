@@ -53,10 +53,12 @@ def wait_for(work) -> None:
 #: _MPI_SLEEP_MIN and _MPI_SLEEP_MAX: a rank far behind must not find its peers spinning on its
 #: cores, nor starve the engine's heartbeat. A data operation (``data_comm``) starts only once
 #: every rank has passed the check, so every rank is there, and it spins until done. With more
-#: ranks on a host than cores, every wait spins for _CROWDED_SPIN_SECONDS only, then sleeps:
-#: spinning ranks took the cores their peers, and a CPU hog, needed (an interrupt then took up
-#: to 3 s to end a loop of small allreduces), while sleeping from the first test made a 4 KB
-#: allreduce take 1.2 ms at np=4 on 2 cores, against 0.19 ms with a 1 ms spin (raw MPI: 0.06).
+#: ranks on a host than cores, a check never spins and a data operation spins for
+#: _CROWDED_SPIN_SECONDS only, then sleeps: spinning ranks took the cores their peers, and a
+#: CPU hog, needed (an interrupt then took up to 3 s to end a loop of small allreduces; with
+#: checks spinning 2 ms too, once 2.1 s), while sleeping from the first test made a 4 KB
+#: allreduce take 1.3 ms at np=4 on 2 cores, against 0.5 ms with data operations spinning
+#: (raw MPI: 0.07-0.09 ms).
 _SPIN_SECONDS = 0.02
 #: For its first _TIGHT_SECONDS a wait tests back to back, not yielding in between: a small
 #: operation is done by then, and a system call per test doubled its time (4 KB at np=2:
@@ -95,7 +97,7 @@ def wait_for_mpi(request, data: bool = False) -> None:
 def spin_limit(rt: runtime.Runtime | None, data: bool) -> float:
     """How long a wait spins before it sleeps (see _SPIN_SECONDS)."""
     if rt is not None and rt.oversubscribed:
-        return _CROWDED_SPIN_SECONDS
+        return _CROWDED_SPIN_SECONDS if data else 0.0
     return float("inf") if data else _SPIN_SECONDS
 
 
