@@ -70,3 +70,16 @@ def test_quantizing_is_deterministic_and_sizes_follow_the_length(n):
     assert np.array_equal(a.bits, b.bits) and np.array_equal(a.levels, b.levels)
     assert a.bits.nbytes == -(-n // 8) and a.levels.shape == (onebit.groups(n), 2)
     assert onebit.dequantize(a).shape == (n,)
+
+
+def test_messages_of_every_rank_sum_to_their_reconstructions():
+    torch.manual_seed(2)
+    n = onebit.GROUP + 100
+    qs = [onebit.quantize(torch.randn(n)) for _ in range(3)]
+    flags = [torch.tensor([1.0, 0.0]), torch.tensor([1.0, 1.0]), torch.tensor([0.0, 1.0])]
+    rows = torch.stack([onebit.to_message(q, f) for q, f in zip(qs, flags)])
+    assert rows.shape == (3, onebit.message_size(n, 2)) and rows.dtype == torch.uint8
+    total, extra = onebit.sum_messages(rows, n, 2)
+    want = onebit.dequantize(qs[0]) + onebit.dequantize(qs[1]) + onebit.dequantize(qs[2])
+    assert total.equal(want)  # the same additions in the same (rank) order: bit-identical
+    assert extra == [2.0, 2.0]

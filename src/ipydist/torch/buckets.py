@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ipydist.torch import transport, waiting
+from ipydist.torch import onebit, runtime, transport, waiting
 from ipydist.torch.compression import Compression, Compressor
 
 #: Cap of the first bucket (DDP's too): small, so communication starts early in backward.
@@ -46,6 +46,10 @@ class Bucket:
     ctx: object = None
     buffer: torch.Tensor | None = None  # gradients, then one had-gradient flag per parameter
     views: list[torch.Tensor] = field(default_factory=list)
+    #: Compression.onebit: what this rank has not sent yet (error feedback), and every rank's
+    #: message, gathered.
+    residual: torch.Tensor | None = None
+    gathered: torch.Tensor | None = None
 
     def allocate(self) -> None:
         first = self.params[0]
@@ -85,6 +89,9 @@ class Bucket:
                 else:
                     view.copy_(g)
         flat[self.numel:].copy_(torch.tensor([g is not None for g in grads]))
+        if compression.gathered:
+            self._launch_gathered(flat)
+            return
         self.wire, self.ctx = compression.compress(flat)
         self.mpi = transport.uses_mpi(self.wire)
         if self.mpi:
@@ -107,6 +114,20 @@ class Bucket:
         self.mpi = True
         self.work = transport.start_allreduce(self.sent, also=[self.flag])
 
+    def _launch_gathered(self, flat: torch.Tensor) -> None:
+        """1-bit: quantize gradients plus residual, and gather every rank's message."""
+        if self.residual is None:
+            self.residual = torch.zeros(self.numel, dtype=torch.float32)
+        quantized = onebit.quantize_with_feedback(flat[:self.numel], self.residual)
+        self.wire = onebit.to_message(quantized, flat[self.numel:])
+        self.gathered = self.wire.new_empty((runtime.get().size, self.wire.numel()))
+        self.mpi = transport.uses_mpi(self.wire)
+        if self.mpi:
+            self.work = transport.start_allgather(self.wire, self.gathered)
+        else:
+            self.work = dist.all_gather_into_tensor(self.gathered.view(-1), self.wire,
+                                                    async_op=True)
+
     def progress(self) -> bool:
         """Let an MPI allreduce move on (MPI moves it only inside its calls); True once done
         (a gloo one moves by itself: True)."""
@@ -126,20 +147,26 @@ class Bucket:
         if self.sent is not None:
             self._unpack_in_place(prescale * postscale)
             return
+        if self.gathered is not None:
+            total, had_grad = onebit.sum_messages(self.gathered, self.numel, len(self.params))
+            self._write(total.split([p.numel() for p in self.params]), had_grad, postscale)
+            return
         flat = compression.decompress(self.wire, self.ctx)
-        had_grad = flat[self.numel:].tolist()
-        views = self.views if flat is self.buffer else [
-            v.view_as(p) for v, p in zip(
-                flat[:self.numel].split([p.numel() for p in self.params]), self.params)
-        ]
+        views = self.views if flat is self.buffer else flat[:self.numel].split(
+            [p.numel() for p in self.params])
+        self._write(views, flat[self.numel:].tolist(), postscale)
+
+    def _write(self, values, had_grad: list, postscale: float) -> None:
+        """Each parameter's averaged gradient from ``values`` (one flat piece per parameter),
+        where some rank had a gradient."""
         grads, sources = [], []
-        for p, view, had in zip(self.params, views, had_grad):
+        for p, value, had in zip(self.params, values, had_grad):
             if had > 0:
                 if p.grad is None:
-                    p.grad = view.clone()
+                    p.grad = value.view_as(p).to(p.dtype, copy=True)
                 else:
                     grads.append(p.grad)
-                    sources.append(view)
+                    sources.append(value.view_as(p))
         if grads:
             torch._foreach_copy_(grads, sources)  # one dispatch for the whole bucket
         if postscale != 1.0:
@@ -160,7 +187,7 @@ class Bucket:
 
     def abandon(self) -> None:
         """Forget what is in flight (done, or void after a release) and the gradients seen."""
-        self.work = self.wire = self.ctx = self.sent = self.flag = None
+        self.work = self.wire = self.ctx = self.sent = self.flag = self.gathered = None
         self.ready.clear()
 
 

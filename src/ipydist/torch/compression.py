@@ -17,6 +17,9 @@ class Compressor:
     """No compression: the buffer travels as it is."""
 
     wire_dtype: torch.dtype | None = None
+    #: Whether every rank's compressed buffer is gathered (and summed by each rank) instead of
+    #: reduced on the wire.
+    gathered = False
 
     @classmethod
     def compress(cls, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
@@ -45,9 +48,19 @@ class BF16Compressor(Compressor):
     wire_dtype = torch.bfloat16
 
 
+class OneBitCompressor(Compressor):
+    """1-bit SGD with error feedback (Seide et al. 2014; :mod:`ipydist.torch.onebit`): each
+    rank sends one bit per gradient value plus two reconstruction values per group of 512,
+    gathered by every rank (not summed on the wire), and keeps what it did not send for the
+    next step. DistributedOptimizer only: the exchange is an allgather, not an allreduce."""
+
+    gathered = True
+
+
 class Compression:
-    """``Compression.none``, ``Compression.fp16``, ``Compression.bf16``."""
+    """``Compression.none``, ``.fp16``, ``.bf16``, and ``.onebit`` (DistributedOptimizer)."""
 
     none = NoneCompressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor
+    onebit = OneBitCompressor

@@ -83,3 +83,33 @@ def quantize_with_feedback(grad: torch.Tensor, residual: torch.Tensor) -> Quanti
     q = quantize(x)
     torch.sub(x, dequantize(q), out=residual)
     return q
+
+
+# --- the message one rank sends: levels, then extra float32 values, then the bits ------------
+
+def message_size(numel: int, extra: int) -> int:
+    """Bytes of a message for ``numel`` values and ``extra`` float32 values sent along."""
+    return groups(numel) * 8 + extra * 4 + -(-numel // 8)
+
+
+def to_message(q: Quantized, extra: torch.Tensor) -> torch.Tensor:
+    """``q`` and the float32 values ``extra`` (sent exactly: the optimizer's had-gradient
+    flags) as one uint8 tensor, the same size on every rank for the same ``numel``."""
+    return torch.from_numpy(np.concatenate([
+        np.ascontiguousarray(q.levels, dtype=np.float32).reshape(-1).view(np.uint8),
+        extra.detach().to(torch.float32).contiguous().numpy().view(np.uint8),
+        q.bits]))
+
+
+def sum_messages(rows: torch.Tensor, numel: int, extra: int) -> tuple[torch.Tensor, list]:
+    """Every rank's message (``rows``: world x message bytes) reconstructed and summed in rank
+    order: the values (float32) and the sums of the extra values. The same on every rank."""
+    data = rows.numpy()
+    level_bytes = groups(numel) * 8
+    total = torch.zeros(numel, dtype=torch.float32)
+    extras = np.zeros(extra, dtype=np.float64)
+    for row in data:
+        levels = row[:level_bytes].view(np.float32).reshape(-1, 2)
+        extras += row[level_bytes:level_bytes + extra * 4].view(np.float32)
+        total += dequantize(Quantized(row[level_bytes + extra * 4:], levels, numel))
+    return total, extras.tolist()

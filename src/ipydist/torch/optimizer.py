@@ -57,7 +57,7 @@ class _DistributedMixin:
         if backward_passes_per_step < 1:
             raise ValueError("backward_passes_per_step must be at least 1")
         if not (isinstance(compression, type) and issubclass(compression, Compressor)):
-            raise TypeError("compression must be Compression.none, .fp16 or .bf16")
+            raise TypeError("compression must be Compression.none, .fp16, .bf16 or .onebit")
         params = [
             p for group in self.param_groups for p in group["params"] if p.requires_grad
         ]

@@ -125,6 +125,12 @@ def allreduce_(tensor: torch.Tensor, op: str) -> None:
         tensor.copy_(buf)
 
 
+def start_allgather(send: torch.Tensor, into: torch.Tensor) -> Chain:
+    """Submit a gather of every rank's contiguous ``send`` into ``into`` (world x its size),
+    for :func:`finish`; the caller keeps both alive and untouched until then."""
+    return _submit([lambda comm: comm.Iallgather(send.numpy(), into.numpy())])
+
+
 def allgather(tensor: torch.Tensor, world: int) -> torch.Tensor:
     """Every rank's ``tensor`` (the same shape on every rank), stacked along a new first dim."""
     send = tensor.contiguous()
