@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from ipydist.protocol import MPI_BACKEND
-from ipydist.torch import runtime, transport
+from ipydist.torch import runtime, transport, waiting
 from ipydist.torch.mpi_progress import Posted, Progress, Work
 
 #: The name the backend is registered under (``dist.get_backend()`` says it).
@@ -314,13 +314,10 @@ def _create(common, _backend_options) -> MPIProcessGroup:
             raise RuntimeError(
                 f"the {NAME} backend needs ranks started by mpiexec or srun: MPI sees "
                 f"{world.size} process(es), torch.distributed {common.group_size}")
-        comm, request = world.Idup()
-        deadline = time.monotonic() + timeout_s
-        while not request.Test():  # collective: a rank that never comes must not hang the rest
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"creating the {NAME} process group timed out: not every "
-                                   "rank joined")
-            time.sleep(0.001)
+        comm = waiting.dup_by(world, time.monotonic() + timeout_s)
+        if comm is None:
+            raise RuntimeError(f"creating the {NAME} process group timed out: not every rank "
+                               "joined")
     return MPIProcessGroup(comm, common.group_rank, common.group_size, timeout_s)
 
 

@@ -133,9 +133,9 @@ def start_allgather(send: torch.Tensor, into: torch.Tensor) -> Chain:
 
 def allgather(tensor: torch.Tensor, world: int) -> torch.Tensor:
     """Every rank's ``tensor`` (the same shape on every rank), stacked along a new first dim."""
-    send = tensor.contiguous()
+    send = tensor.detach().contiguous()
     out = torch.empty((world, *send.shape), dtype=send.dtype)
-    finish(_submit([lambda comm: comm.Iallgather(send.detach().numpy(), out.numpy())]))
+    finish(start_allgather(send, out))
     return out
 
 

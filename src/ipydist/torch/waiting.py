@@ -117,14 +117,25 @@ def replace_check_comm(deadline: float) -> bool:
     rt = runtime.get()
     if rt is None or rt.control_comm is None:
         return True
-    fresh_check, check_request = rt.control_comm.Idup()
-    fresh_data, data_request = rt.control_comm.Idup()
-    while not (check_request.Test() and data_request.Test()):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.002)
+    fresh_check = dup_by(rt.control_comm, deadline)
+    if fresh_check is None:
+        return False
+    fresh_data = dup_by(rt.control_comm, deadline)
+    if fresh_data is None:
+        return False
     rt.check_comm, rt.check_pending = fresh_check, False
     rt.data_comm = fresh_data
     rt.data_queue.clear()  # operations of the old communicator
     rt.announced.clear()  # they belong to the old communicator
     return True
+
+
+def dup_by(comm, deadline: float):
+    """A duplicate of ``comm`` (collective, nonblocking), or None if not every rank joined by
+    ``deadline``: a rank that never comes must not hang the others."""
+    fresh, request = comm.Idup()
+    while not request.Test():
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.002)
+    return fresh
