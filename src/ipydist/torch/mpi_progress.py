@@ -132,8 +132,7 @@ class Progress(threading.Thread):
             left, self.posted = self.posted, []
             self.ready.notify()
         for p in left:
-            if not p.future.done():
-                p.future.set_exception(RuntimeError(message))
+            _settle(p.future, error=RuntimeError(message))
         return left
 
     def stop(self, wait: float = 1.0) -> None:
@@ -182,6 +181,19 @@ class Progress(threading.Thread):
         try:
             if posted.finish is not None:
                 posted.finish()
-            posted.future.set_result(posted.result)
         except Exception as e:
-            posted.future.set_exception(e)
+            _settle(posted.future, error=e)
+            return
+        _settle(posted.future, result=posted.result)
+
+
+def _settle(future: Future, result=None, error: Exception | None = None) -> None:
+    """Complete ``future`` unless it is complete already: a release can fail it from another
+    thread just as the operation finishes here."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except RuntimeError:  # completed meanwhile
+        pass
