@@ -7,6 +7,7 @@
     total = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum)   # == hvd.size()
 """
 
+from ipydist.torch.block_momentum import BlockMomentum
 from ipydist.torch.checkpoint import load_checkpoint, save_checkpoint
 from ipydist.torch.collectives import (
     Average,
@@ -42,7 +43,8 @@ from ipydist.torch.mpi_backend import register as _register_mpi_backend
 from ipydist.torch.optimizer import DistributedOptimizer
 
 __all__ = [
-    "Average", "Compression", "DistributedOptimizer", "Max", "Min", "ReduceOp", "ShardSampler",
+    "Average", "BlockMomentum", "Compression", "DistributedOptimizer", "Max", "Min", "ReduceOp",
+    "ShardSampler",
     "Sum", "allgather", "allgather_object", "allreduce", "allreduce_", "barrier",
     "broadcast", "broadcast_", "broadcast_object", "broadcast_optimizer_state",
     "broadcast_parameters", "cross_rank", "cross_size", "device", "init", "load_checkpoint",

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ipydist.torch import onebit, runtime, transport, waiting
+from ipydist.torch import runtime, transport, waiting
 from ipydist.torch.compression import Compression, Compressor
+from ipydist.torch.onebit_exchange import OneBitExchange
 
 #: Cap of the first bucket (DDP's too): small, so communication starts early in backward.
 FIRST_BUCKET_MB = 1.0
@@ -46,10 +47,10 @@ class Bucket:
     ctx: object = None
     buffer: torch.Tensor | None = None  # gradients, then one had-gradient flag per parameter
     views: list[torch.Tensor] = field(default_factory=list)
-    #: Compression.onebit: what this rank has not sent yet (error feedback), and every rank's
-    #: message, gathered.
-    residual: torch.Tensor | None = None
-    gathered: torch.Tensor | None = None
+    #: Compression.onebit: the bucket's exchange and the residuals it keeps between steps.
+    onebit: OneBitExchange | None = None
+    #: What this rank sent in the last launch (transport.bytes_sent's model).
+    sent_bytes: int = 0
 
     def allocate(self) -> None:
         first = self.params[0]
@@ -89,10 +90,11 @@ class Bucket:
                 else:
                     view.copy_(g)
         flat[self.numel:].copy_(torch.tensor([g is not None for g in grads]))
-        if compression.gathered:
-            self._launch_gathered(flat)
+        if compression.summed_by_ranks:
+            self._launch_onebit(flat)
             return
         self.wire, self.ctx = compression.compress(flat)
+        self._count("allreduce", self.wire)
         self.mpi = transport.uses_mpi(self.wire)
         if self.mpi:
             self.work = transport.start_allreduce(self.wire)
@@ -111,33 +113,40 @@ class Bucket:
         self.sent = torch.zeros_like(p) if grad is None else (
             grad if grad.is_contiguous() else grad.contiguous())
         self.flag = torch.tensor([float(grad is not None)], dtype=p.dtype)
+        self._count("allreduce", self.sent, self.flag)
         self.mpi = True
         self.work = transport.start_allreduce(self.sent, also=[self.flag])
 
-    def _launch_gathered(self, flat: torch.Tensor) -> None:
-        """1-bit: quantize gradients plus residual, and gather every rank's message."""
-        if self.residual is None:
-            self.residual = torch.zeros(self.numel, dtype=torch.float32)
-        quantized = onebit.quantize_with_feedback(flat[:self.numel], self.residual)
-        self.wire = onebit.to_message(quantized, flat[self.numel:])
-        self.gathered = self.wire.new_empty((runtime.get().size, self.wire.numel()))
-        self.mpi = transport.uses_mpi(self.wire)
-        if self.mpi:
-            self.work = transport.start_allgather(self.wire, self.gathered)
-        else:
-            self.work = dist.all_gather_into_tensor(self.gathered.view(-1), self.wire,
-                                                    async_op=True)
+    def onebit_exchange(self) -> OneBitExchange:
+        """The bucket's 1-bit exchange, made with zero residuals on first use."""
+        if self.onebit is None:
+            rt = runtime.get()
+            self.onebit = OneBitExchange(self.numel, len(self.params), rt.size, rt.rank)
+        return self.onebit
+
+    def _launch_onebit(self, flat: torch.Tensor) -> None:
+        """1-bit: quantize gradients plus residual, and exchange the messages by stripes."""
+        self.sent_bytes = self.onebit_exchange().start(flat)
+        self.work, self.mpi = self.onebit, self.onebit.mpi
+
+    def _count(self, collective: str, *tensors: torch.Tensor) -> None:
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        self.sent_bytes = transport.bytes_sent(collective, nbytes, runtime.get().size)
 
     def progress(self) -> bool:
         """Let an MPI allreduce move on (MPI moves it only inside its calls); True once done
         (a gloo one moves by itself: True)."""
+        if self.work is self.onebit:
+            return self.onebit.progress()
         return not self.mpi or transport.progress(self.work)
 
     # --- receiving ----------------------------------------------------------------------------
 
     def finish(self) -> None:
         """Wait for the allreduce (a release ends the wait)."""
-        if self.mpi:
+        if self.work is self.onebit:
+            self.onebit.finish()
+        elif self.mpi:
             transport.finish(self.work)
         else:
             waiting.wait_for(self.work)
@@ -147,8 +156,8 @@ class Bucket:
         if self.sent is not None:
             self._unpack_in_place(prescale * postscale)
             return
-        if self.gathered is not None:
-            total, had_grad = onebit.sum_messages(self.gathered, self.numel, len(self.params))
+        if self.work is not None and self.work is self.onebit:
+            total, had_grad = self.onebit.result()
             self._write(total.split([p.numel() for p in self.params]), had_grad, postscale)
             return
         flat = compression.decompress(self.wire, self.ctx)
@@ -187,7 +196,9 @@ class Bucket:
 
     def abandon(self) -> None:
         """Forget what is in flight (done, or void after a release) and the gradients seen."""
-        self.work = self.wire = self.ctx = self.sent = self.flag = self.gathered = None
+        if self.onebit is not None:
+            self.onebit.abandon()
+        self.work = self.wire = self.ctx = self.sent = self.flag = None
         self.ready.clear()
 
 

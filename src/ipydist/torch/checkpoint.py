@@ -17,12 +17,13 @@ import os
 import pickle
 import re
 import secrets
+import warnings
 from typing import Any
 
 import torch
 
-from ipydist.torch.collectives import device, rank
-from ipydist.torch.functions import broadcast_object
+from ipydist.torch.collectives import device, rank, size
+from ipydist.torch.functions import allgather_object, broadcast_object
 
 
 def save_checkpoint(path: str | os.PathLike, /, **state: Any) -> None:
@@ -34,12 +35,20 @@ def save_checkpoint(path: str | os.PathLike, /, **state: Any) -> None:
     saved on the device they are on. Every rank calls it (it is collective). When rank 0 cannot
     write, every rank raises ``RuntimeError`` with rank 0's reason, and a checkpoint that was
     already at ``path`` is left as it was.
+
+    State that differs between ranks by design (1-bit SGD's residuals, block momentum's local
+    models within a block) is gathered from every rank into the saved state dict, and each
+    rank's ``load_state_dict`` takes its own back: resuming continues bit-identically.
     """
     path = os.fspath(path)
     error, cause = None, None
+    per_rank = _rank_states(state)
     if rank() == 0:
         try:
-            _atomic_save({k: _saved_form(v) for k, v in state.items()}, path)
+            saved = {k: _saved_form(v) for k, v in state.items()}
+            for k, states in per_rank.items():
+                saved[k] = {**saved[k], RANK_STATE_KEY: states}
+            _atomic_save(saved, path)
         except Exception as e:  # every rank must hear about it, so none waits forever
             error, cause = f"{type(e).__name__}: {e}", e
     error = broadcast_object(error, root_rank=0)  # also the barrier: the file is there now
@@ -76,6 +85,37 @@ def load_checkpoint(path: str | os.PathLike, *, weights_only: bool = True) -> di
             "could run code from the file. If you trust the file, load it with "
             "load_checkpoint(path, weights_only=False)."
         ) from e
+
+
+#: Key, in a saved state dict, of the per-rank states ``save_checkpoint`` gathers (a list in
+#: rank order): what differs between ranks by design, such as 1-bit SGD's residuals or block
+#: momentum's local model, which rank 0's own state dict cannot stand for.
+RANK_STATE_KEY = "ipydist_rank_state"
+
+
+def this_ranks(per_rank: list | None, what: str) -> Any:
+    """This rank's entry of a gathered per-rank state, or None (with a warning when the
+    checkpoint was written by a different number of ranks: ``what`` then start afresh)."""
+    if per_rank is None:
+        return None
+    if len(per_rank) != size():
+        warnings.warn(
+            f"the checkpoint was written by {len(per_rank)} ranks and this run has {size()}: "
+            f"{what} start afresh", stacklevel=3)
+        return None
+    return per_rank[rank()]
+
+
+def _rank_states(state: dict[str, Any]) -> dict[str, list]:
+    """Every rank's own state of each value that has one (collective: every rank calls
+    ``save_checkpoint``), gathered to every rank; empty when no value has one."""
+    mine = {k: v._ipydist_rank_state() for k, v in state.items()
+            if callable(getattr(v, "_ipydist_rank_state", None))}
+    mine = {k: v for k, v in mine.items() if v is not None}
+    if not any(allgather_object(bool(mine))):
+        return {}
+    everyone = allgather_object(mine)
+    return {k: [states.get(k) for states in everyone] for k in set().union(*everyone)}
 
 
 def _saved_form(value: Any) -> Any:

@@ -17,9 +17,9 @@ class Compressor:
     """No compression: the buffer travels as it is."""
 
     wire_dtype: torch.dtype | None = None
-    #: Whether every rank's compressed buffer is gathered (and summed by each rank) instead of
-    #: reduced on the wire.
-    gathered = False
+    #: Whether the compressed buffers are summed by the ranks (1-bit messages cannot be added
+    #: on the wire) instead of reduced by the allreduce.
+    summed_by_ranks = False
 
     @classmethod
     def compress(cls, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
@@ -50,11 +50,12 @@ class BF16Compressor(Compressor):
 
 class OneBitCompressor(Compressor):
     """1-bit SGD with error feedback (Seide et al. 2014; :mod:`ipydist.torch.onebit`): each
-    rank sends one bit per gradient value plus two reconstruction values per group of 512,
-    gathered by every rank (not summed on the wire), and keeps what it did not send for the
-    next step. DistributedOptimizer only: the exchange is an allgather, not an allreduce."""
+    rank sends one bit per gradient value plus two reconstruction values per group of 512
+    (summed by the owner of each stripe, not on the wire), and keeps what it did not send for
+    the next step. DistributedOptimizer only: the exchange is an all-to-all then an
+    allgather of 1-bit messages, not an allreduce."""
 
-    gathered = True
+    summed_by_ranks = True
 
 
 class Compression:

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ipydist.rank.sampler import waits_for_peers
-from ipydist.torch import agreement, buckets, consistency, runtime
+from ipydist.torch import agreement, buckets, checkpoint, consistency, runtime
 from ipydist.torch.collectives import Average, ReduceOp, Sum, _rt, size
 from ipydist.torch.compression import Compression, Compressor
 
@@ -48,9 +48,11 @@ _HOOK_ATTR = "_ipydist_grad_hook"
 class _DistributedMixin:
     """Methods mixed into a subclass of the wrapped optimizer's own class."""
 
+    wrapper_name = "DistributedOptimizer"
+
     def _ipydist_setup(
         self, named_parameters, compression, backward_passes_per_step, op,
-        gradient_predivide_factor, bucket_cap_mb,
+        gradient_predivide_factor, bucket_cap_mb, distributed_after,
     ) -> None:
         if op not in (Average, Sum):
             raise ValueError(f"DistributedOptimizer op must be Average or Sum, not {op}")
@@ -58,12 +60,20 @@ class _DistributedMixin:
             raise ValueError("backward_passes_per_step must be at least 1")
         if not (isinstance(compression, type) and issubclass(compression, Compressor)):
             raise TypeError("compression must be Compression.none, .fp16, .bf16 or .onebit")
+        if not isinstance(distributed_after, int) or distributed_after < 0:
+            raise ValueError("distributed_after must be a number of steps, 0 or more")
         params = [
             p for group in self.param_groups for p in group["params"] if p.requires_grad
         ]
         consistency.track_optimizer(self)  # kept in step after an interrupt
         self._names = _names_for(params, named_parameters)
         self._compression = compression
+        self._distributed_after = distributed_after
+        # Steps completed: the same on every rank, and put back in step by the recovery
+        # (tracked), since it decides when the compression starts.
+        self._steps = torch.zeros((), dtype=torch.int64)
+        if distributed_after:
+            consistency.track_tensors([self._steps])
         self._passes = backward_passes_per_step
         self._op = op
         # Average divides by the world size before the sum (fewer overflows in 16 bits), or
@@ -78,11 +88,13 @@ class _DistributedMixin:
         self._next_launch = 0
         self._step_agreed = False  # this step's buckets were checked against the other ranks'
         self._announced: agreement.Announced | None = None  # this step's check, sent ahead
-        self._header: np.ndarray | None = None  # what it sends (built on first use)
-        self._plan = agreement.plan_hash(
-            [(b.numel, str(b.params[0].dtype), b.params[0].device.type) for b in self._buckets]
-            + [compression.__name__])
+        self._headers: dict[type, np.ndarray] = {}  # what it sends, per compression
+        self._plan = [(b.numel, str(b.params[0].dtype), b.params[0].device.type)
+                      for b in self._buckets]
         self._grad_marks: list | None = None  # gradients as the last synchronize() left them
+        #: Bytes this rank has sent averaging gradients (``transport.bytes_sent``'s model of
+        #: the collectives): compressions compared by what they put on the network.
+        self.bytes_sent = 0
         self._skip_sync = False
         hook = self._make_hook() if len(self._buckets) > 1 else None
         for p in params:
@@ -131,7 +143,8 @@ class _DistributedMixin:
     def _launch(self, bucket: buckets.Bucket) -> None:
         if not self._step_agreed:
             self._agree_on_step()
-        bucket.launch(self._compression, self._prescale)
+        bucket.launch(self._compression_now(), self._prescale)
+        self.bytes_sent += bucket.sent_bytes
 
     @waits_for_peers("allreduce of gradients (DistributedOptimizer)")
     def _agree_on_step(self) -> None:
@@ -153,7 +166,14 @@ class _DistributedMixin:
         first = self._buckets[0].params[0]  # only called when there are buckets
         return dict(dtype=first.dtype, device=first.device,
                     shape=[b.numel for b in self._buckets], op=self._op,
-                    prescale=self._prescale, postscale=self._postscale, extra=self._plan)
+                    prescale=self._prescale, postscale=self._postscale,
+                    extra=agreement.plan_hash(self._plan + [self._compression_now().__name__]))
+
+    def _compression_now(self) -> type[Compressor]:
+        """The compression of this step: none during the warm start (``distributed_after``)."""
+        if self._distributed_after and int(self._steps) < self._distributed_after:
+            return Compression.none
+        return self._compression
 
     # --- at step ------------------------------------------------------------------------------
 
@@ -174,11 +194,12 @@ class _DistributedMixin:
             t0 = time.perf_counter()
             bucket.finish()
             runtime.note_wait(time.perf_counter() - t0)  # for the live view's straggler strip
-            bucket.unpack(self._compression, self._prescale, self._postscale)
+            bucket.unpack(self._compression_now(), self._prescale, self._postscale)
         self._next_launch = 0
         self._step_agreed = False
         self._passes_left = dict.fromkeys(self._passes_left, self._passes)
         self._grad_marks = self._current_marks()
+        self._steps += 1
 
     def _abandon_pending(self) -> None:
         """Forget a gradient averaging that a failed or interrupted cell left half done (its
@@ -221,10 +242,43 @@ class _DistributedMixin:
             )
         super().zero_grad(set_to_none=set_to_none)
         if self._announced is None and self._buckets and not self._step_agreed:
-            if self._header is None:
-                self._header = np.asarray(
+            compression = self._compression_now()
+            if compression not in self._headers:
+                self._headers[compression] = np.asarray(
                     agreement.header("optimizer step", **self._signature()), dtype=np.int64)
-            self._announced = agreement.announce(self._header)
+            self._announced = agreement.announce(self._headers[compression])
+
+    # --- checkpoints --------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The wrapped optimizer's state, plus the steps taken (for ``distributed_after``)."""
+        state = super().state_dict()
+        state[_STATE_KEY] = {"steps": int(self._steps)}
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load what :meth:`state_dict` returned; from a checkpoint written by
+        ``hvd.save_checkpoint``, also this rank's own 1-bit residuals."""
+        state_dict = dict(state_dict)
+        ours = state_dict.pop(_STATE_KEY, None) or {}
+        per_rank = state_dict.pop(checkpoint.RANK_STATE_KEY, None)
+        super().load_state_dict(state_dict)
+        self._steps.fill_(int(ours.get("steps", 0)))
+        mine = checkpoint.this_ranks(per_rank, "DistributedOptimizer's 1-bit residuals")
+        saved = (mine or {}).get("onebit") or [None] * len(self._buckets)
+        for bucket, state in zip(self._buckets, saved):  # none saved: start afresh
+            bucket.onebit = None
+            if state is not None:
+                bucket.onebit_exchange().load(state)
+
+    def _ipydist_rank_state(self) -> dict | None:
+        """What differs between ranks and a checkpoint must keep per rank: 1-bit residuals."""
+        states = [None if b.onebit is None else b.onebit.state() for b in self._buckets]
+        return None if all(s is None for s in states) else {"onebit": states}
+
+
+#: Key of ipydist's own entries in the optimizer's state dict.
+_STATE_KEY = "ipydist"
 
 
 def _names_for(params, named_parameters) -> dict[int, str]:
@@ -255,6 +309,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name, a factory like Horovod
     op: ReduceOp = Average,
     gradient_predivide_factor: float = 1.0,
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+    distributed_after: int = 0,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` uses gradients averaged over all ranks.
 
@@ -262,20 +317,34 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name, a factory like Horovod
     original's state. ``backward_passes_per_step=k`` sums k local backward passes before one
     allreduce (scale the loss by 1/k for the mean, as with any gradient accumulation).
     Call ``synchronize()`` then step inside ``skip_synchronize()`` to clip averaged gradients.
+
+    ``distributed_after=n`` (CNTK's name) warm-starts a compression: the first n steps average
+    gradients in full precision, the later ones use ``compression``. CNTK counts samples and
+    trains as one worker before; here it counts optimizer steps (a torch optimizer never sees
+    the batch) and every rank trains on its own data from the first step.
     """
     if isinstance(optimizer, _DistributedMixin):
         raise ValueError("this optimizer is already a DistributedOptimizer")
-    base = type(optimizer)
-    cls = type(base.__name__, (_DistributedMixin, base), {"__module__": base.__module__})
-    wrapped = cls.__new__(cls)
-    wrapped.__dict__ = optimizer.__dict__  # the same state, param_groups and hooks
-    if "step" in wrapped.__dict__:  # an LR scheduler patched the instance's step
-        warnings.warn(
-            "wrap the optimizer in DistributedOptimizer before creating its LR scheduler",
-            stacklevel=2,
-        )
+    wrapped = wrap(optimizer, _DistributedMixin)
     wrapped._ipydist_setup(
         named_parameters, compression, backward_passes_per_step, op,
-        gradient_predivide_factor, bucket_cap_mb,
+        gradient_predivide_factor, bucket_cap_mb, distributed_after,
     )
+    return wrapped
+
+
+def wrap(optimizer: torch.optim.Optimizer, mixin: type) -> torch.optim.Optimizer:
+    """``optimizer`` as an instance of a subclass of its own class with ``mixin``'s methods
+    first, sharing the original's state, param_groups and hooks (LR schedulers accept it)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"expected a torch.optim.Optimizer, not {type(optimizer).__name__}")
+    base = type(optimizer)
+    cls = type(base.__name__, (mixin, base), {"__module__": base.__module__})
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__ = optimizer.__dict__
+    if "step" in wrapped.__dict__:  # an LR scheduler patched the instance's step
+        warnings.warn(
+            f"wrap the optimizer in {mixin.wrapper_name} before creating its LR scheduler",
+            stacklevel=3,
+        )
     return wrapped

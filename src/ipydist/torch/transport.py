@@ -98,6 +98,19 @@ def _advance() -> None:
         queue.popleft()
 
 
+def bytes_sent(collective: str, nbytes: int, world: int) -> int:
+    """Bytes one rank sends in ``collective`` ("allreduce", "alltoall" or "allgather") of
+    ``nbytes`` per rank, under the bandwidth-optimal algorithms MPI and gloo use for large
+    messages: a ring (or reduce-scatter then allgather) allreduce sends 2 (N-1)/N of the
+    buffer, an all-to-all the N-1 rows for the others, an allgather forwards the N-1 other
+    ranks' messages. For comparing compressions, not a measurement."""
+    if collective == "allreduce":
+        return 2 * (world - 1) * nbytes // world
+    if collective == "alltoall":  # nbytes: the whole send buffer, one row per rank
+        return (world - 1) * nbytes // world
+    return (world - 1) * nbytes
+
+
 def start_allreduce(tensor: torch.Tensor, op: str = "sum", also=()) -> Chain:
     """Submit an in-place reduction of the contiguous ``tensor`` (then of each tensor in
     ``also``), for :func:`finish`; the caller keeps them alive and untouched until then."""
@@ -129,6 +142,17 @@ def start_allgather(send: torch.Tensor, into: torch.Tensor) -> Chain:
     """Submit a gather of every rank's contiguous ``send`` into ``into`` (world x its size),
     for :func:`finish`; the caller keeps both alive and untouched until then."""
     return _submit([lambda comm: comm.Iallgather(send.numpy(), into.numpy())])
+
+
+def start_alltoall_then_allgather(send: torch.Tensor, recv: torch.Tensor, middle,
+                                  into: torch.Tensor) -> Chain:
+    """Submit an all-to-all of ``send``'s rows (world x n, row j to rank j) into ``recv``, then,
+    once it is done, an allgather into ``into`` of the tensor ``middle()`` returns (computed
+    from ``recv``; the caller keeps it alive): one operation, for :func:`finish`."""
+    def gather(comm):
+        return comm.Iallgather(middle().numpy(), into.numpy())
+
+    return _submit([lambda comm: comm.Ialltoall(send.numpy(), recv.numpy()), gather])
 
 
 def allgather(tensor: torch.Tensor, world: int) -> torch.Tensor:

@@ -1,0 +1,216 @@
+"""Block momentum: blockwise model-update filtering, BMUF (Chen & Huo, "Scalable training of
+deep learning machines by incremental block training with intra-block parallel optimization
+and blockwise model-update filtering", ICASSP 2016), as CNTK's
+``block_momentum_distributed_learner`` does it.
+
+Algorithm. Every rank holds the global model ``W`` and the block update ``D`` (both start as
+the initial model and zero). A block:
+
+1. each rank trains its own copy of the model on its own data for ``block_size`` steps of its
+   local optimizer, starting from the block's start ``S``, and reaches ``W_i``;
+2. the ranks average their models, one allreduce per block: ``G = mean(W_i) - S``;
+3. block momentum filters the update: ``D = block_momentum * D + block_learning_rate * G``;
+4. ``W = W + D``; the next block starts from ``S = W + block_momentum * D`` (Nesterov-style
+   look-ahead, the default) or ``S = W``.
+
+``block_momentum`` defaults to ``1 - 1/size``, as CNTK sets it when it is not given. With
+``block_momentum=0`` and ``block_learning_rate=1`` this is model averaging (local SGD), and with
+``block_size=1`` too, synchronous SGD by averaging models. Communication falls by the block
+length: one allreduce of the model per ``block_size`` steps.
+
+As in ``ddp_comm_hooks``, the arithmetic is one function (:func:`filter_block`) on a small
+state object (:class:`BlockState`); :func:`BlockMomentum` wraps an optimizer to run it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ipydist.rank.sampler import waits_for_peers
+from ipydist.torch import checkpoint, consistency, transport
+from ipydist.torch.collectives import Average, allreduce_, broadcast_, size
+from ipydist.torch.optimizer import _DistributedMixin, wrap
+
+#: Key of the block state in the optimizer's state dict.
+_STATE_KEY = "ipydist_block"
+
+
+@dataclass
+class BlockState:
+    """What BMUF keeps between blocks for the parameters of one dtype and device, flattened:
+    the global model ``W``, the filtered block update ``D``, the block's start ``S``."""
+
+    params: list[torch.Tensor]
+    global_model: torch.Tensor
+    update: torch.Tensor
+    start: torch.Tensor
+
+    @classmethod
+    def of(cls, params: list[torch.Tensor]) -> BlockState:
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        return cls(params, flat, torch.zeros_like(flat), flat.clone())
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.global_model, self.update, self.start]
+
+    def place(self, flat: torch.Tensor) -> None:
+        """Copy the flat ``flat`` into the parameters."""
+        sizes = [p.numel() for p in self.params]
+        torch._foreach_copy_([p.data for p in self.params],
+                             [v.view_as(p) for v, p in zip(flat.split(sizes), self.params)])
+
+    def place_start(self) -> None:
+        self.place(self.start)
+
+    def flat_params(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in self.params])
+
+
+def filter_block(state: BlockState, averaged: torch.Tensor, block_momentum: float,
+                 block_learning_rate: float, nesterov: bool) -> None:
+    """BMUF's update (steps 2-4 above) from ``averaged``, the mean of every rank's model at the
+    end of the block (overwritten); leaves the next block's start in the parameters."""
+    gain = averaged.sub_(state.start)  # G
+    state.update.mul_(block_momentum).add_(gain, alpha=block_learning_rate)
+    state.global_model.add_(state.update)
+    if nesterov:
+        torch.add(state.global_model, state.update, alpha=block_momentum, out=state.start)
+    else:
+        state.start.copy_(state.global_model)
+    state.place_start()
+
+
+class _BlockMomentumMixin:
+    """Methods mixed into a subclass of the wrapped optimizer's own class."""
+
+    wrapper_name = "BlockMomentum"
+
+    def _block_setup(self, block_size, block_momentum, block_learning_rate, nesterov,
+                     reset_sgd_momentum) -> None:
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a number of steps, 1 or more, not {block_size!r}")
+        if block_momentum is None:
+            block_momentum = 1.0 - 1.0 / size()
+        if not 0.0 <= block_momentum < 1.0:
+            raise ValueError(f"block_momentum must be in [0, 1), not {block_momentum}")
+        if not block_learning_rate > 0.0:
+            raise ValueError(f"block_learning_rate must be above 0, not {block_learning_rate}")
+        self.block_size = block_size
+        self.block_momentum = float(block_momentum)
+        self.block_learning_rate = float(block_learning_rate)
+        self.nesterov = bool(nesterov)
+        self.reset_sgd_momentum = bool(reset_sgd_momentum)
+        kinds: dict[tuple, list] = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                kinds.setdefault((p.dtype, p.device), []).append(p)
+        self._blocks = [BlockState.of(ps) for ps in kinds.values()]
+        for block in self._blocks:
+            # every rank starts from rank 0's model, or the global models would differ for good
+            broadcast_(block.global_model, root_rank=0)
+            block.start.copy_(block.global_model)
+            block.place_start()
+        #: Local steps taken in this block (the same on every rank).
+        self._block_steps = torch.zeros((), dtype=torch.int64)
+        #: Bytes this rank has sent averaging models (as DistributedOptimizer's).
+        self.bytes_sent = 0
+        # Kept in step by the recovery: after an interrupt every rank goes on from rank 0's
+        # block (its local model and optimizer state too, tracked with the optimizer).
+        consistency.track_optimizer(self)
+        consistency.track_tensors(
+            [t for block in self._blocks for t in block.tensors()] + [self._block_steps])
+
+    def step(self, closure=None):
+        """A local step; the last one of a block also averages and filters the models."""
+        loss = super().step(closure)
+        self._block_steps += 1
+        if int(self._block_steps) >= self.block_size:
+            self.synchronize()
+        return loss
+
+    @waits_for_peers("average of models (BlockMomentum)")
+    def synchronize(self) -> None:
+        """End the block now (collective: every rank calls it): average the models, filter the
+        update, and leave every rank at the next block's start. ``step()`` calls it every
+        ``block_size`` steps; call it yourself before evaluating or saving mid-block."""
+        for block in self._blocks:
+            averaged = block.flat_params()
+            allreduce_(averaged, op=Average)
+            self.bytes_sent += transport.bytes_sent(
+                "allreduce", averaged.numel() * averaged.element_size(), size())
+            filter_block(block, averaged, self.block_momentum, self.block_learning_rate,
+                         self.nesterov)
+        self._block_steps.zero_()
+        if self.reset_sgd_momentum:  # CNTK's reset_sgd_momentum_after_aggregation
+            for state in self.state.values():
+                state.pop("momentum_buffer", None)
+
+    # --- checkpoints --------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The local optimizer's state, plus the block state (the same on every rank)."""
+        state = super().state_dict()
+        state[_STATE_KEY] = {"steps": int(self._block_steps),
+                             "blocks": [[t.clone() for t in b.tensors()] for b in self._blocks]}
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load what :meth:`state_dict` returned; from a checkpoint written by
+        ``hvd.save_checkpoint``, also this rank's own local model and optimizer state. Load
+        the model first: within a block this puts the rank's own parameters back."""
+        state_dict = dict(state_dict)
+        ours = state_dict.pop(_STATE_KEY, None)
+        mine = checkpoint.this_ranks(state_dict.pop(checkpoint.RANK_STATE_KEY, None),
+                                     "BlockMomentum's local models")
+        if mine is not None:
+            state_dict["state"] = mine["state"]
+        super().load_state_dict(state_dict)
+        if ours is not None:
+            self._block_steps.fill_(ours["steps"])
+            for block, saved in zip(self._blocks, ours["blocks"]):
+                for t, value in zip(block.tensors(), saved):
+                    t.copy_(value)
+        if mine is not None and mine["params"] is not None:
+            for block, flat in zip(self._blocks, mine["params"]):
+                block.place(flat.to(block.start.device))
+
+    def _ipydist_rank_state(self) -> dict:
+        """What a checkpoint keeps per rank: the local optimizer state, and within a block the
+        local model (at a block's end every rank's model is the block's start)."""
+        mid_block = int(self._block_steps) > 0
+        return {
+            "state": super().state_dict()["state"],
+            "params": [b.flat_params() for b in self._blocks] if mid_block else None,
+        }
+
+
+def BlockMomentum(  # noqa: N802 - a factory named like the class it returns, as Horovod's
+    optimizer: torch.optim.Optimizer,
+    block_size: int,
+    block_momentum: float | None = None,
+    block_learning_rate: float = 1.0,
+    nesterov: bool = True,
+    reset_sgd_momentum: bool = True,
+) -> torch.optim.Optimizer:
+    """Wrap a local ``optimizer`` for block momentum training (BMUF, see the module docstring).
+
+    Each rank trains on its own data and the models are averaged and filtered once every
+    ``block_size`` optimizer steps (CNTK counts samples; a torch optimizer never sees the
+    batch, so here it is steps: samples per block = block_size x batch x ranks).
+    ``block_momentum`` defaults to ``1 - 1/size``; 0 gives model averaging (local SGD).
+    ``reset_sgd_momentum`` clears SGD's momentum buffers after each block, as CNTK does by
+    default. Collective: the model starts as rank 0's on every rank. The result is an instance
+    of the optimizer's own class; do not also wrap it in DistributedOptimizer (BMUF averages
+    models, not gradients).
+    """
+    if isinstance(optimizer, (_DistributedMixin, _BlockMomentumMixin)):
+        raise ValueError(
+            "BlockMomentum wraps a plain local optimizer (e.g. torch.optim.SGD), not a "
+            "DistributedOptimizer or another BlockMomentum: it averages models every "
+            "block_size steps instead of gradients every step")
+    wrapped = wrap(optimizer, _BlockMomentumMixin)
+    wrapped._block_setup(block_size, block_momentum, block_learning_rate, nesterov,
+                         reset_sgd_momentum)
+    return wrapped

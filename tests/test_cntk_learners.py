@@ -1,0 +1,275 @@
+"""CNTK's distributed learners on a real 4-rank cluster: 1-bit SGD's warm start
+(``distributed_after``), block momentum (BMUF), and checkpoints of what differs per rank."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import NP, run_cell
+
+from ipydist.errors import CellTimeout
+
+SETUP = """%%everyrank
+import torch, ipydist.torch as hvd
+N, r, b = hvd.size(), hvd.rank(), 16
+torch.manual_seed(0)
+X = torch.randn(4000, 20)
+Y = X @ torch.randn(20, 1) + 0.1 * torch.randn(4000, 1)
+def make_model():
+    torch.manual_seed(1)
+    return torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+def batch(step):
+    lo = (step * N * b) % (len(X) - N * b) + r * b
+    return X[lo:lo + b], Y[lo:lo + b]
+def local_step(model, opt, step):
+    x, y = batch(step)
+    opt.zero_grad()
+    ((model(x) - y) ** 2).mean().backward()
+    opt.step()
+def flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+def same_everywhere(t):
+    return bool(hvd.allreduce(t, op=hvd.Max).equal(hvd.allreduce(t, op=hvd.Min)))
+def full_loss(model):
+    with torch.no_grad():
+        return ((model(X) - Y) ** 2).mean().item()
+"""
+
+
+def run_ok(shell, capsys, code):
+    result, out, err = run_cell(shell, capsys, code)
+    if result.error_in_exec is not None:
+        raise AssertionError(f"{result.error_in_exec!r}\n{out}\n{err}")
+    return out, err
+
+
+@pytest.fixture
+def learners(shell, capsys, cluster):
+    run_ok(shell, capsys, SETUP)
+    return cluster
+
+
+def test_warm_start_averages_in_full_precision_then_switches_to_onebit(
+        shell, capsys, learners, transport):
+    """``distributed_after=3``: the first 3 steps are exactly full-precision averaging (bit for
+    bit the same parameters as Compression.none), the 1-bit exchange and its residual start at
+    step 4, and the ranks stay identical throughout."""
+    run_ok(shell, capsys, """%%everyrank
+def run(compression, after, steps=8):
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   compression=compression, distributed_after=after,
+                                   bucket_cap_mb=0.0001)
+    seen = []
+    for step in range(steps):
+        local_step(model, opt, step)
+        seen.append((flat(model), opt._buckets[0].onebit is not None,
+                     same_everywhere(flat(model))))
+    return seen
+warm = run(hvd.Compression.onebit, 3)
+full = run(hvd.Compression.none, 0)
+outcome = ([w[0].equal(f[0]) for w, f in zip(warm, full)], [w[1] for w in warm],
+           all(w[2] for w in warm))
+""")
+    for equal_to_full, has_residual, identical in shell.run_line_magic("dist_pull", "outcome"):
+        assert equal_to_full[:3] == [True] * 3, "warm-start steps are full precision"
+        assert not any(equal_to_full[3:]), "1-bit steps after the warm start"
+        assert has_residual == [False] * 3 + [True] * 5
+        assert identical
+
+
+def test_onebit_residuals_are_checkpointed_per_rank(shell, capsys, learners, transport,
+                                                    tmp_path):
+    """The residuals differ between ranks, so ``save_checkpoint`` keeps each rank's own, and a
+    fresh model and optimizer loaded from the file go on bit for bit as the saved ones did."""
+    path = str(tmp_path / "onebit.pt")
+    run_ok(shell, capsys, f"""%%everyrank
+def fresh():
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                   compression=hvd.Compression.onebit, distributed_after=2)
+    return model, opt
+model, opt = fresh()
+for step in range(5):
+    local_step(model, opt, step)
+hvd.save_checkpoint({path!r}, model=model, optimizer=opt)
+residual_differs = not same_everywhere(opt._buckets[0].onebit.residual)
+for step in range(5, 9):
+    local_step(model, opt, step)
+straight = flat(model)
+model, opt = fresh()
+ck = hvd.load_checkpoint({path!r})
+model.load_state_dict(ck["model"])
+opt.load_state_dict(ck["optimizer"])
+for step in range(5, 9):
+    local_step(model, opt, step)
+outcome = (residual_differs, flat(model).equal(straight), same_everywhere(flat(model)))
+""")
+    for residual_differs, resumed_equal, identical in shell.run_line_magic("dist_pull",
+                                                                          "outcome"):
+        assert residual_differs, "each rank keeps its own residual"
+        assert resumed_equal, "resumed training differs from training straight on"
+        assert identical
+
+
+def test_block_momentum_zero_with_blocks_of_one_step_is_model_averaging(
+        shell, capsys, learners, transport):
+    """BMUF with block_momentum=0, block_learning_rate=1 and block_size=1 is synchronous
+    training by averaging the models after every local step."""
+    run_ok(shell, capsys, """%%everyrank
+model, ref = make_model(), make_model()
+opt = hvd.BlockMomentum(torch.optim.SGD(model.parameters(), lr=0.05), block_size=1,
+                        block_momentum=0.0)
+ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+identical = []
+for step in range(6):
+    local_step(model, opt, step)
+    local_step(ref, ref_opt, step)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(hvd.allreduce(p, op=hvd.Average))
+    identical.append(same_everywhere(flat(model)))
+outcome = (all(identical), (flat(model) - flat(ref)).abs().max().item())
+""")
+    for identical, maxdiff in shell.run_line_magic("dist_pull", "outcome"):
+        assert identical
+        assert maxdiff < 1e-6, maxdiff
+
+
+def test_block_momentum_syncs_every_block_and_learns(shell, capsys, learners, transport):
+    """Within a block each rank trains its own model (they differ); at every block's end they
+    are bit-identical; with the default block momentum (1 - 1/size) and Nesterov look-ahead it
+    fits the regression about as well as synchronous SGD after the same number of samples."""
+    run_ok(shell, capsys, """%%everyrank
+model = make_model()
+start_loss = full_loss(model)
+opt = hvd.BlockMomentum(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                        block_size=4)
+after_block, within_block = [], []
+for step in range(40):
+    local_step(model, opt, step)
+    (after_block if (step + 1) % 4 == 0 else within_block).append(same_everywhere(flat(model)))
+bmuf_loss = full_loss(model)
+sync = make_model()
+sync_opt = hvd.DistributedOptimizer(torch.optim.SGD(sync.parameters(), lr=0.05, momentum=0.9))
+for step in range(40):
+    local_step(sync, sync_opt, step)
+outcome = (all(after_block), any(within_block), opt.block_momentum, start_loss, bmuf_loss,
+           full_loss(sync))
+""")
+    for after, within, momentum, start, bmuf_loss, sync_loss in shell.run_line_magic(
+            "dist_pull", "outcome"):
+        assert after, "ranks differ after a block"
+        assert not within, "local models are the same within a block: nothing trained locally"
+        assert momentum == pytest.approx(1 - 1 / NP)
+        assert bmuf_loss < start / 4 and bmuf_loss < 1.5 * sync_loss, (start, bmuf_loss, sync_loss)
+
+
+def test_block_momentum_checkpoint_mid_block_resumes_bit_identically(
+        shell, capsys, learners, tmp_path):
+    """Saved 2 steps into a block of 3 with Adam as the local optimizer (its state differs per
+    rank): a fresh model and optimizer loaded from the file go on exactly as the saved ones."""
+    path = str(tmp_path / "bmuf.pt")
+    run_ok(shell, capsys, f"""%%everyrank
+def fresh():
+    model = make_model()
+    return model, hvd.BlockMomentum(torch.optim.Adam(model.parameters(), lr=0.01), block_size=3)
+model, opt = fresh()
+for step in range(5):
+    local_step(model, opt, step)
+hvd.save_checkpoint({path!r}, model=model, optimizer=opt)
+mid_block_differs = not same_everywhere(flat(model))
+for step in range(5, 12):
+    local_step(model, opt, step)
+straight = flat(model)
+model, opt = fresh()
+ck = hvd.load_checkpoint({path!r})
+model.load_state_dict(ck["model"])
+opt.load_state_dict(ck["optimizer"])
+for step in range(5, 12):
+    local_step(model, opt, step)
+outcome = (mid_block_differs, flat(model).equal(straight), same_everywhere(flat(model)))
+""")
+    for differs, resumed_equal, identical in shell.run_line_magic("dist_pull", "outcome"):
+        assert differs, "the checkpoint was taken within a block"
+        assert resumed_equal, "resumed training differs from training straight on"
+        assert identical
+
+
+def test_block_momentum_interrupted_mid_block_goes_on_consistently(shell, capsys, learners):
+    """A cell stopped while one rank is still in its block and the others wait in the block's
+    average: the recovery copies rank 0's model, optimizer and block state to every rank (so
+    they are bit-identical and agree where the block stands), and the next blocks go on."""
+    saved, learners.failure_grace = learners.failure_grace, 1.0
+    try:
+        run_ok(shell, capsys, """%%everyrank
+import time
+model = make_model()
+opt = hvd.BlockMomentum(torch.optim.SGD(model.parameters(), lr=0.05), block_size=4)
+for step in range(6):
+    local_step(model, opt, step)
+""")
+        result, _, err = run_cell(shell, capsys, f"""%%everyrank --timeout 2
+for step in range(6, 100):
+    local_step(model, opt, step)
+    if hvd.rank() == {NP - 1} and step == 7:
+        time.sleep(60)  # the others wait for it in the block's average
+""")
+        assert isinstance(result.error_in_exec, CellTimeout), (result.error_in_exec, err)
+        out, _ = run_ok(shell, capsys, """%%everyrank
+print("after the recovery: block steps agree:", same_everywhere(opt._block_steps),
+      "same model:", same_everywhere(flat(model)))
+for step in range(9):
+    local_step(model, opt, step)
+opt.synchronize()
+print("after the next blocks:", same_everywhere(flat(model)))
+""")
+        assert "[all ranks] after the recovery: block steps agree: True same model: True" in out
+        assert "[all ranks] after the next blocks: True" in out, out
+    finally:
+        learners.failure_grace = saved
+
+
+def test_bad_learner_arguments_say_what_to_do(shell, capsys, learners):
+    run_ok(shell, capsys, """%%everyrank
+errors = []
+for make in (
+    lambda: hvd.BlockMomentum(torch.optim.SGD(make_model().parameters(), lr=0.1), block_size=0),
+    lambda: hvd.BlockMomentum(torch.optim.SGD(make_model().parameters(), lr=0.1), block_size=2,
+                              block_momentum=1.0),
+    lambda: hvd.BlockMomentum(hvd.DistributedOptimizer(
+        torch.optim.SGD(make_model().parameters(), lr=0.1)), block_size=2),
+    lambda: hvd.DistributedOptimizer(torch.optim.SGD(make_model().parameters(), lr=0.1),
+                                     distributed_after=-1),
+):
+    try:
+        make()
+    except ValueError as e:
+        errors.append(str(e))
+""")
+    for errors in shell.run_line_magic("dist_pull", "errors"):
+        assert len(errors) == 4, errors
+        assert "block_size must be a number of steps" in errors[0]
+        assert "block_momentum must be in [0, 1)" in errors[1]
+        assert "not a DistributedOptimizer" in errors[2]
+        assert "distributed_after must be a number of steps" in errors[3]
+
+
+def test_load_from_a_different_number_of_ranks_warns_and_starts_residuals_afresh(
+        shell, capsys, learners):
+    result, out, err = run_cell(shell, capsys, """%%everyrank
+import warnings
+model = make_model()
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                               compression=hvd.Compression.onebit)
+local_step(model, opt, 0)
+state = opt.state_dict()
+state["ipydist_rank_state"] = [{"onebit": [None]}] * (N + 1)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    opt.load_state_dict(state)
+print([str(w.message) for w in caught], opt._buckets[0].onebit is None)
+""")
+    assert result.error_in_exec is None, err
+    assert f"written by {NP + 1} ranks and this run has {NP}" in out, out
+    assert 'start afresh"] True' in out, out
+
