@@ -475,3 +475,46 @@ def test_a_dead_rank_is_reported_shown_dead_and_the_cluster_restarts(failures):
     text = _text(_cell(nb, "sum of ranks on the new cluster"))
     assert text == "[all ranks] sum of ranks on the new cluster: 6\n"
     assert "Stopped 4 ranks." in _text(_cell(nb, "%dist_stop"))
+
+
+# --- 06: CNTK's learners --------------------------------------------------------------------
+
+CNTK = NOTEBOOKS / "06-cntk-style.ipynb"
+
+
+@pytest.fixture(scope="module")
+def cntk(tmp_path_factory):
+    return _run_marked(CNTK, tmp_path_factory)
+
+
+def test_cntk_notebook_uses_the_learners_by_their_names():
+    source = "\n".join(c.source for c in nbformat.read(CNTK, as_version=4).cells)
+    assert "compression=compression" in source and "hvd.Compression.onebit" in source
+    assert "distributed_after=steps_per_epoch" in source
+    assert "hvd.BlockMomentum(opt, block_size=4)" in source
+
+
+def test_cntk_notebook_meets_the_accuracy_and_bytes_bars(cntk):
+    """The four ways side by side: 1-bit with a warm start and BMUF end no more than 1 point
+    below full precision after the same samples; 1-bit sends over 20x fewer bytes per step,
+    BMUF about the block length fewer (3 averages per 11 steps: each epoch's last block is
+    ended early), fp16 half."""
+    nb, _, left = cntk
+    _ran_cleanly(nb, left)
+    table = _text(_cell(nb, "pulled = %dist_pull results --rank 0"))
+    rows = {m.group(1): (float(m.group(2)), float(m.group(3)))
+            for m in re.finditer(r"^(fp32|fp16|1-bit|bmuf)\s+(\d\.\d{4})\s+\S+\s+[\d.]+\s+"
+                                 r"([\d.]+)x\s+[\d.]+$", table, re.MULTILINE)}
+    assert list(rows) == ["fp32", "fp16", "1-bit", "bmuf"], table
+    full = rows["fp32"][0]
+    assert full >= 0.95, table
+    assert rows["1-bit"][0] >= full - 0.01 and rows["bmuf"][0] >= full - 0.01, table
+    assert rows["1-bit"][1] >= 20 and rows["bmuf"][1] >= 3.5 and rows["fp16"][1] == 2.0, table
+    assert "no more than 1 point below full precision: {'fp32': True, 'fp16': True, " \
+           "'1-bit': True, 'bmuf': True}" in table
+
+
+def test_cntk_notebook_draws_its_comparison_chart(cntk):
+    nb = cntk[0]
+    outputs = _cell(nb, "plt.subplots(1, 3").outputs
+    assert any("image/png" in o.get("data", {}) for o in outputs), outputs
