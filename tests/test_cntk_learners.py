@@ -32,6 +32,26 @@ def same_everywhere(t):
 def full_loss(model):
     with torch.no_grad():
         return ((model(X) - Y) ** 2).mean().item()
+def resumes_exactly(fresh, path, saved_at, until, differs):
+    # Train a fresh (model, optimizer) to step saved_at, save a checkpoint there and go on to
+    # until; then a fresh pair loaded from the file goes on to until. Returns whether
+    # differs(model, opt) held at the save, whether both runs ended bit-equal, and whether the
+    # ranks are identical.
+    model, opt = fresh()
+    for step in range(saved_at):
+        local_step(model, opt, step)
+    hvd.save_checkpoint(path, model=model, optimizer=opt)
+    differed = differs(model, opt)
+    for step in range(saved_at, until):
+        local_step(model, opt, step)
+    straight = flat(model)
+    model, opt = fresh()
+    ck = hvd.load_checkpoint(path)
+    model.load_state_dict(ck["model"])
+    opt.load_state_dict(ck["optimizer"])
+    for step in range(saved_at, until):
+        local_step(model, opt, step)
+    return differed, flat(model).equal(straight), same_everywhere(flat(model))
 """
 
 
@@ -88,21 +108,8 @@ def fresh():
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                    compression=hvd.Compression.onebit, distributed_after=2)
     return model, opt
-model, opt = fresh()
-for step in range(5):
-    local_step(model, opt, step)
-hvd.save_checkpoint({path!r}, model=model, optimizer=opt)
-residual_differs = not same_everywhere(opt._buckets[0].onebit.residual)
-for step in range(5, 9):
-    local_step(model, opt, step)
-straight = flat(model)
-model, opt = fresh()
-ck = hvd.load_checkpoint({path!r})
-model.load_state_dict(ck["model"])
-opt.load_state_dict(ck["optimizer"])
-for step in range(5, 9):
-    local_step(model, opt, step)
-outcome = (residual_differs, flat(model).equal(straight), same_everywhere(flat(model)))
+outcome = resumes_exactly(fresh, {path!r}, 5, 9,
+                          lambda model, opt: not same_everywhere(opt._buckets[0].onebit.residual))
 """)
     for residual_differs, resumed_equal, identical in shell.run_line_magic("dist_pull",
                                                                           "outcome"):
@@ -173,21 +180,8 @@ def test_block_momentum_checkpoint_mid_block_resumes_bit_identically(
 def fresh():
     model = make_model()
     return model, hvd.BlockMomentum(torch.optim.Adam(model.parameters(), lr=0.01), block_size=3)
-model, opt = fresh()
-for step in range(5):
-    local_step(model, opt, step)
-hvd.save_checkpoint({path!r}, model=model, optimizer=opt)
-mid_block_differs = not same_everywhere(flat(model))
-for step in range(5, 12):
-    local_step(model, opt, step)
-straight = flat(model)
-model, opt = fresh()
-ck = hvd.load_checkpoint({path!r})
-model.load_state_dict(ck["model"])
-opt.load_state_dict(ck["optimizer"])
-for step in range(5, 12):
-    local_step(model, opt, step)
-outcome = (mid_block_differs, flat(model).equal(straight), same_everywhere(flat(model)))
+outcome = resumes_exactly(fresh, {path!r}, 5, 12,
+                          lambda model, opt: not same_everywhere(flat(model)))
 """)
     for differs, resumed_equal, identical in shell.run_line_magic("dist_pull", "outcome"):
         assert differs, "the checkpoint was taken within a block"
@@ -195,10 +189,15 @@ outcome = (mid_block_differs, flat(model).equal(straight), same_everywhere(flat(
         assert identical
 
 
-def test_block_momentum_interrupted_mid_block_goes_on_consistently(shell, capsys, learners):
+@pytest.mark.parametrize("loaded", [False, True], ids=["quiet", "cpu-hogs"])
+def test_block_momentum_interrupted_mid_block_goes_on_consistently(shell, capsys, learners,
+                                                                   request, loaded):
     """A cell stopped while one rank is still in its block and the others wait in the block's
     average: the recovery copies rank 0's model, optimizer and block state to every rank (so
-    they are bit-identical and agree where the block stands), and the next blocks go on."""
+    they are bit-identical and agree where the block stands), and the next blocks go on; on a
+    loaded machine too, where the ranks reach the block's average at different times."""
+    if loaded:
+        request.getfixturevalue("hogs")
     saved, learners.failure_grace = learners.failure_grace, 1.0
     try:
         run_ok(shell, capsys, """%%everyrank
@@ -225,6 +224,43 @@ print("after the next blocks:", same_everywhere(flat(model)))
 """)
         assert "[all ranks] after the recovery: block steps agree: True same model: True" in out
         assert "[all ranks] after the next blocks: True" in out, out
+    finally:
+        learners.failure_grace = saved
+
+
+def test_onebit_training_goes_on_after_an_interrupted_exchange(shell, capsys, learners,
+                                                              transport):
+    """The others wait in the 1-bit exchange for a rank that sleeps: the timeout ends the
+    cell, the abandoned step leaves every residual as the last completed step left it, and
+    training goes on with identical ranks."""
+    saved, learners.failure_grace = learners.failure_grace, 1.0
+    try:
+        run_ok(shell, capsys, """%%everyrank
+import time
+model = make_model()
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                               compression=hvd.Compression.onebit)
+for step in range(3):
+    local_step(model, opt, step)
+kept = opt._buckets[0].onebit.residual.clone()
+""")
+        result, _, err = run_cell(shell, capsys, f"""%%everyrank --timeout 2
+x, y = batch(3)
+opt.zero_grad()
+((model(x) - y) ** 2).mean().backward()
+if hvd.rank() == {NP - 1}:
+    time.sleep(60)  # the others wait for its message
+opt.step()
+""")
+        assert isinstance(result.error_in_exec, CellTimeout), (result.error_in_exec, err)
+        out, _ = run_ok(shell, capsys, """%%everyrank
+print("residual kept:", opt._buckets[0].onebit.residual.equal(kept))
+for step in range(3, 8):
+    local_step(model, opt, step)
+print("same model:", same_everywhere(flat(model)))
+""")
+        assert "[all ranks] residual kept: True" in out, out
+        assert "[all ranks] same model: True" in out, out
     finally:
         learners.failure_grace = saved
 

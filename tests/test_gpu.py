@@ -57,3 +57,26 @@ def test_horovod_style_set_device_matches(gpu_session):
     )
     ws = gpu_session.pull("w")
     assert all(w.equal(ws[0]) for w in ws)
+
+
+def test_onebit_and_block_momentum_train_cuda_models(gpu_session):
+    """1-bit SGD quantizes on the CPU (a copy of each bucket) and writes the averaged gradients
+    back to the GPU; block momentum averages the models with NCCL. Both keep ranks identical."""
+    gpu_session.run(
+        "torch.manual_seed(0)\n"
+        "def check(wrap, steps=6):\n"
+        "    model = torch.nn.Linear(600, 3).to(hvd.device())\n"
+        "    hvd.broadcast_parameters(model.state_dict(), root_rank=0)\n"
+        "    opt = wrap(torch.optim.SGD(model.parameters(), lr=0.1))\n"
+        "    for _ in range(steps):\n"
+        "        opt.zero_grad()\n"
+        "        model(torch.randn(8, 600, device=hvd.device())).square().mean().backward()\n"
+        "        opt.step()\n"
+        "    w = model.weight.detach()\n"
+        "    return (w.device.type, bool(hvd.allreduce(w, op=hvd.Max).equal(\n"
+        "        hvd.allreduce(w, op=hvd.Min))))\n"
+        "gpu_res = [check(lambda o: hvd.DistributedOptimizer(\n"
+        "               o, compression=hvd.Compression.onebit)),\n"
+        "           check(lambda o: hvd.BlockMomentum(o, block_size=3))]"
+    )
+    assert gpu_session.pull("gpu_res") == [[("cuda", True), ("cuda", True)]] * gpu_session.size

@@ -125,8 +125,9 @@ class Bucket:
         return self.onebit
 
     def _launch_onebit(self, flat: torch.Tensor) -> None:
-        """1-bit: quantize gradients plus residual, and exchange the messages by stripes."""
-        self.sent_bytes = self.onebit_exchange().start(flat)
+        """1-bit: quantize gradients plus residual, and exchange the messages by stripes (on
+        the CPU: a GPU bucket is copied there, and its result copied back in ``unpack``)."""
+        self.sent_bytes = self.onebit_exchange().start(flat.cpu())
         self.work, self.mpi = self.onebit, self.onebit.mpi
 
     def _count(self, collective: str, *tensors: torch.Tensor) -> None:
@@ -158,6 +159,7 @@ class Bucket:
             return
         if self.work is not None and self.work is self.onebit:
             total, had_grad = self.onebit.result()
+            total = total.to(self.params[0].device)
             self._write(total.split([p.numel() for p in self.params]), had_grad, postscale)
             return
         flat = compression.decompress(self.wire, self.ctx)
