@@ -16,7 +16,7 @@ from IPython import get_ipython
 
 from ipydist import protocol
 from ipydist.rank import consensus, watcher
-from ipydist.torch import consistency, runtime, shims, waiting
+from ipydist.torch import consistency, handles, runtime, shims, waiting
 
 
 def attach() -> dict:
@@ -75,6 +75,7 @@ def recover(number: int, resync: bool) -> dict:
     """
     start = time.monotonic()
     consistency.abandon_pending()  # the failed cell's half-done gradient averaging is void
+    handles.abandon_all()  # and so is every async operation it left in flight
     rt = runtime.get()
     out = {"release": watcher.take_report(), "rebuilt": False, "fixed": 0, "failed": None,
            "ddp": shims.has_ddp_model()}

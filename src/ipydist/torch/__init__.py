@@ -7,23 +7,55 @@
     total = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum)   # == hvd.size()
 """
 
+from ipydist.torch.async_ops import (
+    allgather_async,
+    allreduce_async,
+    allreduce_async_,
+    alltoall_async,
+    broadcast_async,
+    broadcast_async_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    poll,
+    synchronize,
+)
+from ipydist.torch.basics import (
+    HorovodInternalError,
+    ccl_built,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    is_homogeneous,
+    is_initialized,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rocm_built,
+    shutdown,
+)
 from ipydist.torch.block_momentum import BlockMomentum
 from ipydist.torch.checkpoint import load_checkpoint, save_checkpoint
 from ipydist.torch.collectives import (
     Average,
     Max,
     Min,
+    Product,
     ReduceOp,
     Sum,
     allgather,
     allreduce,
     allreduce_,
+    alltoall,
     barrier,
     broadcast,
     broadcast_,
     cross_rank,
     cross_size,
     device,
+    grouped_allreduce,
+    grouped_allreduce_,
     init,
     local_rank,
     local_size,
@@ -43,13 +75,18 @@ from ipydist.torch.mpi_backend import register as _register_mpi_backend
 from ipydist.torch.optimizer import DistributedOptimizer
 
 __all__ = [
-    "Average", "BlockMomentum", "Compression", "DistributedOptimizer", "Max", "Min", "ReduceOp",
-    "ShardSampler",
-    "Sum", "allgather", "allgather_object", "allreduce", "allreduce_", "barrier",
-    "broadcast", "broadcast_", "broadcast_object", "broadcast_optimizer_state",
-    "broadcast_parameters", "cross_rank", "cross_size", "device", "init", "load_checkpoint",
-    "local_rank", "local_size", "log",
-    "rank", "save_checkpoint", "scale_lr", "shard", "size",
+    "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_",
+    "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "Average", "barrier",
+    "BlockMomentum", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+    "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "ccl_built",
+    "Compression", "cross_rank",
+    "cross_size", "cuda_built", "ddl_built", "device", "DistributedOptimizer", "gloo_built",
+    "gloo_enabled", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
+    "grouped_allreduce_async_", "HorovodInternalError", "init", "is_homogeneous", "is_initialized",
+    "load_checkpoint", "local_rank", "local_size", "log", "Max", "Min", "mpi_built", "mpi_enabled",
+    "mpi_threads_supported", "nccl_built", "poll", "Product", "rank", "ReduceOp",
+    "rocm_built", "save_checkpoint", "scale_lr", "shard",
+    "ShardSampler", "shutdown", "size", "Sum", "synchronize",
 ]
 
 _register_mpi_backend()  # backend="mpi4py" (--backend mpi) for init_process_group and new_group

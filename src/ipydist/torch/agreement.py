@@ -41,7 +41,7 @@ from ipydist.torch import runtime, waiting
 
 #: The kinds of call that are checked; a header holds a kind's position here, plus one.
 KINDS = ("allreduce", "allgather", "broadcast", "broadcast_object", "allgather_object",
-         "barrier", "broadcast_parameters", "optimizer step")
+         "barrier", "broadcast_parameters", "optimizer step", "alltoall")
 
 # Where each field sits in a header. Shapes longer than MAX_DIMS keep their first dims and a
 # CRC-32 of the rest (CRC, not hash(): it must be the same number in every process).

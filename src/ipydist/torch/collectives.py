@@ -14,38 +14,21 @@ collective it stands for, the name stall warnings give a rank that waits in that
 
 from __future__ import annotations
 
-import enum
-import time
-
 import torch
 import torch.distributed as dist
 
 from ipydist.rank.sampler import waits_for_peers
-from ipydist.torch import agreement, runtime, transport, waiting
-
-
-class ReduceOp(enum.Enum):
-    """Reduction applied by :func:`allreduce`."""
-
-    Average = "average"
-    Sum = "sum"
-    Min = "min"
-    Max = "max"
-
-
-Average = ReduceOp.Average
-Sum = ReduceOp.Sum
-Min = ReduceOp.Min
-Max = ReduceOp.Max
-
-_MPI_OPS = {ReduceOp.Sum: "sum", ReduceOp.Average: "sum", ReduceOp.Min: "min",
-            ReduceOp.Max: "max"}
-_TORCH_OPS = {
-    ReduceOp.Sum: dist.ReduceOp.SUM,
-    ReduceOp.Average: dist.ReduceOp.SUM,  # divided afterwards: gloo has no AVG
-    ReduceOp.Min: dist.ReduceOp.MIN,
-    ReduceOp.Max: dist.ReduceOp.MAX,
-}
+from ipydist.torch import agreement, async_ops, autograd, runtime
+from ipydist.torch.compression import Compression, Compressor
+from ipydist.torch.reduce_ops import (  # noqa: F401 - re-exported: hvd.Average etc.
+    Average,
+    Max,
+    Min,
+    Product,
+    ReduceOp,
+    Sum,
+    resolve,
+)
 
 
 def init() -> None:
@@ -106,104 +89,119 @@ def barrier() -> None:
         dist.barrier()
 
 
-def _check_op(op: ReduceOp) -> ReduceOp:
-    if not isinstance(op, ReduceOp):
-        raise TypeError(f"op must be one of Average, Sum, Min, Max from ipydist.torch, not {op!r}")
-    return op
-
-
 @waits_for_peers("all_reduce")
 def allreduce_(
     tensor: torch.Tensor,
-    op: ReduceOp = Average,
+    average: bool | None = None,
     name: str | None = None,
+    op: ReduceOp | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
 ) -> torch.Tensor:
-    """Reduce ``tensor`` over all ranks in place and return it.
+    """Reduce ``tensor`` over all ranks in place and return it (``op``: Average by default,
+    Sum, Min, Max, Product; ``average=`` is Horovod's deprecated form).
 
     ``Average`` of an integer tensor truncates, as integer division does. ``name`` is accepted
     for Horovod compatibility; torch.distributed matches collectives by order, not by name.
     """
-    op = _check_op(op)
-    agreement.agree("allreduce", tensor, op=op, prescale=prescale_factor,
-                    postscale=postscale_factor)
-    if prescale_factor != 1.0:
-        tensor.mul_(prescale_factor)
-    t0 = time.perf_counter()
-    if transport.uses_mpi(tensor):
-        transport.allreduce_(tensor, _MPI_OPS[op])
-    else:
-        waiting.wait_for(dist.all_reduce(tensor, op=_TORCH_OPS[op], async_op=True))
-    runtime.note_wait(time.perf_counter() - t0)
-    if op is Average:
-        if tensor.is_floating_point() or tensor.is_complex():
-            tensor.div_(size())
-        else:
-            tensor.copy_(torch.div(tensor, size(), rounding_mode="trunc"))
-    if postscale_factor != 1.0:
-        tensor.mul_(postscale_factor)
-    return tensor
+    op = resolve(average, op)
+    return async_ops.start_allreduce(tensor, op, prescale_factor, postscale_factor).wait()
 
 
+@waits_for_peers("all_reduce")
 def allreduce(
     tensor: torch.Tensor,
-    op: ReduceOp = Average,
+    average: bool | None = None,
     name: str | None = None,
+    compression: type[Compressor] = Compression.none,
+    op: ReduceOp | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
 ) -> torch.Tensor:
-    """Return ``tensor`` reduced over all ranks (a new tensor; the input is unchanged)."""
-    return allreduce_(tensor.detach().clone(), op, name, prescale_factor, postscale_factor)
+    """Return ``tensor`` reduced over all ranks (a new tensor; the input is unchanged),
+    differentiable: its gradient is the same allreduce of the gradient."""
+    op = resolve(average, op)
+    wire, ctx = compression.compress(tensor)
+    if torch.is_grad_enabled() and wire.requires_grad:
+        out = autograd.Allreduce.apply(wire, op, prescale_factor, postscale_factor)
+    else:
+        out = async_ops.start_allreduce(wire.detach().clone(), op, prescale_factor,
+                                        postscale_factor).wait()
+    return compression.decompress(out, ctx)
+
+
+@waits_for_peers("all_reduce")
+def grouped_allreduce(tensors, average=None, name: str | None = None,
+                      op: ReduceOp | None = None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0) -> list[torch.Tensor]:
+    """Allreduce every tensor of ``tensors`` (posted together, waited for together) into new
+    tensors, differentiable as :func:`allreduce`'s results are."""
+    op = resolve(average, op)
+    tensors = list(tensors)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return [autograd.Allreduce.apply(t, op, prescale_factor, postscale_factor)
+                for t in tensors]
+    return async_ops.grouped([t.detach().clone() for t in tensors], op, prescale_factor,
+                             postscale_factor, name)
+
+
+@waits_for_peers("all_reduce")
+def grouped_allreduce_(tensors, average=None, name: str | None = None,
+                       op: ReduceOp | None = None, prescale_factor: float = 1.0,
+                       postscale_factor: float = 1.0) -> list[torch.Tensor]:
+    """Allreduce every tensor of ``tensors`` in place."""
+    op = resolve(average, op)
+    tensors = list(tensors)
+    async_ops.grouped([t.detach() for t in tensors], op, prescale_factor, postscale_factor,
+                      name)
+    return tensors
 
 
 @waits_for_peers("all_gather")
 def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
-    """Concatenate every rank's ``tensor`` along the first dimension, in rank order.
+    """Concatenate every rank's ``tensor`` along the first dimension, in rank order;
+    differentiable (each rank's gradient is its rows of the summed gradient).
 
     The first dimension may differ between ranks; the others must match. Each rank's first
     dimension travels in the check's header, so the check costs allgather nothing.
     """
-    tensor = tensor.detach()
-    if tensor.dim() == 0:
-        tensor = tensor.reshape(1)
-    world = size()
-    counts = agreement.agree("allgather", tensor, shape=tensor.shape[1:],
-                             carried=tensor.shape[0])
-    longest = max(counts)
-    padded = tensor
-    if tensor.shape[0] < longest:
-        pad = tensor.new_zeros((longest - tensor.shape[0], *tensor.shape[1:]))
-        padded = torch.cat([tensor, pad])
-    if transport.uses_mpi(padded):
-        stacked = transport.allgather(padded, world)
-        if all(n == longest for n in counts):  # already in place: no copy
-            return stacked.reshape(world * longest, *padded.shape[1:])
-        gathered = stacked.unbind(0)
-    else:
-        gathered = [torch.empty_like(padded) for _ in range(world)]
-        waiting.wait_for(dist.all_gather(gathered, padded.contiguous(), async_op=True))
-    return torch.cat([g[:n] for g, n in zip(gathered, counts)])
+    if torch.is_grad_enabled() and tensor.requires_grad:
+        return autograd.Allgather.apply(tensor)
+    return async_ops.start_allgather(tensor, name)[0].wait()
 
 
 @waits_for_peers("broadcast")
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
     """Overwrite ``tensor`` on every rank with ``root_rank``'s value, in place."""
-    _check_root(root_rank)
-    agreement.agree("broadcast", tensor, root=root_rank)
-    if transport.uses_mpi(tensor):
-        transport.broadcast_(tensor, root_rank)
-    else:
-        waiting.wait_for(dist.broadcast(tensor, src=root_rank, async_op=True))
-    return tensor
+    return async_ops.start_broadcast(tensor, root_rank).wait()
 
 
+@waits_for_peers("broadcast")
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
-    """Return ``root_rank``'s ``tensor`` on every rank (a new tensor)."""
-    return broadcast_(tensor.detach().clone(), root_rank, name)
+    """Return ``root_rank``'s ``tensor`` on every rank (a new tensor); differentiable (the
+    root's gradient is the summed gradient, the others' zero)."""
+    if torch.is_grad_enabled() and tensor.requires_grad:
+        return autograd.Broadcast.apply(tensor, root_rank)
+    return async_ops.start_broadcast(tensor.detach().clone(), root_rank).wait()
+
+
+@waits_for_peers("all_to_all")
+def alltoall(tensor: torch.Tensor, splits=None, name: str | None = None):
+    """Send rank j the j-th block of ``tensor``'s rows and return the blocks every rank sent
+    this one, concatenated in rank order (the input is unchanged).
+
+    ``splits`` (integers, one per rank) says how many rows go to each rank; without it the
+    rows are shared equally. As in Horovod, with ``splits`` the result is ``(output,
+    received_splits)``: how many rows came from each rank. Differentiable: the gradient goes
+    back the way the rows came.
+    """
+    if torch.is_grad_enabled() and tensor.requires_grad:
+        out, received = autograd.Alltoall.apply(tensor, splits)
+    else:
+        pending, counts = async_ops.start_alltoall(tensor, splits, name)
+        out, received = pending.wait(), torch.tensor(counts, dtype=torch.int32)
+    return out if splits is None else (out, received)
 
 
 def _check_root(root_rank: int) -> None:
-    world = size()
-    if not 0 <= int(root_rank) < world:
-        raise ValueError(f"root_rank={root_rank}, but ranks are 0..{world - 1}")
+    async_ops.check_root(root_rank)

@@ -44,6 +44,8 @@ class Runtime:
     cross_size: int = 1
     #: Every rank on this one host: the rendezvous needs no port (see ``store.make_store``).
     one_host: bool = False
+    #: Every host runs the same number of ranks (Horovod's ``is_homogeneous``).
+    homogeneous: bool = True
     #: The rendezvous FileStore's file on one host (empty for a TCPStore).
     store_path: str = ""
     device_index: int | None = None
@@ -181,6 +183,7 @@ def topology_from_mpi(comm, advertise: str | None = None) -> Runtime:
         transport="gloo" if setting == "gloo" else "mpi",
         rank=comm.rank, size=comm.size, local_rank=local_rank, local_size=local_size,
         cross_rank=cross_rank, cross_size=cross_size, one_host=len(set(hosts)) == 1,
+        homogeneous=len(set(collections.Counter(hosts).values())) == 1,
         host=host, master_addr=master_addr,
         comm=comm, control_comm=comm.Dup(), check_comm=comm.Dup(), data_comm=comm.Dup(),
         split_large=not crowded_somewhere,

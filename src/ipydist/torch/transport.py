@@ -38,7 +38,8 @@ def _names():
     if not _mpi:
         from mpi4py import MPI
 
-        _mpi.update(in_place=MPI.IN_PLACE, sum=MPI.SUM, min=MPI.MIN, max=MPI.MAX)
+        _mpi.update(in_place=MPI.IN_PLACE, sum=MPI.SUM, min=MPI.MIN, max=MPI.MAX,
+                    prod=MPI.PROD)
     return _mpi
 
 
@@ -131,7 +132,7 @@ def finish(chain: Chain) -> None:
 
 
 def allreduce_(tensor: torch.Tensor, op: str) -> None:
-    """Reduce ``tensor`` in place over MPI (``op``: sum, min or max)."""
+    """Reduce ``tensor`` in place over MPI (``op``: sum, min, max or prod)."""
     buf = tensor if tensor.is_contiguous() else tensor.contiguous()
     finish(start_allreduce(buf, op))
     if buf is not tensor:
@@ -155,6 +156,27 @@ def start_alltoall_then_allgather(send: torch.Tensor, recv: torch.Tensor, middle
     return _submit([lambda comm: comm.Ialltoall(send.numpy(), recv.numpy()), gather])
 
 
+def start_alltoallv(send: torch.Tensor, send_counts: list[int], into: torch.Tensor,
+                    recv_counts: list[int]) -> Chain:
+    """Submit an all-to-all of the contiguous ``send`` in consecutive blocks of
+    ``send_counts[j]`` elements for rank j, into ``into``, ``recv_counts[j]`` elements from
+    rank j, in rank order; for :func:`finish`."""
+    def offsets(counts):
+        return [sum(counts[:j]) for j in range(len(counts))]
+
+    send_spec = [send.reshape(-1).numpy(), (send_counts, offsets(send_counts))]
+    recv_spec = [into.reshape(-1).numpy(), (recv_counts, offsets(recv_counts))]
+    return _submit([lambda comm: comm.Ialltoallv(send_spec, recv_spec)])
+
+
+def exchange_counts(counts: list[int]) -> list[int]:
+    """Every rank's ``counts[my rank]``, in rank order (each rank sends rank j its j-th)."""
+    send = torch.tensor(counts, dtype=torch.int64)
+    into = torch.empty_like(send)
+    finish(_submit([lambda comm: comm.Ialltoall(send.numpy(), into.numpy())]))
+    return into.tolist()
+
+
 def allgather(tensor: torch.Tensor, world: int) -> torch.Tensor:
     """Every rank's ``tensor`` (the same shape on every rank), stacked along a new first dim."""
     send = tensor.detach().contiguous()
@@ -163,8 +185,13 @@ def allgather(tensor: torch.Tensor, world: int) -> torch.Tensor:
     return out
 
 
+def start_broadcast(tensor: torch.Tensor, root: int) -> Chain:
+    """Submit a broadcast of the contiguous ``tensor`` from ``root``, for :func:`finish`."""
+    return _submit([lambda comm: comm.Ibcast(tensor.detach().numpy(), root=root)])
+
+
 def broadcast_(tensor: torch.Tensor, root: int) -> None:
     buf = tensor if tensor.is_contiguous() else tensor.contiguous()
-    finish(_submit([lambda comm: comm.Ibcast(buf.detach().numpy(), root=root)]))
+    finish(start_broadcast(buf, root))
     if buf is not tensor:
         tensor.copy_(buf)

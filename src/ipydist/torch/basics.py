@@ -1,0 +1,99 @@
+"""Horovod's questions about the build and the running job: what is built in, what is in use,
+whether ``init()`` has run, and ``shutdown()``.
+
+"Built" answers for this torch and mpi4py (Horovod answers for how it was compiled): MPI is
+built when mpi4py imports, NCCL when torch has it (as Horovod's version code, e.g. 21803 for
+2.18.3), gloo when torch.distributed has it. "Enabled" answers for this job: MPI when mpiexec
+or srun started the ranks and ipydist's collectives use it, gloo when they use the process
+group's gloo.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+from ipydist.torch import runtime
+
+
+class HorovodInternalError(RuntimeError):
+    """A collective failed inside the communication layer (Horovod's name): a peer died or a
+    release ended the operation. Catch it where Horovod code catches Horovod's."""
+
+
+def is_initialized() -> bool:
+    """Whether ``init()`` has run (and ``shutdown()`` has not since)."""
+    return runtime.get() is not None and dist.is_initialized()
+
+
+def shutdown() -> None:
+    """End the default process group (Horovod's ``shutdown``); ``init()`` or any collective
+    makes it again. The ranks, MPI and the notebook connection stay."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@functools.cache
+def mpi_built() -> bool:
+    """Whether MPI can be used here (mpi4py imports)."""
+    try:
+        import mpi4py.MPI  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def gloo_built() -> bool:
+    return dist.is_available() and dist.is_gloo_available()
+
+
+def nccl_built() -> int:
+    """NCCL's version as Horovod's code (major * 10000 + minor * 100 + patch), or 0."""
+    if not (dist.is_available() and dist.is_nccl_available()):
+        return 0
+    major, minor, patch = torch.cuda.nccl.version()
+    return major * 10000 + minor * 100 + patch
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def cuda_built() -> bool:
+    return torch.version.cuda is not None
+
+
+def rocm_built() -> bool:
+    return getattr(torch.version, "hip", None) is not None
+
+
+def mpi_enabled() -> bool:
+    """Whether ipydist's collectives on CPU tensors go over MPI in this job."""
+    rt = runtime.get()
+    return rt is not None and rt.transport == "mpi" and rt.data_comm is not None
+
+
+def gloo_enabled() -> bool:
+    """Whether the process group (which carries what MPI does not) is gloo."""
+    rt = runtime.get()
+    return rt is not None and rt.backend == "gloo"
+
+
+def mpi_threads_supported() -> bool:
+    """Whether MPI was started with MPI_THREAD_MULTIPLE."""
+    if not mpi_built():
+        return False
+    from mpi4py import MPI
+
+    return MPI.Is_initialized() and MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+
+def is_homogeneous() -> bool:
+    """Whether every host runs the same number of ranks."""
+    return runtime.ensure_process_group().homogeneous
