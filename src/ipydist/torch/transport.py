@@ -177,14 +177,6 @@ def exchange_counts(counts: list[int]) -> list[int]:
     return into.tolist()
 
 
-def allgather(tensor: torch.Tensor, world: int) -> torch.Tensor:
-    """Every rank's ``tensor`` (the same shape on every rank), stacked along a new first dim."""
-    send = tensor.detach().contiguous()
-    out = torch.empty((world, *send.shape), dtype=send.dtype)
-    finish(start_allgather(send, out))
-    return out
-
-
 def start_broadcast(tensor: torch.Tensor, root: int) -> Chain:
     """Submit a broadcast of the contiguous ``tensor`` from ``root``, for :func:`finish`."""
     return _submit([lambda comm: comm.Ibcast(tensor.detach().numpy(), root=root)])
