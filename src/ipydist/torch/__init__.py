@@ -38,12 +38,6 @@ from ipydist.torch.basics import (
 from ipydist.torch.block_momentum import BlockMomentum
 from ipydist.torch.checkpoint import load_checkpoint, save_checkpoint
 from ipydist.torch.collectives import (
-    Average,
-    Max,
-    Min,
-    Product,
-    ReduceOp,
-    Sum,
     allgather,
     allreduce,
     allreduce_,
@@ -73,6 +67,7 @@ from ipydist.torch.functions import (
 from ipydist.torch.metrics import log
 from ipydist.torch.mpi_backend import register as _register_mpi_backend
 from ipydist.torch.optimizer import DistributedOptimizer
+from ipydist.torch.reduce_ops import Average, Max, Min, Product, ReduceOp, Sum
 
 __all__ = [
     "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_",

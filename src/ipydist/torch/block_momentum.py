@@ -30,8 +30,9 @@ import torch
 
 from ipydist.rank.sampler import waits_for_peers
 from ipydist.torch import checkpoint, consistency, transport
-from ipydist.torch.collectives import Average, allreduce_, broadcast_, size
+from ipydist.torch.collectives import allreduce_, broadcast_, size
 from ipydist.torch.optimizer import _DistributedMixin, wrap
+from ipydist.torch.reduce_ops import Average
 
 #: Key of the block state in the optimizer's state dict.
 _STATE_KEY = "ipydist_block"

@@ -20,15 +20,7 @@ import torch.distributed as dist
 from ipydist.rank.sampler import waits_for_peers
 from ipydist.torch import agreement, async_ops, autograd, runtime
 from ipydist.torch.compression import Compression, Compressor
-from ipydist.torch.reduce_ops import (  # noqa: F401 - re-exported: hvd.Average etc.
-    Average,
-    Max,
-    Min,
-    Product,
-    ReduceOp,
-    Sum,
-    resolve,
-)
+from ipydist.torch.reduce_ops import ReduceOp, resolve
 
 
 def init() -> None:
@@ -202,6 +194,3 @@ def alltoall(tensor: torch.Tensor, splits=None, name: str | None = None):
         out, received = pending.wait(), torch.tensor(counts, dtype=torch.int32)
     return out if splits is None else (out, received)
 
-
-def _check_root(root_rank: int) -> None:
-    async_ops.check_root(root_rank)

@@ -14,13 +14,14 @@ import torch.distributed as dist
 
 from ipydist.rank.sampler import waits_for_peers
 from ipydist.torch import agreement, consistency, transport, waiting
-from ipydist.torch.collectives import _check_root, _rt, rank, size
+from ipydist.torch.async_ops import check_root
+from ipydist.torch.collectives import _rt, rank, size
 
 
 @waits_for_peers("broadcast_object_list")
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
     """Return ``root_rank``'s ``obj`` on every rank (any picklable object)."""
-    _check_root(root_rank)
+    check_root(root_rank)
     agreement.agree("broadcast_object", root=root_rank)
     box = [obj if rank() == root_rank else None]
     dist.broadcast_object_list(box, src=root_rank, device=_object_device())
@@ -68,7 +69,7 @@ def broadcast_parameters(params, root_rank: int = 0) -> None:
     One check covers the whole call: the ranks agree on every group's dtype and size first,
     so a rank with a different model raises before any of its broadcasts starts.
     """
-    _check_root(root_rank)
+    check_root(root_rank)
     groups: dict[tuple, list[torch.Tensor]] = {}
     for _, t in _named_tensors(params):
         t = t.data if isinstance(t, torch.nn.Parameter) else t

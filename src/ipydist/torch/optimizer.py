@@ -34,8 +34,9 @@ import torch
 
 from ipydist.rank.sampler import waits_for_peers
 from ipydist.torch import agreement, buckets, checkpoint, consistency, runtime
-from ipydist.torch.collectives import Average, ReduceOp, Sum, _rt, size
+from ipydist.torch.collectives import _rt, size
 from ipydist.torch.compression import Compression, Compressor
+from ipydist.torch.reduce_ops import Average, ReduceOp, Sum
 
 #: Default bucket size, DDP's; benchmarks/train_step.py sweeps it (see the README).
 DEFAULT_BUCKET_CAP_MB = 25.0
