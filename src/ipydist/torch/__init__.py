@@ -14,9 +14,12 @@ from ipydist.torch.async_ops import (
     alltoall_async,
     broadcast_async,
     broadcast_async_,
+    grouped_allgather_async,
     grouped_allreduce_async,
     grouped_allreduce_async_,
+    grouped_reducescatter_async,
     poll,
+    reducescatter_async,
     synchronize,
 )
 from ipydist.torch.basics import (
@@ -48,12 +51,15 @@ from ipydist.torch.collectives import (
     cross_rank,
     cross_size,
     device,
+    grouped_allgather,
     grouped_allreduce,
     grouped_allreduce_,
+    grouped_reducescatter,
     init,
     local_rank,
     local_size,
     rank,
+    reducescatter,
     size,
 )
 from ipydist.torch.compression import Compression
@@ -74,14 +80,16 @@ __all__ = [
     "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "Average", "barrier",
     "BlockMomentum", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
     "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "ccl_built",
-    "Compression", "cross_rank",
-    "cross_size", "cuda_built", "ddl_built", "device", "DistributedOptimizer", "gloo_built",
-    "gloo_enabled", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
-    "grouped_allreduce_async_", "HorovodInternalError", "init", "is_homogeneous", "is_initialized",
-    "load_checkpoint", "local_rank", "local_size", "log", "Max", "Min", "mpi_built", "mpi_enabled",
-    "mpi_threads_supported", "nccl_built", "poll", "Product", "rank", "ReduceOp",
-    "rocm_built", "save_checkpoint", "scale_lr", "shard",
-    "ShardSampler", "shutdown", "size", "Sum", "synchronize",
+    "Compression", "cross_rank", "cross_size", "cuda_built", "ddl_built", "device",
+    "DistributedOptimizer", "gloo_built", "gloo_enabled", "grouped_allgather",
+    "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_",
+    "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter",
+    "grouped_reducescatter_async", "HorovodInternalError", "init", "is_homogeneous",
+    "is_initialized", "load_checkpoint", "local_rank", "local_size", "log", "Max", "Min",
+    "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "Product",
+    "rank", "ReduceOp", "reducescatter", "reducescatter_async", "rocm_built",
+    "save_checkpoint", "scale_lr", "shard", "ShardSampler", "shutdown", "size", "Sum",
+    "synchronize",
 ]
 
 _register_mpi_backend()  # backend="mpi4py" (--backend mpi) for init_process_group and new_group

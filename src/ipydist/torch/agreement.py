@@ -41,7 +41,8 @@ from ipydist.torch import runtime, waiting
 
 #: The kinds of call that are checked; a header holds a kind's position here, plus one.
 KINDS = ("allreduce", "allgather", "broadcast", "broadcast_object", "allgather_object",
-         "barrier", "broadcast_parameters", "optimizer step", "alltoall")
+         "barrier", "broadcast_parameters", "optimizer step", "alltoall", "reducescatter",
+         "join", "grouped allreduce")
 
 # Where each field sits in a header. Shapes longer than MAX_DIMS keep their first dims and a
 # CRC-32 of the rest (CRC, not hash(): it must be the same number in every process).
@@ -60,11 +61,13 @@ _SHAPE_LABELS = {
     "allgather": "tensor shapes (after the first dimension)",
     "broadcast_parameters": "sizes (elements per dtype)",
     "optimizer step": "gradient bucket sizes",
+    "grouped allreduce": "numbers of tensors",
 }
 #: What the extra word stands for, for the kinds that use it.
 _EXTRA_LABELS = {
     "broadcast_parameters": "parameter dtypes",
     "optimizer step": "gradient bucket plans (dtypes, devices or compression)",
+    "grouped allreduce": "the tensors' dtypes, devices or shapes",
 }
 
 _enabled = os.environ.get(protocol.CHECK_COLLECTIVES_ENV, "1").strip() != "0"

@@ -8,13 +8,14 @@ from __future__ import annotations
 import torch
 
 from ipydist.torch import runtime
-from ipydist.torch.async_ops import (
+from ipydist.torch.reduce_ops import Average, ReduceOp, Sum
+from ipydist.torch.starts import (
     start_allgather,
     start_allreduce,
     start_alltoall,
     start_broadcast,
+    start_reducescatter,
 )
-from ipydist.torch.reduce_ops import Average, ReduceOp, Sum
 
 
 def _summed(grad: torch.Tensor) -> torch.Tensor:
@@ -49,6 +50,24 @@ class Allgather(torch.autograd.Function):
         rank = runtime.get().rank
         mine = _summed(grad).narrow(0, sum(ctx.counts[:rank]), ctx.counts[rank])
         return mine.reshape(ctx.shape)
+
+
+class Reducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, op: ReduceOp, prescale: float, postscale: float):
+        ctx.args = (op, prescale * postscale)
+        return start_reducescatter(tensor, op, prescale, postscale).wait()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        op, scale = ctx.args
+        if op not in (Average, Sum):
+            raise RuntimeError(f"reducescatter with op {op.name} has no gradient here: use "
+                               "Average or Sum for tensors that require grad")
+        whole = start_allgather(grad.contiguous())[0].wait()
+        if op is Average:
+            scale /= runtime.get().size
+        return (whole * scale if scale != 1.0 else whole), None, None, None
 
 
 class Broadcast(torch.autograd.Function):

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ipydist.rank.sampler import waits_for_peers
-from ipydist.torch import agreement, async_ops, autograd, runtime
+from ipydist.torch import agreement, async_ops, autograd, runtime, starts
 from ipydist.torch.compression import Compression, Compressor
 from ipydist.torch.reduce_ops import ReduceOp, resolve
 
@@ -97,7 +97,7 @@ def allreduce_(
     for Horovod compatibility; torch.distributed matches collectives by order, not by name.
     """
     op = resolve(average, op)
-    return async_ops.start_allreduce(tensor, op, prescale_factor, postscale_factor).wait()
+    return starts.start_allreduce(tensor, op, prescale_factor, postscale_factor).wait()
 
 
 @waits_for_peers("all_reduce")
@@ -117,7 +117,7 @@ def allreduce(
     if torch.is_grad_enabled() and wire.requires_grad:
         out = autograd.Allreduce.apply(wire, op, prescale_factor, postscale_factor)
     else:
-        out = async_ops.start_allreduce(wire.detach().clone(), op, prescale_factor,
+        out = starts.start_allreduce(wire.detach().clone(), op, prescale_factor,
                                         postscale_factor).wait()
     return compression.decompress(out, ctx)
 
@@ -133,8 +133,8 @@ def grouped_allreduce(tensors, average=None, name: str | None = None,
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return [autograd.Allreduce.apply(t, op, prescale_factor, postscale_factor)
                 for t in tensors]
-    return async_ops.grouped([t.detach().clone() for t in tensors], op, prescale_factor,
-                             postscale_factor, name)
+    return starts.start_grouped_allreduce([t.detach().clone() for t in tensors], op,
+                                          prescale_factor, postscale_factor, name).wait()
 
 
 @waits_for_peers("all_reduce")
@@ -144,8 +144,8 @@ def grouped_allreduce_(tensors, average=None, name: str | None = None,
     """Allreduce every tensor of ``tensors`` in place."""
     op = resolve(average, op)
     tensors = list(tensors)
-    async_ops.grouped([t.detach() for t in tensors], op, prescale_factor, postscale_factor,
-                      name)
+    starts.start_grouped_allreduce([t.detach() for t in tensors], op, prescale_factor,
+                                   postscale_factor, name).wait()
     return tensors
 
 
@@ -159,13 +159,59 @@ def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
     """
     if torch.is_grad_enabled() and tensor.requires_grad:
         return autograd.Allgather.apply(tensor)
-    return async_ops.start_allgather(tensor, name)[0].wait()
+    return starts.start_allgather(tensor, name)[0].wait()
+
+
+@waits_for_peers("all_gather")
+def grouped_allgather(tensors, name: str | None = None) -> list[torch.Tensor]:
+    """Allgather every tensor of ``tensors`` (posted together, waited for together)."""
+    tensors = list(tensors)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return [autograd.Allgather.apply(t) for t in tensors]
+    return async_ops.start_grouped("allgather", tensors, name).wait()
+
+
+@waits_for_peers("reduce_scatter")
+def reducescatter(tensor: torch.Tensor, name: str | None = None,
+                  compression: type[Compressor] = Compression.none, op: ReduceOp | None = None,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+    """Reduce ``tensor`` over the ranks (``op``: Average by default, Sum, Min, Max, Product)
+    and return this rank's share of the rows: the first dimension is shared equally, the
+    first ``rows % size()`` ranks taking one row more, as in Horovod. The input is unchanged.
+    Differentiable for Average and Sum: the gradient is the allgather of the shares'
+    gradients."""
+    op = resolve(None, op)
+    wire, ctx = compression.compress(tensor)
+    if torch.is_grad_enabled() and wire.requires_grad:
+        out = autograd.Reducescatter.apply(wire, op, prescale_factor, postscale_factor)
+    else:
+        out = starts.start_reducescatter(wire, op, prescale_factor, postscale_factor,
+                                         name).wait()
+    return compression.decompress(out, ctx)
+
+
+@waits_for_peers("reduce_scatter")
+def grouped_reducescatter(tensors, name: str | None = None,
+                          compression: type[Compressor] = Compression.none,
+                          op: ReduceOp | None = None, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list[torch.Tensor]:
+    """:func:`reducescatter` of every tensor of ``tensors`` (posted together, waited for
+    together)."""
+    op = resolve(None, op)
+    wired = [compression.compress(t) for t in tensors]
+    if torch.is_grad_enabled() and any(w.requires_grad for w, _ in wired):
+        outs = [autograd.Reducescatter.apply(w, op, prescale_factor, postscale_factor)
+                for w, _ in wired]
+    else:
+        outs = async_ops.start_grouped("reducescatter", [w for w, _ in wired], name, op,
+                                       prescale_factor, postscale_factor).wait()
+    return [compression.decompress(out, ctx) for out, (_, ctx) in zip(outs, wired)]
 
 
 @waits_for_peers("broadcast")
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
     """Overwrite ``tensor`` on every rank with ``root_rank``'s value, in place."""
-    return async_ops.start_broadcast(tensor, root_rank).wait()
+    return starts.start_broadcast(tensor, root_rank).wait()
 
 
 @waits_for_peers("broadcast")
@@ -174,7 +220,7 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> 
     root's gradient is the summed gradient, the others' zero)."""
     if torch.is_grad_enabled() and tensor.requires_grad:
         return autograd.Broadcast.apply(tensor, root_rank)
-    return async_ops.start_broadcast(tensor.detach().clone(), root_rank).wait()
+    return starts.start_broadcast(tensor.detach().clone(), root_rank).wait()
 
 
 @waits_for_peers("all_to_all")
@@ -190,7 +236,7 @@ def alltoall(tensor: torch.Tensor, splits=None, name: str | None = None):
     if torch.is_grad_enabled() and tensor.requires_grad:
         out, received = autograd.Alltoall.apply(tensor, splits)
     else:
-        pending, counts = async_ops.start_alltoall(tensor, splits, name)
+        pending, counts = starts.start_alltoall(tensor, splits, name)
         out, received = pending.wait(), torch.tensor(counts, dtype=torch.int32)
     return out if splits is None else (out, received)
 

@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from ipydist.rank.sampler import waits_for_peers
 from ipydist.torch import agreement, consistency, transport, waiting
-from ipydist.torch.async_ops import check_root
 from ipydist.torch.collectives import _rt, rank, size
+from ipydist.torch.starts import check_root
 
 
 @waits_for_peers("broadcast_object_list")

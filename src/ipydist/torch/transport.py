@@ -145,6 +145,16 @@ def start_allgather(send: torch.Tensor, into: torch.Tensor) -> Chain:
     return _submit([lambda comm: comm.Iallgather(send.numpy(), into.numpy())])
 
 
+def start_reducescatter(send: torch.Tensor, into: torch.Tensor, counts: list[int],
+                        op: str = "sum") -> Chain:
+    """Submit a reduction of every rank's contiguous ``send`` of which rank j keeps
+    ``counts[j]`` consecutive elements, in ``into``; for :func:`finish`."""
+    mpi = _names()
+    return _submit([lambda comm: comm.Ireduce_scatter(send.reshape(-1).numpy(),
+                                                      into.reshape(-1).numpy(), counts,
+                                                      mpi[op])])
+
+
 def start_alltoall_then_allgather(send: torch.Tensor, recv: torch.Tensor, middle,
                                   into: torch.Tensor) -> Chain:
     """Submit an all-to-all of ``send``'s rows (world x n, row j to rank j) into ``recv``, then,
