@@ -17,7 +17,7 @@ from helpers import NP, run_cell
 
 from ipydist.errors import CellTimeout, RankError
 from ipydist.protocol import CHECK_COLLECTIVES_ENV
-from ipydist.torch import agreement
+from ipydist.torch import agreement, signature
 
 LAST = NP - 1
 #: A cell that works only if every rank is alive and the group is healthy.
@@ -292,46 +292,46 @@ class Op(enum.Enum):
 def test_identical_headers_agree_and_the_carried_word_is_not_compared():
     import torch
 
-    a = agreement.header("allgather", torch.float32, torch.device("cpu"), (3,), carried=5)
-    b = agreement.header("allgather", torch.float32, torch.device("cpu"), (3,), carried=7)
-    assert len(a) == agreement.HEADER_WORDS
-    assert agreement.disagreement([a, b, a]) is None
+    a = signature.header("allgather", torch.float32, torch.device("cpu"), (3,), carried=5)
+    b = signature.header("allgather", torch.float32, torch.device("cpu"), (3,), carried=7)
+    assert len(a) == signature.HEADER_WORDS
+    assert signature.disagreement([a, b, a]) is None
 
 
 def test_the_verdict_names_every_field_that_differs_and_who_had_what():
     import torch
 
     def h(dtype=torch.float32, shape=(4,), op=Op.Sum, **kw):
-        return agreement.header("allreduce", dtype, torch.device("cpu"), shape, op, **kw)
+        return signature.header("allreduce", dtype, torch.device("cpu"), shape, op, **kw)
 
-    message = agreement.disagreement(
+    message = signature.disagreement(
         [h(), h(), h(torch.float16, (2, 2), Op.Average), h(prescale=0.5)])
     assert message == (
         "allreduce: dtypes differ between ranks: ranks 0-1,3 have float32, rank 2 has float16; "
         "tensor shapes differ between ranks: ranks 0-1,3 have (4,), rank 2 has (2, 2); "
         "reduce ops differ between ranks: ranks 0-1,3 have Sum, rank 2 has Average; "
         "prescale factors differ between ranks: ranks 0-2 have 1, rank 3 has 0.5. "
-        + agreement.ADVICE)
+        + signature.ADVICE)
     # shapes past MAX_DIMS differ by their CRC
-    long = (1,) * agreement.MAX_DIMS
-    assert "tensor shapes differ" in agreement.disagreement([h(shape=(*long, 2)),
+    long = (1,) * signature.MAX_DIMS
+    assert "tensor shapes differ" in signature.disagreement([h(shape=(*long, 2)),
                                                              h(shape=(*long, 3))])
-    assert agreement.disagreement([h(shape=(*long, 2)), h(shape=(*long, 2))]) is None
+    assert signature.disagreement([h(shape=(*long, 2)), h(shape=(*long, 2))]) is None
 
 
 def test_different_kinds_are_reported_as_such_whatever_else_differs():
     import torch
 
-    a = agreement.header("allreduce", torch.float32, torch.device("cpu"), (4,))
-    b = agreement.header("broadcast", torch.int64, torch.device("cpu"), (9,), root=1)
-    assert agreement.disagreement([a, b, b]) == (
+    a = signature.header("allreduce", torch.float32, torch.device("cpu"), (4,))
+    b = signature.header("broadcast", torch.int64, torch.device("cpu"), (9,), root=1)
+    assert signature.disagreement([a, b, b]) == (
         "ranks called different collectives: rank 0 allreduce, ranks 1-2 broadcast. "
-        + agreement.ADVICE)
+        + signature.ADVICE)
 
 
 def test_a_plan_that_differs_only_in_its_hash_is_named_by_letters():
-    a = agreement.header("optimizer step", shape=(10,), extra=agreement.plan_hash([10, "fp16"]))
-    b = agreement.header("optimizer step", shape=(10,), extra=agreement.plan_hash([10, "none"]))
-    assert agreement.disagreement([a, b, a]) == (
+    a = signature.header("optimizer step", shape=(10,), extra=signature.plan_hash([10, "fp16"]))
+    b = signature.header("optimizer step", shape=(10,), extra=signature.plan_hash([10, "none"]))
+    assert signature.disagreement([a, b, a]) == (
         "optimizer step: gradient bucket plans (dtypes, devices or compression) differ between "
-        "ranks: ranks 0,2 have plan A, rank 1 has plan B. " + agreement.ADVICE)
+        "ranks: ranks 0,2 have plan A, rank 1 has plan B. " + signature.ADVICE)

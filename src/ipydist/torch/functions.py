@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ipydist.rank.sampler import waits_for_peers
-from ipydist.torch import agreement, consistency, transport, waiting
+from ipydist.torch import agreement, consistency, signature, transport, waiting
 from ipydist.torch.collectives import _rt, rank, size
 from ipydist.torch.starts import check_root
 
@@ -78,7 +78,7 @@ def broadcast_parameters(params, root_rank: int = 0) -> None:
     agreement.agree(
         "broadcast_parameters", dtype=first[0], device=first[1],
         shape=[sum(t.numel() for t in tensors) for tensors in groups.values()], root=root_rank,
-        extra=agreement.plan_hash([f"{dtype}@{device.type}" for dtype, device in groups]),
+        extra=signature.plan_hash([f"{dtype}@{device.type}" for dtype, device in groups]),
     )
     for tensors in groups.values():
         consistency.track_tensors(tensors)  # kept in step after an interrupt, too

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ipydist.rank.sampler import waits_for_peers
-from ipydist.torch import agreement, buckets, checkpoint, consistency, runtime
+from ipydist.torch import agreement, buckets, checkpoint, consistency, runtime, signature
 from ipydist.torch.collectives import _rt, size
 from ipydist.torch.compression import Compression, Compressor
 from ipydist.torch.reduce_ops import Average, ReduceOp, Sum
@@ -168,7 +168,7 @@ class _DistributedMixin:
         return dict(dtype=first.dtype, device=first.device,
                     shape=[b.numel for b in self._buckets], op=self._op,
                     prescale=self._prescale, postscale=self._postscale,
-                    extra=agreement.plan_hash(self._plan + [self._compression_now().__name__]))
+                    extra=signature.plan_hash(self._plan + [self._compression_now().__name__]))
 
     def _compression_now(self) -> type[Compressor]:
         """The compression of this step: none during the warm start (``distributed_after``)."""
@@ -246,7 +246,7 @@ class _DistributedMixin:
             compression = self._compression_now()
             if compression not in self._headers:
                 self._headers[compression] = np.asarray(
-                    agreement.header("optimizer step", **self._signature()), dtype=np.int64)
+                    signature.header("optimizer step", **self._signature()), dtype=np.int64)
             self._announced = agreement.announce(self._headers[compression])
 
     # --- checkpoints --------------------------------------------------------------------------

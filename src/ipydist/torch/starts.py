@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ipydist.torch import agreement, handles, runtime, transport, waiting
+from ipydist.torch import agreement, handles, runtime, signature, transport, waiting
 from ipydist.torch.handles import Pending
 from ipydist.torch.reduce_ops import MPI_OPS, TORCH_OPS, Average, ReduceOp
 
@@ -66,7 +66,7 @@ def start_grouped_allreduce(tensors: list[torch.Tensor], op: ReduceOp, prescale:
     handles.check_name(name)
     plan = [(str(t.dtype), t.device.type, tuple(t.shape)) for t in tensors]
     agreement.agree("grouped allreduce", shape=(len(tensors),), op=op, prescale=prescale,
-                    postscale=postscale, extra=agreement.plan_hash(plan))
+                    postscale=postscale, extra=signature.plan_hash(plan))
     fused: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
         fused.setdefault((t.dtype, t.device), []).append(t)
