@@ -70,6 +70,7 @@ from ipydist.torch.functions import (
     broadcast_optimizer_state,
     broadcast_parameters,
 )
+from ipydist.torch.join import join
 from ipydist.torch.metrics import log
 from ipydist.torch.mpi_backend import register as _register_mpi_backend
 from ipydist.torch.optimizer import DistributedOptimizer
@@ -85,9 +86,9 @@ __all__ = [
     "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_",
     "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter",
     "grouped_reducescatter_async", "HorovodInternalError", "init", "is_homogeneous",
-    "is_initialized", "load_checkpoint", "local_rank", "local_size", "log", "Max", "Min",
-    "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "Product",
-    "rank", "ReduceOp", "reducescatter", "reducescatter_async", "rocm_built",
+    "is_initialized", "join", "load_checkpoint", "local_rank", "local_size", "log", "Max",
+    "Min", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll",
+    "Product", "rank", "ReduceOp", "reducescatter", "reducescatter_async", "rocm_built",
     "save_checkpoint", "scale_lr", "shard", "ShardSampler", "shutdown", "size", "Sum",
     "synchronize",
 ]

@@ -158,6 +158,17 @@ def agree(kind: str, tensor: torch.Tensor | None = None, *, dtype: torch.dtype |
     return None if carried is None else [h[CARRIED] for h in headers]
 
 
+def exchange_joined(first: bool) -> list[list[int]]:
+    """Every rank's header, this rank sending a "join" one (it waits in ``hvd.join()``);
+    ``first``, carried along, marks its first exchange since it joined. Raises nothing: a
+    joined rank serves what the others agree on, and sits out what they raise on."""
+    rt = runtime.ensure_process_group()
+    waiting.check_usable()
+    if rt.announced:
+        settle()
+    return _exchange(rt, np.asarray(header("join", carried=int(first)), dtype=np.int64))
+
+
 def _exchange(rt: runtime.Runtime, words: np.ndarray) -> list[list[int]]:
     """Every rank's header, in rank order.
 

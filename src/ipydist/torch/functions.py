@@ -98,13 +98,35 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     """Give every rank ``root_rank``'s optimizer state and hyper-parameters (lr, momentum...).
 
     The state travels as one pickled object with its tensors on the CPU; ``load_state_dict``
-    moves them to each rank's parameter devices.
+    moves them to each rank's parameter devices. An optimizer that has not stepped yet has
+    no state: as in Horovod, each rank first takes one local step with zero gradients to
+    create it (momentum buffers, Adam's moments), leaving zero ``grad`` on the parameters that
+    require one; here the parameters are put back as they were, so that only the state comes
+    from that step.
     """
+    if not optimizer.state:
+        _initialise_state(optimizer)
     state = None
     if rank() == root_rank:
         state = _to_cpu(optimizer.state_dict())
     state = broadcast_object(state, root_rank)
     optimizer.load_state_dict(state)
+
+
+@torch.no_grad()
+def _initialise_state(optimizer: torch.optim.Optimizer) -> None:
+    """One local step on zero gradients (the wrapped optimizer's own step: no averaging),
+    the parameters restored afterwards."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    kept = [p.detach().clone() for p in params]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    own = next(cls for cls in type(optimizer).__mro__
+               if "step" in vars(cls) and not hasattr(cls, "wrapper_name"))
+    own.step(optimizer)
+    for p, value in zip(params, kept):
+        p.copy_(value)
 
 
 def _to_cpu(value):

@@ -44,6 +44,14 @@ DEFAULT_BUCKET_CAP_MB = 25.0
 #: notebook re-runs cells, so a second DistributedOptimizer over the same model must take the
 #: hooks over, or the first one's hooks would start collectives nobody waits for.
 _HOOK_ATTR = "_ipydist_grad_hook"
+#: Every DistributedOptimizer alive on this rank.
+_live: weakref.WeakSet = weakref.WeakSet()
+
+
+def live() -> list:
+    """Every DistributedOptimizer alive on this rank (a rank in ``hvd.join()`` serves the
+    other ranks' steps with the one whose step they announce)."""
+    return list(_live)
 
 
 class _DistributedMixin:
@@ -67,6 +75,7 @@ class _DistributedMixin:
             p for group in self.param_groups for p in group["params"] if p.requires_grad
         ]
         consistency.track_optimizer(self)  # kept in step after an interrupt
+        _live.add(self)  # so that a rank in hvd.join() can serve its steps
         self._names = _names_for(params, named_parameters)
         self._compression = compression
         self._distributed_after = distributed_after
@@ -97,6 +106,7 @@ class _DistributedMixin:
         #: the collectives): compressions compared by what they put on the network.
         self.bytes_sent = 0
         self._skip_sync = False
+        self._synchronized = False  # synchronize() was called since the last step()
         hook = self._make_hook() if len(self._buckets) > 1 else None
         for p in params:
             old = getattr(p, _HOOK_ATTR, None)
@@ -185,6 +195,7 @@ class _DistributedMixin:
         A second call with no backward in between does nothing, so ``synchronize()`` followed
         by ``step()`` averages once.
         """
+        self._synchronized = True
         if self._grad_marks == self._current_marks():
             return
         _rt()
@@ -232,7 +243,14 @@ class _DistributedMixin:
 
     def step(self, closure=None):
         if not self._skip_sync:
+            if self._synchronized:
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() context after "
+                    "optimizer.synchronize(): it checks the gradients again for nothing. Step "
+                    "inside `with optimizer.skip_synchronize():` after synchronizing yourself.",
+                    stacklevel=2)
             self.synchronize()
+        self._synchronized = False
         return super().step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -248,6 +266,24 @@ class _DistributedMixin:
                 self._headers[compression] = np.asarray(
                     signature.header("optimizer step", **self._signature()), dtype=np.int64)
             self._announced = agreement.announce(self._headers[compression])
+
+    # --- for hvd.join() ------------------------------------------------------------------------
+
+    def _serves(self, words: list[int]) -> bool:
+        """Whether the step the other ranks announced (``words``, their header) is one of
+        this optimizer's."""
+        return bool(self._buckets) and words == signature.header(
+            "optimizer step", **self._signature())
+
+    def _serve_joined(self) -> None:
+        """Take part in the other ranks' step with no gradients (zeros, as Horovod's joined
+        ranks send), its check already made."""
+        for bucket in self._buckets:
+            for p in bucket.params:
+                p.grad = None
+        self._grad_marks, self._announced, self._step_agreed = None, None, True
+        self.synchronize()
+        self._synchronized = False
 
     # --- checkpoints --------------------------------------------------------------------------
 

@@ -27,6 +27,10 @@ DIMS = slice(4, 4 + MAX_DIMS)
 MORE_DIMS = 4 + MAX_DIMS
 OP, ROOT, PRESCALE, POSTSCALE, EXTRA, CARRIED = range(MORE_DIMS + 1, MORE_DIMS + 7)
 HEADER_WORDS = CARRIED + 1
+JOIN = KINDS.index("join") + 1
+#: The calls a rank waiting in ``hvd.join()`` takes part in (with a neutral tensor), knowing
+#: all it needs from their header.
+SERVED_BY_JOINED = ("allreduce", "optimizer step", "barrier")
 
 ADVICE = ("Every rank must call the same collectives, in the same order, with the same shapes "
           "and dtypes.")
@@ -93,7 +97,7 @@ def _float_bits(x: float) -> int:
     return _ONE_BITS if x == 1.0 else struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
-def _from_bits(bits: int) -> float:
+def from_bits(bits: int) -> float:
     return struct.unpack("<d", struct.pack("<q", bits))[0]
 
 
@@ -128,15 +132,27 @@ def disagreement(headers: Sequence[Sequence[int]]) -> str | None:
     """What the ranks disagree on, as the message every rank raises; None when they agree.
 
     ``headers``: every rank's header, in rank order. A pure function of them, so every rank
-    reaches the same verdict.
+    reaches the same verdict. Ranks waiting in ``hvd.join()`` send a "join" header: the others
+    agree without them on a call those ranks can serve (:data:`SERVED_BY_JOINED`), and on
+    nothing else.
     """
     if all(h[:CARRIED] == headers[0][:CARRIED] for h in headers):
         return None
-    kinds = [h[KIND] for h in headers]
-    if len(set(kinds)) > 1:
+    joined = [r for r, h in enumerate(headers) if h[KIND] == JOIN]
+    if len(joined) == len(headers):
+        return None  # every rank has joined: join() returns
+    active = [None if h[KIND] == JOIN else h for h in headers]
+    kinds = [None if h is None else h[KIND] for h in active]
+    if len(set(kinds) - {None}) > 1:
         return (f"ranks called different collectives: "
                 f"{_by_rank(kinds, _kind_name, verb=False)}. {ADVICE}")
-    kind = _kind_name(kinds[0])
+    kind = _kind_name(next(k for k in kinds if k is not None))
+    if joined and (kind not in SERVED_BY_JOINED or any(
+            h is not None and h[NDIM] > MAX_DIMS for h in active)):
+        return (f"{kind} while {describe_ranks(joined)} {'has' if len(joined) == 1 else 'have'} "
+                f"joined: a rank waiting in hvd.join() takes part only in allreduce (of at most "
+                f"{MAX_DIMS} dimensions), DistributedOptimizer steps and barrier. Call "
+                f"hvd.join() on every rank before other collectives.")
     fields = [
         ("dtypes", lambda h: h[DTYPE], _name),
         ("devices", lambda h: h[DEVICE], _name),
@@ -144,16 +160,16 @@ def disagreement(headers: Sequence[Sequence[int]]) -> str | None:
          lambda h: (h[NDIM], *h[DIMS], h[MORE_DIMS]), lambda s: _shape_text(s, kind)),
         ("reduce ops", lambda h: h[OP], _name),
         ("root ranks", lambda h: h[ROOT], str),
-        ("prescale factors", lambda h: h[PRESCALE], lambda b: f"{_from_bits(b):g}"),
-        ("postscale factors", lambda h: h[POSTSCALE], lambda b: f"{_from_bits(b):g}"),
+        ("prescale factors", lambda h: h[PRESCALE], lambda b: f"{from_bits(b):g}"),
+        ("postscale factors", lambda h: h[POSTSCALE], lambda b: f"{from_bits(b):g}"),
     ]
     problems = []
     for label, field, show in fields:
-        values = [field(h) for h in headers]
-        if len(set(values)) > 1:
+        values = [None if h is None else field(h) for h in active]
+        if len(set(values) - {None}) > 1:
             problems.append(f"{label} differ between ranks: {_by_rank(values, show)}")
-    extras = [h[EXTRA] for h in headers]
-    if not problems and len(set(extras)) > 1:  # a hash: it adds nothing to the fields above
+    extras = [None if h is None else h[EXTRA] for h in active]
+    if not problems and len(set(extras) - {None}) > 1:  # a hash: adds nothing to the above
         letters = {v: chr(ord("A") + i) for i, (_, v) in enumerate(_groups(extras))}
         problems.append(f"{_EXTRA_LABELS.get(kind, 'arguments')} differ between ranks: "
                         f"{_by_rank(extras, lambda v: 'plan ' + letters[v])}")
@@ -164,6 +180,11 @@ def disagreement(headers: Sequence[Sequence[int]]) -> str | None:
 
 def _kind_name(number: int) -> str:
     return KINDS[number - 1] if 0 < number <= len(KINDS) else f"an unknown call ({number})"
+
+
+def name_of(number: int) -> str:
+    """The text a code stands for (a dtype, a device type or an op, as :func:`code` made it)."""
+    return _names[number]
 
 
 def _name(number: int) -> str:
@@ -184,7 +205,8 @@ def _groups(values: list) -> list[tuple[list[int], object]]:
     """(ranks, value) for each distinct value, in order of its first rank."""
     found: dict = {}
     for r, v in enumerate(values):
-        found.setdefault(v, []).append(r)
+        if v is not None:  # None: a rank that has joined
+            found.setdefault(v, []).append(r)
     return [(ranks, v) for v, ranks in found.items()]
 
 

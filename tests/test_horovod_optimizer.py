@@ -1,0 +1,59 @@
+"""Horovod's DistributedOptimizer details on a real 4-rank cluster: optimizer state broadcast
+before the first step, and the warning for a step that synchronizes again."""
+
+from __future__ import annotations
+
+from test_horovod_api import pulled, run_ok
+
+
+def test_broadcast_optimizer_state_before_any_step_creates_the_state(shell, capsys, cluster):
+    """As in Horovod: a zero-gradient step creates the state (here the momentum buffers, all
+    equal to rank 0's), parameters that require a gradient get a zero one, frozen ones keep
+    None; unlike Horovod, the parameters are left as they were (weight decay would move
+    them)."""
+    run_ok(shell, capsys, """%%everyrank
+import torch, ipydist.torch as hvd
+torch.manual_seed(hvd.rank())
+frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+w = torch.nn.Parameter(torch.randn(4))
+opt = hvd.DistributedOptimizer(
+    torch.optim.SGD([frozen, w], lr=0.1, momentum=0.9, weight_decay=0.5, nesterov=True),
+    named_parameters=[("frozen", frozen), ("w", w)])
+before = w.detach().clone()
+hvd.broadcast_optimizer_state(opt, root_rank=0)
+buffer = opt.state[w]["momentum_buffer"]
+outcome = (frozen.grad is None, w.grad.tolist(), torch.equal(w.detach(), before),
+           buffer.tolist(), hvd.broadcast(buffer, 0).tolist())
+""")
+    outcomes = pulled(shell, "outcome")
+    for frozen_none, grad, unchanged, buffer, roots in outcomes:
+        assert frozen_none and grad == [0.0] * 4 and unchanged
+        assert buffer == roots  # every rank holds rank 0's state
+        assert any(v != 0.0 for v in buffer)  # weight decay's term: a real step ran
+
+
+def test_step_after_synchronize_warns_as_horovod_does(shell, capsys, cluster):
+    run_ok(shell, capsys, """%%everyrank
+import warnings, torch, ipydist.torch as hvd
+m = torch.nn.Linear(2, 1)
+hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                               named_parameters=m.named_parameters())
+counts = []
+for explicit, skip in ((True, False), (True, True), (False, False)):
+    opt.zero_grad()
+    m(torch.ones(1, 2)).sum().backward()
+    if explicit:
+        opt.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if skip:
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            opt.step()
+    counts.append(sum("without optimizer.skip_synchronize()" in str(w.message)
+                      for w in caught))
+""")
+    for counts in pulled(shell, "counts"):
+        assert counts == [1, 0, 0]
