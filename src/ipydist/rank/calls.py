@@ -16,7 +16,7 @@ from IPython import get_ipython
 
 from ipydist import protocol
 from ipydist.rank import consensus, watcher
-from ipydist.torch import consistency, handles, runtime, shims, waiting
+from ipydist.torch import consistency, handles, process_sets, runtime, shims, waiting
 
 
 def attach() -> dict:
@@ -98,6 +98,12 @@ def recover(number: int, resync: bool) -> dict:
         if failed:
             return _give_up(out, failed)
         out["rebuilt"] = True
+    if process_sets.any_added():  # an abandoned operation may have left theirs unusable
+        failed = _together(comm, number, 4, start + REBUILD_SECONDS,
+                           "making the process sets' communicators again",
+                           process_sets.reconnect_all)
+        if failed:
+            return _give_up(out, failed)
     if resync:
         fixed = []
         failed = _together(comm, number, 3, start + RESYNC_SECONDS,

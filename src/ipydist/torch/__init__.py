@@ -74,23 +74,31 @@ from ipydist.torch.join import join
 from ipydist.torch.metrics import log
 from ipydist.torch.mpi_backend import register as _register_mpi_backend
 from ipydist.torch.optimizer import DistributedOptimizer
+from ipydist.torch.process_sets import (
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
+)
 from ipydist.torch.reduce_ops import Average, Max, Min, Product, ReduceOp, Sum
+from ipydist.torch.sync_batch_norm import SyncBatchNorm
 
 __all__ = [
-    "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_",
-    "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "Average", "barrier",
-    "BlockMomentum", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
-    "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "ccl_built",
-    "Compression", "cross_rank", "cross_size", "cuda_built", "ddl_built", "device",
-    "DistributedOptimizer", "gloo_built", "gloo_enabled", "grouped_allgather",
-    "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_",
-    "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter",
-    "grouped_reducescatter_async", "HorovodInternalError", "init", "is_homogeneous",
-    "is_initialized", "join", "load_checkpoint", "local_rank", "local_size", "log", "Max",
-    "Min", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll",
-    "Product", "rank", "ReduceOp", "reducescatter", "reducescatter_async", "rocm_built",
-    "save_checkpoint", "scale_lr", "shard", "ShardSampler", "shutdown", "size", "Sum",
-    "synchronize",
+    "add_process_set", "allgather", "allgather_async", "allgather_object", "allreduce",
+    "allreduce_", "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async",
+    "Average", "barrier", "BlockMomentum", "broadcast", "broadcast_", "broadcast_async",
+    "broadcast_async_", "broadcast_object", "broadcast_optimizer_state",
+    "broadcast_parameters", "ccl_built", "Compression", "cross_rank", "cross_size",
+    "cuda_built", "ddl_built", "device", "DistributedOptimizer", "global_process_set",
+    "gloo_built", "gloo_enabled", "grouped_allgather", "grouped_allgather_async",
+    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
+    "grouped_allreduce_async_", "grouped_reducescatter", "grouped_reducescatter_async",
+    "HorovodInternalError", "init", "is_homogeneous", "is_initialized", "join",
+    "load_checkpoint", "local_rank", "local_size", "log", "Max", "Min", "mpi_built",
+    "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "ProcessSet", "Product",
+    "rank", "ReduceOp", "reducescatter", "reducescatter_async", "remove_process_set",
+    "rocm_built", "save_checkpoint", "scale_lr", "shard", "ShardSampler", "shutdown", "size",
+    "Sum", "SyncBatchNorm", "synchronize",
 ]
 
 _register_mpi_backend()  # backend="mpi4py" (--backend mpi) for init_process_group and new_group

@@ -125,19 +125,23 @@ def settle(upto: Announced | None = None) -> None:
 def agree(kind: str, tensor: torch.Tensor | None = None, *, dtype: torch.dtype | None = None,
           device: torch.device | None = None, shape: Sequence[int] | None = None,
           op: enum.Enum | str | None = None, root: int = -1, prescale: float = 1.0,
-          postscale: float = 1.0, extra: int = 0, carried: int | None = None) -> list[int] | None:
+          postscale: float = 1.0, extra: int = 0, carried: int | None = None,
+          group=None) -> list[int] | None:
     """Check with every other rank that they make the same call; raise RuntimeError on every
     rank if not (collective: every rank calls it).
 
     ``tensor`` gives dtype, device and shape unless they are given. With ``carried``, the
     headers are exchanged even with the check off, and every rank's ``carried`` comes back in
-    rank order (allgather sends its first dimension that way, at no extra cost).
+    rank order (allgather sends its first dimension that way, at no extra cost). ``group``:
+    the communicators of a process set (``process_sets.SetComms``) whose members make the
+    call, instead of the world's.
     """
     rt = runtime.ensure_process_group()
     waiting.check_usable()
     if rt.announced:
         settle()
-    if rt.size == 1 or not (_enabled or carried is not None):
+    group = rt if group is None else group
+    if group.size == 1 or not (_enabled or carried is not None):
         return None if carried is None else [carried]
     if tensor is not None:
         dtype = tensor.dtype if dtype is None else dtype
@@ -150,7 +154,7 @@ def agree(kind: str, tensor: torch.Tensor | None = None, *, dtype: torch.dtype |
         if len(_headers) >= _HEADERS_KEPT:
             _headers.clear()
         mine = _headers[key] = np.asarray(header(*key), dtype=np.int64)
-    headers = _exchange(rt, mine)
+    headers = _exchange(group, mine)
     if _enabled:
         problem = disagreement(headers)
         if problem is not None:
@@ -169,8 +173,8 @@ def exchange_joined(first: bool) -> list[list[int]]:
     return _exchange(rt, np.asarray(header("join", carried=int(first)), dtype=np.int64))
 
 
-def _exchange(rt: runtime.Runtime, words: np.ndarray) -> list[list[int]]:
-    """Every rank's header, in rank order.
+def _exchange(group, words: np.ndarray) -> list[list[int]]:
+    """Every rank's header, in rank order (of the world, or of a process set: ``group``).
 
     Over MPI when mpiexec started the ranks: a nonblocking all-gather on a communicator kept
     for these checks, polled from Python, costs microseconds where a gloo collective costs a
@@ -180,27 +184,29 @@ def _exchange(rt: runtime.Runtime, words: np.ndarray) -> list[list[int]]:
     ``all_reduce``): stall warnings and release reports name what the user called, and a
     release ends the wait (see ``waiting.wait_for_mpi``).
     """
-    if rt.check_comm is not None:
-        return _exchange_over_mpi(rt, words)
+    if group.check_comm is not None:
+        return _exchange_over_mpi(group, words)
+    rt = runtime.get()
     device = rt.device if rt.backend == "nccl" else _CPU
-    every, rows = _buffers.get((device, rt.size)) or _allocate(device, rt.size)
+    pg = getattr(group, "torch_group", None)
+    every, rows = _buffers.get((device, group.size, pg)) or _allocate(device, group.size, pg)
     mine = torch.tensor(words, dtype=torch.int64, device=device)
     t0 = time.perf_counter()
-    waiting.wait_for(dist.all_gather(rows, mine, async_op=True))
+    waiting.wait_for(dist.all_gather(rows, mine, group=pg, async_op=True))
     found = every.tolist()  # with NCCL this is where the rank waits
     runtime.note_wait(time.perf_counter() - t0)  # the straggler strip counts it as waiting
     return found
 
 
-def _exchange_over_mpi(rt: runtime.Runtime, words: np.ndarray) -> list[list[int]]:
-    every = np.empty((rt.size, HEADER_WORDS), dtype=np.int64)
+def _exchange_over_mpi(group, words: np.ndarray) -> list[list[int]]:
+    every = np.empty((group.size, HEADER_WORDS), dtype=np.int64)
     t0 = time.perf_counter()
-    waiting.wait_for_mpi(rt.check_comm.Iallgather(words, every))
+    waiting.wait_for_mpi(group.check_comm.Iallgather(words, every))
     runtime.note_wait(time.perf_counter() - t0)  # the straggler strip counts it as waiting
     return every.tolist()
 
 
-def _allocate(device: torch.device, size: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _allocate(device: torch.device, size: int, pg) -> tuple[torch.Tensor, list[torch.Tensor]]:
     every = torch.empty((size, HEADER_WORDS), dtype=torch.int64, device=device)
-    _buffers[(device, size)] = every, list(every.unbind(0))
-    return _buffers[(device, size)]
+    _buffers[(device, size, pg)] = every, list(every.unbind(0))
+    return _buffers[(device, size, pg)]

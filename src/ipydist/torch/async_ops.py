@@ -12,6 +12,7 @@ import torch
 
 from ipydist.torch import handles
 from ipydist.torch.handles import Pending, poll, synchronize
+from ipydist.torch.process_sets import ProcessSet, comms_for, global_process_set
 from ipydist.torch.reduce_ops import ReduceOp, resolve
 from ipydist.torch.starts import (
     group_of,
@@ -30,39 +31,49 @@ __all__ = ["allgather_async", "allreduce_async", "allreduce_async_", "alltoall_a
 
 
 # --- Horovod's async API -------------------------------------------------------------------
+# Each takes Horovod's process_set= last (reducescatter's before the scale factors, as
+# Horovod's do); only the set's members call it.
 
 def allreduce_async(tensor: torch.Tensor, average=None, name: str | None = None,
                     op: ReduceOp | None = None, prescale_factor: float = 1.0,
-                    postscale_factor: float = 1.0) -> int:
+                    postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set) -> int:
     """Start an allreduce of a copy of ``tensor``; ``synchronize(handle)`` returns it."""
     op = resolve(average, op)
     return handles.register(start_allreduce(tensor.detach().clone(), op, prescale_factor,
-                                            postscale_factor, name))
+                                            postscale_factor, name,
+                                            group=comms_for(process_set)))
 
 
 def allreduce_async_(tensor: torch.Tensor, average=None, name: str | None = None,
                      op: ReduceOp | None = None, prescale_factor: float = 1.0,
-                     postscale_factor: float = 1.0) -> int:
+                     postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> int:
     """Start an allreduce of ``tensor`` in place; leave it alone until ``synchronize``."""
     op = resolve(average, op)
     return handles.register(_returning(
-        start_allreduce(tensor.detach(), op, prescale_factor, postscale_factor, name), tensor))
+        start_allreduce(tensor.detach(), op, prescale_factor, postscale_factor, name,
+                        group=comms_for(process_set)), tensor))
 
 
-def allgather_async(tensor: torch.Tensor, name: str | None = None) -> int:
+def allgather_async(tensor: torch.Tensor, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> int:
     """Start an allgather; ``synchronize(handle)`` returns the concatenation."""
-    return handles.register(start_allgather(tensor, name)[0])
+    return handles.register(start_allgather(tensor, name, comms_for(process_set))[0])
 
 
-def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> int:
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> int:
     """Start a broadcast into a copy of ``tensor``; ``synchronize(handle)`` returns it."""
-    return handles.register(start_broadcast(tensor.detach().clone(), root_rank, name))
+    return handles.register(start_broadcast(tensor.detach().clone(), root_rank, name,
+                                            comms_for(process_set)))
 
 
-def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> int:
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> int:
     """Start a broadcast into ``tensor`` in place."""
-    return handles.register(_returning(start_broadcast(tensor.detach(), root_rank, name),
-                                       tensor))
+    return handles.register(_returning(start_broadcast(tensor.detach(), root_rank, name,
+                                                       comms_for(process_set)), tensor))
 
 
 def _returning(pending: Pending, result) -> Pending:
@@ -78,9 +89,10 @@ def _returning(pending: Pending, result) -> Pending:
     return pending
 
 
-def alltoall_async(tensor: torch.Tensor, splits=None, name: str | None = None) -> int:
+def alltoall_async(tensor: torch.Tensor, splits=None, name: str | None = None,
+                   process_set: ProcessSet = global_process_set) -> int:
     """Start an alltoall; ``synchronize(handle)`` returns what :func:`alltoall` returns."""
-    pending, received = start_alltoall(tensor, splits, name)
+    pending, received = start_alltoall(tensor, splits, name, comms_for(process_set))
     if splits is not None:
         wait = pending.finish
         pending.finish = lambda: (wait(), torch.tensor(received, dtype=torch.int32))
@@ -88,52 +100,62 @@ def alltoall_async(tensor: torch.Tensor, splits=None, name: str | None = None) -
 
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
-                        op: ReduceOp | None = None, prescale_factor: float = 1.0,
-                        postscale_factor: float = 1.0) -> int:
+                        op: ReduceOp | None = None,
+                        process_set: ProcessSet = global_process_set,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
     """Start a reducescatter; ``synchronize(handle)`` returns this rank's share."""
     return handles.register(start_reducescatter(tensor, resolve(None, op), prescale_factor,
-                                                postscale_factor, name))
+                                                postscale_factor, name,
+                                                comms_for(process_set)))
 
 
 def grouped_allreduce_async(tensors, average=None, name: str | None = None,
                             op: ReduceOp | None = None, prescale_factor: float = 1.0,
-                            postscale_factor: float = 1.0) -> int:
+                            postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set) -> int:
     """Start allreduces of copies of ``tensors``; ``synchronize`` returns them as a list."""
     op = resolve(average, op)
     return handles.register(start_grouped_allreduce(
-        [t.detach().clone() for t in tensors], op, prescale_factor, postscale_factor, name))
+        [t.detach().clone() for t in tensors], op, prescale_factor, postscale_factor, name,
+        comms_for(process_set)))
 
 
 def grouped_allreduce_async_(tensors, average=None, name: str | None = None,
                              op: ReduceOp | None = None, prescale_factor: float = 1.0,
-                             postscale_factor: float = 1.0) -> int:
+                             postscale_factor: float = 1.0,
+                             process_set: ProcessSet = global_process_set) -> int:
     """Start allreduces of ``tensors`` in place."""
     op = resolve(average, op)
     tensors = list(tensors)
     return handles.register(_returning(start_grouped_allreduce(
-        [t.detach() for t in tensors], op, prescale_factor, postscale_factor, name), tensors))
+        [t.detach() for t in tensors], op, prescale_factor, postscale_factor, name,
+        comms_for(process_set)), tensors))
 
 
-def grouped_allgather_async(tensors, name: str | None = None) -> int:
+def grouped_allgather_async(tensors, name: str | None = None,
+                            process_set: ProcessSet = global_process_set) -> int:
     """Start an allgather of each tensor; ``synchronize`` returns the list of results."""
-    return handles.register(start_grouped("allgather", tensors, name))
+    return handles.register(start_grouped("allgather", tensors, name, comms_for(process_set)))
 
 
 def grouped_reducescatter_async(tensors, name: str | None = None,
-                                op: ReduceOp | None = None, prescale_factor: float = 1.0,
+                                op: ReduceOp | None = None,
+                                process_set: ProcessSet = global_process_set,
+                                prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0) -> int:
     """Start a reducescatter of each tensor; ``synchronize`` returns the list of shares."""
-    return handles.register(start_grouped("reducescatter", tensors, name, resolve(None, op),
+    return handles.register(start_grouped("reducescatter", tensors, name,
+                                          comms_for(process_set), resolve(None, op),
                                           prescale_factor, postscale_factor))
 
 
-def start_grouped(kind: str, tensors, name: str | None, *args) -> Pending:
+def start_grouped(kind: str, tensors, name: str | None, group=None, *args) -> Pending:
     """One pending operation for an allgather or a reducescatter (``kind``) of each tensor,
-    each checked and posted now."""
+    each checked and posted now (``args``: reducescatter's op and scale factors)."""
     name = f"grouped_{kind}.{name}" if name else None
     handles.check_name(name)
     if kind == "allgather":
-        parts = [start_allgather(t)[0] for t in tensors]
+        parts = [start_allgather(t, group=group)[0] for t in tensors]
     else:
-        parts = [start_reducescatter(t, *args) for t in tensors]
+        parts = [start_reducescatter(t, *args, group=group) for t in tensors]
     return group_of(parts, name=name)

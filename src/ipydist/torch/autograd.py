@@ -18,15 +18,22 @@ from ipydist.torch.starts import (
 )
 
 
-def _summed(grad: torch.Tensor) -> torch.Tensor:
-    return start_allreduce(grad.detach().clone().contiguous(), Sum).wait()
+def _summed(grad: torch.Tensor, group) -> torch.Tensor:
+    return start_allreduce(grad.detach().clone().contiguous(), Sum, group=group).wait()
+
+
+def _my_index(group) -> int:
+    """This rank's index among those taking part (the world, or a process set: ``group``)."""
+    return runtime.get().rank if group is None else group.rank
 
 
 class Allreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor, op: ReduceOp, prescale: float, postscale: float):
-        ctx.args = (op, prescale, postscale)
-        return start_allreduce(tensor.detach().clone(), op, prescale, postscale).wait()
+    def forward(ctx, tensor: torch.Tensor, op: ReduceOp, prescale: float, postscale: float,
+                group=None):
+        ctx.args, ctx.group = (op, prescale, postscale), group
+        return start_allreduce(tensor.detach().clone(), op, prescale, postscale,
+                               group=group).wait()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -34,29 +41,31 @@ class Allreduce(torch.autograd.Function):
         if op not in (Average, Sum):
             raise RuntimeError(f"allreduce with op {op.name} has no gradient here: use "
                                "Average or Sum for tensors that require grad")
-        out = start_allreduce(grad.detach().clone().contiguous(), op, prescale, postscale)
-        return out.wait(), None, None, None
+        out = start_allreduce(grad.detach().clone().contiguous(), op, prescale, postscale,
+                              group=ctx.group)
+        return out.wait(), None, None, None, None
 
 
 class Allgather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor):
-        pending, counts = start_allgather(tensor)
-        ctx.counts, ctx.shape = counts, tensor.shape
+    def forward(ctx, tensor: torch.Tensor, group=None):
+        pending, counts = start_allgather(tensor, group=group)
+        ctx.counts, ctx.shape, ctx.group = counts, tensor.shape, group
         return pending.wait()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        rank = runtime.get().rank
-        mine = _summed(grad).narrow(0, sum(ctx.counts[:rank]), ctx.counts[rank])
-        return mine.reshape(ctx.shape)
+        me = _my_index(ctx.group)
+        mine = _summed(grad, ctx.group).narrow(0, sum(ctx.counts[:me]), ctx.counts[me])
+        return mine.reshape(ctx.shape), None
 
 
 class Reducescatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor, op: ReduceOp, prescale: float, postscale: float):
-        ctx.args = (op, prescale * postscale)
-        return start_reducescatter(tensor, op, prescale, postscale).wait()
+    def forward(ctx, tensor: torch.Tensor, op: ReduceOp, prescale: float, postscale: float,
+                group=None):
+        ctx.args, ctx.group = (op, prescale * postscale), group
+        return start_reducescatter(tensor, op, prescale, postscale, group=group).wait()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -64,33 +73,33 @@ class Reducescatter(torch.autograd.Function):
         if op not in (Average, Sum):
             raise RuntimeError(f"reducescatter with op {op.name} has no gradient here: use "
                                "Average or Sum for tensors that require grad")
-        whole = start_allgather(grad.contiguous())[0].wait()
+        whole = start_allgather(grad.contiguous(), group=ctx.group)[0].wait()
         if op is Average:
-            scale /= runtime.get().size
-        return (whole * scale if scale != 1.0 else whole), None, None, None
+            scale /= runtime.get().size if ctx.group is None else ctx.group.size
+        return (whole * scale if scale != 1.0 else whole), None, None, None, None
 
 
 class Broadcast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor, root_rank: int):
-        ctx.root = root_rank
-        return start_broadcast(tensor.detach().clone(), root_rank).wait()
+    def forward(ctx, tensor: torch.Tensor, root_rank: int, group=None):
+        ctx.root, ctx.group = root_rank, group
+        return start_broadcast(tensor.detach().clone(), root_rank, group=group).wait()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        summed = _summed(grad)
+        summed = _summed(grad, ctx.group)
         if runtime.get().rank != ctx.root:
             summed.zero_()
-        return summed, None
+        return summed, None, None
 
 
 class Alltoall(torch.autograd.Function):
     """Returns the output and, not differentiable, the rows received from each rank."""
 
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor, splits):
-        pending, received = start_alltoall(tensor, splits)
-        ctx.received, ctx.shape = received, tensor.shape
+    def forward(ctx, tensor: torch.Tensor, splits, group=None):
+        pending, received = start_alltoall(tensor, splits, group=group)
+        ctx.received, ctx.shape, ctx.group = received, tensor.shape, group
         counts = torch.tensor(received, dtype=torch.int32)
         ctx.mark_non_differentiable(counts)
         return pending.wait(), counts
@@ -98,8 +107,8 @@ class Alltoall(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor, _counts):
         # the gradient goes back the way the rows came, each block to the rank it came from
-        back = start_alltoall(grad.contiguous(), ctx.received)[0].wait()
+        back = start_alltoall(grad.contiguous(), ctx.received, group=ctx.group)[0].wait()
         if back.shape[0] < ctx.shape[0]:  # rows beyond the splits were not sent
             back = torch.cat([back, back.new_zeros((ctx.shape[0] - back.shape[0],
                                                     *back.shape[1:]))])
-        return back.reshape(ctx.shape), None
+        return back.reshape(ctx.shape), None, None

@@ -20,12 +20,22 @@ import torch.distributed as dist
 from ipydist.rank.sampler import waits_for_peers
 from ipydist.torch import agreement, async_ops, autograd, runtime, starts
 from ipydist.torch.compression import Compression, Compressor
+from ipydist.torch.process_sets import ProcessSet, add_at_init, comms_for, global_process_set
 from ipydist.torch.reduce_ops import ReduceOp, resolve
 
 
-def init() -> None:
-    """Make sure this rank has its process group (idempotent; collective the first time)."""
-    runtime.ensure_process_group()
+def init(comm=None, process_sets=None) -> None:
+    """Make sure this rank has its process group (idempotent; collective the first time),
+    and add Horovod's static ``process_sets`` (a list of ProcessSets or of lists of ranks)
+    not added yet. ``comm``, Horovod's MPI communicator argument, may only be the world: the
+    ranks are those mpiexec started (process sets give collectives on fewer)."""
+    rt = runtime.ensure_process_group()
+    if comm is not None and (not hasattr(comm, "Get_size") or comm.Get_size() != rt.size):
+        raise ValueError("hvd.init(comm=...) takes only the world communicator here: use "
+                         "process_sets=[...] (or hvd.add_process_set) for collectives among "
+                         "fewer ranks")
+    if process_sets:
+        add_at_init(process_sets)
 
 
 def _rt() -> runtime.Runtime:
@@ -70,15 +80,16 @@ def device() -> torch.device:
 
 
 @waits_for_peers("barrier")
-def barrier() -> None:
-    """Wait until every rank gets here (the check that every rank called it is the wait)."""
-    rt = _rt()
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Wait until every rank (of ``process_set``) gets here (the check that every rank called
+    it is the wait)."""
+    rt, group = _rt(), comms_for(process_set)
     if agreement.enabled():
-        agreement.agree("barrier")
+        agreement.agree("barrier", group=group)
     elif rt.backend == "nccl" and rt.device_index is not None:
-        dist.barrier(device_ids=[rt.device_index])
+        dist.barrier(group=starts._pg(group), device_ids=[rt.device_index])
     else:
-        dist.barrier()
+        dist.barrier(group=starts._pg(group))
 
 
 @waits_for_peers("all_reduce")
@@ -89,15 +100,17 @@ def allreduce_(
     op: ReduceOp | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
-    """Reduce ``tensor`` over all ranks in place and return it (``op``: Average by default,
-    Sum, Min, Max, Product; ``average=`` is Horovod's deprecated form).
+    """Reduce ``tensor`` over all ranks (of ``process_set``) in place and return it (``op``:
+    Average by default, Sum, Min, Max, Product; ``average=`` is Horovod's deprecated form).
 
     ``Average`` of an integer tensor truncates, as integer division does. ``name`` is accepted
     for Horovod compatibility; torch.distributed matches collectives by order, not by name.
     """
     op = resolve(average, op)
-    return starts.start_allreduce(tensor, op, prescale_factor, postscale_factor).wait()
+    return starts.start_allreduce(tensor, op, prescale_factor, postscale_factor,
+                                  group=comms_for(process_set)).wait()
 
 
 @waits_for_peers("all_reduce")
@@ -109,122 +122,136 @@ def allreduce(
     op: ReduceOp | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
     """Return ``tensor`` reduced over all ranks (a new tensor; the input is unchanged),
     differentiable: its gradient is the same allreduce of the gradient."""
-    op = resolve(average, op)
+    op, group = resolve(average, op), comms_for(process_set)
     wire, ctx = compression.compress(tensor)
     if torch.is_grad_enabled() and wire.requires_grad:
-        out = autograd.Allreduce.apply(wire, op, prescale_factor, postscale_factor)
+        out = autograd.Allreduce.apply(wire, op, prescale_factor, postscale_factor, group)
     else:
         out = starts.start_allreduce(wire.detach().clone(), op, prescale_factor,
-                                        postscale_factor).wait()
+                                     postscale_factor, group=group).wait()
     return compression.decompress(out, ctx)
 
 
 @waits_for_peers("all_reduce")
 def grouped_allreduce(tensors, average=None, name: str | None = None,
                       op: ReduceOp | None = None, prescale_factor: float = 1.0,
-                      postscale_factor: float = 1.0) -> list[torch.Tensor]:
+                      postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allreduce every tensor of ``tensors`` (posted together, waited for together) into new
     tensors, differentiable as :func:`allreduce`'s results are."""
-    op = resolve(average, op)
+    op, group = resolve(average, op), comms_for(process_set)
     tensors = list(tensors)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return [autograd.Allreduce.apply(t, op, prescale_factor, postscale_factor)
+        return [autograd.Allreduce.apply(t, op, prescale_factor, postscale_factor, group)
                 for t in tensors]
     return starts.start_grouped_allreduce([t.detach().clone() for t in tensors], op,
-                                          prescale_factor, postscale_factor, name).wait()
+                                          prescale_factor, postscale_factor, name,
+                                          group).wait()
 
 
 @waits_for_peers("all_reduce")
 def grouped_allreduce_(tensors, average=None, name: str | None = None,
                        op: ReduceOp | None = None, prescale_factor: float = 1.0,
-                       postscale_factor: float = 1.0) -> list[torch.Tensor]:
+                       postscale_factor: float = 1.0,
+                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allreduce every tensor of ``tensors`` in place."""
     op = resolve(average, op)
     tensors = list(tensors)
     starts.start_grouped_allreduce([t.detach() for t in tensors], op, prescale_factor,
-                                   postscale_factor, name).wait()
+                                   postscale_factor, name, comms_for(process_set)).wait()
     return tensors
 
 
 @waits_for_peers("all_gather")
-def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
+def allgather(tensor: torch.Tensor, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along the first dimension, in rank order;
     differentiable (each rank's gradient is its rows of the summed gradient).
 
     The first dimension may differ between ranks; the others must match. Each rank's first
     dimension travels in the check's header, so the check costs allgather nothing.
     """
+    group = comms_for(process_set)
     if torch.is_grad_enabled() and tensor.requires_grad:
-        return autograd.Allgather.apply(tensor)
-    return starts.start_allgather(tensor, name)[0].wait()
+        return autograd.Allgather.apply(tensor, group)
+    return starts.start_allgather(tensor, name, group)[0].wait()
 
 
 @waits_for_peers("all_gather")
-def grouped_allgather(tensors, name: str | None = None) -> list[torch.Tensor]:
+def grouped_allgather(tensors, name: str | None = None,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allgather every tensor of ``tensors`` (posted together, waited for together)."""
-    tensors = list(tensors)
+    tensors, group = list(tensors), comms_for(process_set)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return [autograd.Allgather.apply(t) for t in tensors]
-    return async_ops.start_grouped("allgather", tensors, name).wait()
+        return [autograd.Allgather.apply(t, group) for t in tensors]
+    return async_ops.start_grouped("allgather", tensors, name, group).wait()
 
 
 @waits_for_peers("reduce_scatter")
 def reducescatter(tensor: torch.Tensor, name: str | None = None,
                   compression: type[Compressor] = Compression.none, op: ReduceOp | None = None,
-                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+                  process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> torch.Tensor:
     """Reduce ``tensor`` over the ranks (``op``: Average by default, Sum, Min, Max, Product)
     and return this rank's share of the rows: the first dimension is shared equally, the
     first ``rows % size()`` ranks taking one row more, as in Horovod. The input is unchanged.
     Differentiable for Average and Sum: the gradient is the allgather of the shares'
     gradients."""
-    op = resolve(None, op)
+    op, group = resolve(None, op), comms_for(process_set)
     wire, ctx = compression.compress(tensor)
     if torch.is_grad_enabled() and wire.requires_grad:
-        out = autograd.Reducescatter.apply(wire, op, prescale_factor, postscale_factor)
+        out = autograd.Reducescatter.apply(wire, op, prescale_factor, postscale_factor, group)
     else:
         out = starts.start_reducescatter(wire, op, prescale_factor, postscale_factor,
-                                         name).wait()
+                                         name, group).wait()
     return compression.decompress(out, ctx)
 
 
 @waits_for_peers("reduce_scatter")
 def grouped_reducescatter(tensors, name: str | None = None,
                           compression: type[Compressor] = Compression.none,
-                          op: ReduceOp | None = None, prescale_factor: float = 1.0,
+                          op: ReduceOp | None = None,
+                          process_set: ProcessSet = global_process_set,
+                          prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> list[torch.Tensor]:
     """:func:`reducescatter` of every tensor of ``tensors`` (posted together, waited for
     together)."""
-    op = resolve(None, op)
+    op, group = resolve(None, op), comms_for(process_set)
     wired = [compression.compress(t) for t in tensors]
     if torch.is_grad_enabled() and any(w.requires_grad for w, _ in wired):
-        outs = [autograd.Reducescatter.apply(w, op, prescale_factor, postscale_factor)
+        outs = [autograd.Reducescatter.apply(w, op, prescale_factor, postscale_factor, group)
                 for w, _ in wired]
     else:
-        outs = async_ops.start_grouped("reducescatter", [w for w, _ in wired], name, op,
-                                       prescale_factor, postscale_factor).wait()
+        outs = async_ops.start_grouped("reducescatter", [w for w, _ in wired], name, group,
+                                       op, prescale_factor, postscale_factor).wait()
     return [compression.decompress(out, ctx) for out, (_, ctx) in zip(outs, wired)]
 
 
 @waits_for_peers("broadcast")
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Overwrite ``tensor`` on every rank with ``root_rank``'s value, in place."""
-    return starts.start_broadcast(tensor, root_rank).wait()
+    return starts.start_broadcast(tensor, root_rank, group=comms_for(process_set)).wait()
 
 
 @waits_for_peers("broadcast")
-def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Return ``root_rank``'s ``tensor`` on every rank (a new tensor); differentiable (the
     root's gradient is the summed gradient, the others' zero)."""
+    group = comms_for(process_set)
     if torch.is_grad_enabled() and tensor.requires_grad:
-        return autograd.Broadcast.apply(tensor, root_rank)
-    return starts.start_broadcast(tensor.detach().clone(), root_rank).wait()
+        return autograd.Broadcast.apply(tensor, root_rank, group)
+    return starts.start_broadcast(tensor.detach().clone(), root_rank, group=group).wait()
 
 
 @waits_for_peers("all_to_all")
-def alltoall(tensor: torch.Tensor, splits=None, name: str | None = None):
+def alltoall(tensor: torch.Tensor, splits=None, name: str | None = None,
+             process_set: ProcessSet = global_process_set):
     """Send rank j the j-th block of ``tensor``'s rows and return the blocks every rank sent
     this one, concatenated in rank order (the input is unchanged).
 
@@ -233,10 +260,11 @@ def alltoall(tensor: torch.Tensor, splits=None, name: str | None = None):
     received_splits)``: how many rows came from each rank. Differentiable: the gradient goes
     back the way the rows came.
     """
+    group = comms_for(process_set)
     if torch.is_grad_enabled() and tensor.requires_grad:
-        out, received = autograd.Alltoall.apply(tensor, splits)
+        out, received = autograd.Alltoall.apply(tensor, splits, group)
     else:
-        pending, counts = starts.start_alltoall(tensor, splits, name)
+        pending, counts = starts.start_alltoall(tensor, splits, name, group)
         out, received = pending.wait(), torch.tensor(counts, dtype=torch.int32)
     return out if splits is None else (out, received)
 

@@ -15,25 +15,32 @@ import torch.distributed as dist
 from ipydist.rank.sampler import waits_for_peers
 from ipydist.torch import agreement, consistency, signature, transport, waiting
 from ipydist.torch.collectives import _rt, rank, size
+from ipydist.torch.process_sets import ProcessSet, comms_for, global_process_set
 from ipydist.torch.starts import check_root
 
 
 @waits_for_peers("broadcast_object_list")
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
-    """Return ``root_rank``'s ``obj`` on every rank (any picklable object)."""
-    check_root(root_rank)
-    agreement.agree("broadcast_object", root=root_rank)
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """Return ``root_rank``'s ``obj`` on every rank (of ``process_set``; any picklable
+    object)."""
+    group = comms_for(process_set)
+    check_root(root_rank, group)
+    agreement.agree("broadcast_object", root=root_rank, group=group)
     box = [obj if rank() == root_rank else None]
-    dist.broadcast_object_list(box, src=root_rank, device=_object_device())
+    dist.broadcast_object_list(box, src=root_rank, group=None if group is None else
+                               group.torch_group, device=_object_device())
     return box[0]
 
 
 @waits_for_peers("all_gather_object")
-def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
-    """Every rank's ``obj``, as a list in rank order."""
-    agreement.agree("allgather_object")
-    out: list[Any] = [None] * size()
-    dist.all_gather_object(out, obj)
+def allgather_object(obj: Any, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> list[Any]:
+    """Every rank's ``obj`` (of ``process_set``'s ranks), as a list in rank order."""
+    group = comms_for(process_set)
+    agreement.agree("allgather_object", group=group)
+    out: list[Any] = [None] * (size() if group is None else group.size)
+    dist.all_gather_object(out, obj, group=None if group is None else group.torch_group)
     return out
 
 

@@ -17,7 +17,7 @@ from ipydist.specs import describe_ranks
 #: The kinds of call that are checked; a header holds a kind's position here, plus one.
 KINDS = ("allreduce", "allgather", "broadcast", "broadcast_object", "allgather_object",
          "barrier", "broadcast_parameters", "optimizer step", "alltoall", "reducescatter",
-         "join", "grouped allreduce")
+         "join", "grouped allreduce", "add_process_set", "remove_process_set")
 
 # Where each field sits in a header. Shapes longer than MAX_DIMS keep their first dims and a
 # CRC-32 of the rest (CRC, not hash(): it must be the same number in every process).
@@ -41,12 +41,16 @@ _SHAPE_LABELS = {
     "broadcast_parameters": "sizes (elements per dtype)",
     "optimizer step": "gradient bucket sizes",
     "grouped allreduce": "numbers of tensors",
+    "add_process_set": "numbers of ranks",
+    "remove_process_set": "numbers of ranks",
 }
 #: What the extra word stands for, for the kinds that use it.
 _EXTRA_LABELS = {
     "broadcast_parameters": "parameter dtypes",
     "optimizer step": "gradient bucket plans (dtypes, devices or compression)",
     "grouped allreduce": "the tensors' dtypes, devices or shapes",
+    "add_process_set": "ranks",
+    "remove_process_set": "ranks",
 }
 
 #: text -> CRC-32, and back: names travel as numbers and are shown as names again.

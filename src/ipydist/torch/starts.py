@@ -27,61 +27,79 @@ def _for_group(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.is_contiguous() else tensor.contiguous()
 
 
-def check_root(root_rank: int) -> None:
+def check_root(root_rank: int, group=None) -> None:
     world = runtime.ensure_process_group().size
     if not 0 <= int(root_rank) < world:
         raise ValueError(f"root_rank={root_rank}, but ranks are 0..{world - 1}")
+    if group is not None and root_rank not in group.ranks:
+        raise ValueError(f"root_rank={root_rank} is not in the process set (ranks "
+                         f"{group.ranks})")
+
+
+def members(group=None):
+    """Who takes part: the world (the Runtime), or a process set's communicators."""
+    return runtime.ensure_process_group() if group is None else group
+
+
+def _pg(group):
+    """The torch.distributed group for ``group`` (None: the default one)."""
+    return None if group is None else group.torch_group
 
 
 def start_allreduce(tensor: torch.Tensor, op: ReduceOp, prescale: float = 1.0,
                     postscale: float = 1.0, name: str | None = None,
-                    checked: bool = False) -> Pending:
+                    checked: bool = False, group=None) -> Pending:
     """Start reducing ``tensor`` in place; the result is ``tensor``. ``checked``: the caller
-    has already agreed on this call with the other ranks."""
+    has already agreed on this call with the other ranks. ``group``: a process set's
+    communicators (``process_sets.SetComms``), when the call is among its members."""
     handles.check_name(f"allreduce.{name}" if name else None)
     if not checked:
-        agreement.agree("allreduce", tensor, op=op, prescale=prescale, postscale=postscale)
+        agreement.agree("allreduce", tensor, op=op, prescale=prescale, postscale=postscale,
+                        group=group)
     if prescale != 1.0:
         scale_(tensor, prescale)
-    if transport.uses_mpi(tensor):
+    if transport.uses_mpi(tensor, group):
         buf = tensor if tensor.is_contiguous() else tensor.contiguous()
-        work, mpi = transport.start_allreduce(buf, MPI_OPS[op]), True
+        work, mpi = transport.start_allreduce(buf, MPI_OPS[op], group=group), True
     else:
         buf = _for_group(tensor)
-        work, mpi = dist.all_reduce(buf, op=TORCH_OPS[op], async_op=True), False
+        work = dist.all_reduce(buf, op=TORCH_OPS[op], group=_pg(group), async_op=True)
+        mpi = False
+    size = members(group).size
 
     def finish() -> torch.Tensor:
         if buf is not tensor:
             tensor.copy_(buf)
-        return _averaged(tensor, op, postscale)
+        return _averaged(tensor, op, postscale, size)
 
     return Pending(work, mpi, finish, f"allreduce.{name}" if name else None)
 
 
 def start_grouped_allreduce(tensors: list[torch.Tensor], op: ReduceOp, prescale: float = 1.0,
-                            postscale: float = 1.0, name: str | None = None) -> Pending:
+                            postscale: float = 1.0, name: str | None = None,
+                            group=None) -> Pending:
     """Start reducing every tensor of ``tensors`` in place, fused: one check for the group,
     one flat buffer (one reduction) for each dtype and device; the result is the list."""
     name = f"grouped_allreduce.{name}" if name else None
     handles.check_name(name)
     plan = [(str(t.dtype), t.device.type, tuple(t.shape)) for t in tensors]
     agreement.agree("grouped allreduce", shape=(len(tensors),), op=op, prescale=prescale,
-                    postscale=postscale, extra=signature.plan_hash(plan))
+                    postscale=postscale, extra=signature.plan_hash(plan), group=group)
     fused: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
         fused.setdefault((t.dtype, t.device), []).append(t)
     parts = []
-    for members in fused.values():
-        flat = members[0].reshape(-1) if len(members) == 1 else torch.cat(
-            [t.reshape(-1) for t in members])
-        parts.append((members, flat, start_allreduce(flat, op, prescale, postscale,
-                                                     checked=True)))
+    for alike in fused.values():
+        flat = alike[0].reshape(-1) if len(alike) == 1 else torch.cat(
+            [t.reshape(-1) for t in alike])
+        parts.append((alike, flat, start_allreduce(flat, op, prescale, postscale,
+                                                     checked=True, group=group)))
 
     def finish() -> list[torch.Tensor]:
-        for members, flat, pending in parts:
+        for alike, flat, pending in parts:
             pending.wait()
             offset = 0
-            for t in members:
+            for t in alike:
                 if flat.data_ptr() != t.data_ptr():
                     t.copy_(flat[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
@@ -101,14 +119,15 @@ def group_of(parts: list[Pending], finish=None, name: str | None = None) -> Pend
     return group
 
 
-def _averaged(tensor: torch.Tensor, op: ReduceOp, postscale: float) -> torch.Tensor:
+def _averaged(tensor: torch.Tensor, op: ReduceOp, postscale: float,
+              size: int) -> torch.Tensor:
     """``tensor``, a sum over the ranks, divided by their number for ``Average`` (integers
     truncated, as Horovod's are), then scaled by ``postscale``; in place."""
     if op is Average:
         if tensor.is_floating_point() or tensor.is_complex():
-            tensor.div_(runtime.get().size)
+            tensor.div_(size)
         else:
-            tensor.copy_(torch.div(tensor, runtime.get().size, rounding_mode="trunc"))
+            tensor.copy_(torch.div(tensor, size, rounding_mode="trunc"))
     if postscale != 1.0:
         scale_(tensor, postscale)
     return tensor
@@ -122,7 +141,8 @@ def shares(rows: int, world: int) -> list[int]:
 
 
 def start_reducescatter(tensor: torch.Tensor, op: ReduceOp, prescale: float = 1.0,
-                        postscale: float = 1.0, name: str | None = None) -> Pending:
+                        postscale: float = 1.0, name: str | None = None,
+                        group=None) -> Pending:
     """Start reducing ``tensor`` over the ranks, of which this rank keeps its share of the
     rows (:func:`shares`, in rank order); the input is unchanged."""
     tensor = tensor.detach()
@@ -130,38 +150,40 @@ def start_reducescatter(tensor: torch.Tensor, op: ReduceOp, prescale: float = 1.
         raise ValueError("reducescatter shares a tensor's first dimension among the ranks: "
                          "give it a tensor with at least one dimension")
     handles.check_name(f"reducescatter.{name}" if name else None)
-    agreement.agree("reducescatter", tensor, op=op, prescale=prescale, postscale=postscale)
-    rt = runtime.get()
+    agreement.agree("reducescatter", tensor, op=op, prescale=prescale, postscale=postscale,
+                    group=group)
+    rt = members(group)
     counts, rest = shares(tensor.shape[0], rt.size), tensor.shape[1:]
     source = tensor
     if prescale != 1.0:
         source = tensor.clone()
         scale_(source, prescale)
-    if transport.uses_mpi(tensor):
+    if transport.uses_mpi(tensor, group):
         send = source.contiguous()
         out = tensor.new_empty((counts[rt.rank], *rest))
         row = send[0].numel() if len(send) else 0
         work, mpi = transport.start_reducescatter(send, out, [n * row for n in counts],
-                                                  MPI_OPS[op]), True
+                                                  MPI_OPS[op], group), True
     else:  # the process group wants equal blocks: each padded to the largest share
         send, most = _for_group(source), counts[0]
         blocks = send.new_zeros((rt.size, most, *rest))
         for block, part in zip(blocks, send.split(counts)):
             block[:len(part)] = part
         out = send.new_empty((most, *rest))
-        work = dist.reduce_scatter_tensor(out, blocks.reshape(-1, *rest),
-                                          op=TORCH_OPS[op], async_op=True)
+        work = dist.reduce_scatter_tensor(out, blocks.reshape(-1, *rest), op=TORCH_OPS[op],
+                                          group=_pg(group), async_op=True)
         mpi = False
 
     def finish() -> torch.Tensor:
         mine = out[:counts[rt.rank]]
         return _averaged(mine if mine.dtype == tensor.dtype else mine.to(tensor.dtype), op,
-                         postscale)
+                         postscale, rt.size)
 
     return Pending(work, mpi, finish, f"reducescatter.{name}" if name else None)
 
 
-def start_allgather(tensor: torch.Tensor, name: str | None = None) -> tuple[Pending, list]:
+def start_allgather(tensor: torch.Tensor, name: str | None = None,
+                    group=None) -> tuple[Pending, list]:
     """Start concatenating every rank's ``tensor`` along the first dimension, in rank order
     (first dimensions may differ); also returns every rank's first dimension."""
     tensor = tensor.detach()
@@ -169,20 +191,20 @@ def start_allgather(tensor: torch.Tensor, name: str | None = None) -> tuple[Pend
         tensor = tensor.reshape(1)
     handles.check_name(f"allgather.{name}" if name else None)
     counts = agreement.agree("allgather", tensor, shape=tensor.shape[1:],
-                             carried=tensor.shape[0])
+                             carried=tensor.shape[0], group=group)
     world, longest = len(counts), max(counts)
     padded = tensor
     if tensor.shape[0] < longest:
         pad = tensor.new_zeros((longest - tensor.shape[0], *tensor.shape[1:]))
         padded = torch.cat([tensor, pad])
-    if transport.uses_mpi(padded):
+    if transport.uses_mpi(padded, group):
         send = padded.contiguous()
         stacked = torch.empty((world, *send.shape), dtype=send.dtype)
-        work, mpi, parts = transport.start_allgather(send, stacked), True, None
+        work, mpi, parts = transport.start_allgather(send, stacked, group), True, None
     else:
         send = _for_group(padded)
         parts = [torch.empty_like(send) for _ in range(world)]
-        work, mpi = dist.all_gather(parts, send, async_op=True), False
+        work, mpi = dist.all_gather(parts, send, group=_pg(group), async_op=True), False
 
     def finish() -> torch.Tensor:
         if parts is None:
@@ -194,17 +216,21 @@ def start_allgather(tensor: torch.Tensor, name: str | None = None) -> tuple[Pend
     return Pending(work, mpi, finish, f"allgather.{name}" if name else None), counts
 
 
-def start_broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> Pending:
-    """Start overwriting ``tensor`` with ``root_rank``'s, in place; the result is ``tensor``."""
-    check_root(root_rank)
+def start_broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                    group=None) -> Pending:
+    """Start overwriting ``tensor`` with ``root_rank``'s (a global rank), in place; the result
+    is ``tensor``."""
+    check_root(root_rank, group)
     handles.check_name(f"broadcast.{name}" if name else None)
-    agreement.agree("broadcast", tensor, root=root_rank)
-    if transport.uses_mpi(tensor):
+    agreement.agree("broadcast", tensor, root=root_rank, group=group)
+    if transport.uses_mpi(tensor, group):
         buf = tensor if tensor.is_contiguous() else tensor.contiguous()
-        work, mpi = transport.start_broadcast(buf, root_rank), True
+        root = root_rank if group is None else group.index_of(root_rank)
+        work, mpi = transport.start_broadcast(buf, root, group), True
     else:
         buf = _for_group(tensor)
-        work, mpi = dist.broadcast(buf, src=root_rank, async_op=True), False
+        work = dist.broadcast(buf, src=root_rank, group=_pg(group), async_op=True)
+        mpi = False
 
     def finish() -> torch.Tensor:
         if buf is not tensor:
@@ -214,34 +240,35 @@ def start_broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = Non
     return Pending(work, mpi, finish, f"broadcast.{name}" if name else None)
 
 
-def start_alltoall(tensor: torch.Tensor, splits=None,
-                   name: str | None = None) -> tuple[Pending, list[int]]:
+def start_alltoall(tensor: torch.Tensor, splits=None, name: str | None = None,
+                   group=None) -> tuple[Pending, list[int]]:
     """Start sending rank j the j-th block of ``tensor``'s rows (``splits[j]`` rows, or an
     equal share); the result is every rank's block for this rank, in rank order. Also
     returns how many rows came from each rank."""
     tensor = tensor.detach()
-    world = runtime.ensure_process_group().size
+    world = members(group).size
     rows = tensor.shape[0] if tensor.dim() else 1
     send_rows = _splits(splits, rows, world)
     handles.check_name(f"alltoall.{name}" if name else None)
-    agreement.agree("alltoall", tensor, shape=tensor.shape[1:])
+    agreement.agree("alltoall", tensor, shape=tensor.shape[1:], group=group)
     row = tensor[0].numel() if tensor.dim() else 1
-    if transport.uses_mpi(tensor):
-        recv_rows = transport.exchange_counts(send_rows)
+    if transport.uses_mpi(tensor, group):
+        recv_rows = transport.exchange_counts(send_rows, group)
         send = tensor.reshape(rows, -1)[:sum(send_rows)].contiguous()
         out = tensor.new_empty((sum(recv_rows), *tensor.shape[1:]))
         work = transport.start_alltoallv(send, [n * row for n in send_rows], out,
-                                         [n * row for n in recv_rows])
+                                         [n * row for n in recv_rows], group)
         mpi = True
     else:
         mine = torch.tensor(send_rows, dtype=torch.int64, device=tensor.device)
         theirs = torch.empty_like(mine)
-        waiting.wait_for(dist.all_to_all_single(theirs, mine, async_op=True))
+        waiting.wait_for(dist.all_to_all_single(theirs, mine, group=_pg(group), async_op=True))
         recv_rows = theirs.tolist()
         send = _for_group(tensor.reshape(rows, *tensor.shape[1:])[:sum(send_rows)])
         out = send.new_empty((sum(recv_rows), *send.shape[1:]))
         work = dist.all_to_all_single(out, send, output_split_sizes=recv_rows,
-                                      input_split_sizes=send_rows, async_op=True)
+                                      input_split_sizes=send_rows, group=_pg(group),
+                                      async_op=True)
         mpi = False
 
     def finish() -> torch.Tensor:

@@ -25,9 +25,12 @@ _MPI_TYPES = {torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16
               torch.int64}
 
 
-def uses_mpi(tensor: torch.Tensor) -> bool:
+def uses_mpi(tensor: torch.Tensor, group=None) -> bool:
+    """Whether a collective on ``tensor`` among the world (or a process set's ``group``)
+    goes over MPI."""
     rt = runtime.get()
-    return (rt is not None and rt.transport == "mpi" and rt.data_comm is not None
+    return (rt is not None and rt.transport == "mpi"
+            and (rt if group is None else group).data_comm is not None
             and tensor.device.type == "cpu" and tensor.dtype in _MPI_TYPES)
 
 
@@ -65,35 +68,37 @@ def pieces(array) -> list:
 class Chain:
     """One operation on ``data_comm``: MPI requests posted one after another (the pieces of a
     large reduction). Operations run in the order they were submitted, on every rank alike:
-    only the oldest unfinished one has a request in flight (``runtime.data_queue``)."""
+    only the oldest unfinished one has a request in flight (``runtime.data_queue``, or a
+    process set's own queue, on its own communicator: ``group``)."""
 
-    __slots__ = ("posts", "request", "done")
+    __slots__ = ("posts", "request", "done", "group")
 
-    def __init__(self, posts) -> None:
-        self.posts, self.request, self.done = iter(posts), None, False
+    def __init__(self, posts, group) -> None:
+        self.posts, self.request, self.done, self.group = iter(posts), None, False, group
 
     def Test(self) -> bool:  # noqa: N802 - MPI's name: waiting.wait_for_mpi polls it
-        _advance()
+        _advance(self.group)
         return self.done
 
 
-def _submit(posts) -> Chain:
-    chain = Chain(posts)
-    runtime.get().data_queue.append(chain)
-    _advance()
+def _submit(posts, group=None) -> Chain:
+    chain = Chain(posts, group)
+    (runtime.get() if group is None else group).data_queue.append(chain)
+    _advance(group)
     return chain
 
 
-def _advance() -> None:
+def _advance(group=None) -> None:
     """Move the queue on: post the oldest operation's next piece once its last is done."""
-    queue = runtime.get().data_queue
+    owner = runtime.get() if group is None else group
+    queue = owner.data_queue
     while queue:
         head = queue[0]
         if head.request is not None and not head.request.Test():
             return
         post = next(head.posts, None)
         if post is not None:
-            head.request = post(runtime.get().data_comm)
+            head.request = post(owner.data_comm)
             continue
         head.done = True
         queue.popleft()
@@ -112,12 +117,13 @@ def bytes_sent(collective: str, nbytes: int, world: int) -> int:
     return (world - 1) * nbytes
 
 
-def start_allreduce(tensor: torch.Tensor, op: str = "sum", also=()) -> Chain:
+def start_allreduce(tensor: torch.Tensor, op: str = "sum", also=(), group=None) -> Chain:
     """Submit an in-place reduction of the contiguous ``tensor`` (then of each tensor in
     ``also``), for :func:`finish`; the caller keeps them alive and untouched until then."""
     mpi = _names()
     return _submit([lambda comm, part=part: comm.Iallreduce(mpi["in_place"], part, mpi[op])
-                    for t in (tensor, *also) for part in pieces(t.detach().reshape(-1).numpy())])
+                    for t in (tensor, *also) for part in pieces(t.detach().reshape(-1).numpy())],
+                   group)
 
 
 def progress(chain: Chain) -> bool:
@@ -139,20 +145,20 @@ def allreduce_(tensor: torch.Tensor, op: str) -> None:
         tensor.copy_(buf)
 
 
-def start_allgather(send: torch.Tensor, into: torch.Tensor) -> Chain:
+def start_allgather(send: torch.Tensor, into: torch.Tensor, group=None) -> Chain:
     """Submit a gather of every rank's contiguous ``send`` into ``into`` (world x its size),
     for :func:`finish`; the caller keeps both alive and untouched until then."""
-    return _submit([lambda comm: comm.Iallgather(send.numpy(), into.numpy())])
+    return _submit([lambda comm: comm.Iallgather(send.numpy(), into.numpy())], group)
 
 
 def start_reducescatter(send: torch.Tensor, into: torch.Tensor, counts: list[int],
-                        op: str = "sum") -> Chain:
+                        op: str = "sum", group=None) -> Chain:
     """Submit a reduction of every rank's contiguous ``send`` of which rank j keeps
     ``counts[j]`` consecutive elements, in ``into``; for :func:`finish`."""
     mpi = _names()
     return _submit([lambda comm: comm.Ireduce_scatter(send.reshape(-1).numpy(),
                                                       into.reshape(-1).numpy(), counts,
-                                                      mpi[op])])
+                                                      mpi[op])], group)
 
 
 def start_alltoall_then_allgather(send: torch.Tensor, recv: torch.Tensor, middle,
@@ -167,7 +173,7 @@ def start_alltoall_then_allgather(send: torch.Tensor, recv: torch.Tensor, middle
 
 
 def start_alltoallv(send: torch.Tensor, send_counts: list[int], into: torch.Tensor,
-                    recv_counts: list[int]) -> Chain:
+                    recv_counts: list[int], group=None) -> Chain:
     """Submit an all-to-all of the contiguous ``send`` in consecutive blocks of
     ``send_counts[j]`` elements for rank j, into ``into``, ``recv_counts[j]`` elements from
     rank j, in rank order; for :func:`finish`."""
@@ -176,20 +182,21 @@ def start_alltoallv(send: torch.Tensor, send_counts: list[int], into: torch.Tens
 
     send_spec = [send.reshape(-1).numpy(), (send_counts, offsets(send_counts))]
     recv_spec = [into.reshape(-1).numpy(), (recv_counts, offsets(recv_counts))]
-    return _submit([lambda comm: comm.Ialltoallv(send_spec, recv_spec)])
+    return _submit([lambda comm: comm.Ialltoallv(send_spec, recv_spec)], group)
 
 
-def exchange_counts(counts: list[int]) -> list[int]:
+def exchange_counts(counts: list[int], group=None) -> list[int]:
     """Every rank's ``counts[my rank]``, in rank order (each rank sends rank j its j-th)."""
     send = torch.tensor(counts, dtype=torch.int64)
     into = torch.empty_like(send)
-    finish(_submit([lambda comm: comm.Ialltoall(send.numpy(), into.numpy())]))
+    finish(_submit([lambda comm: comm.Ialltoall(send.numpy(), into.numpy())], group))
     return into.tolist()
 
 
-def start_broadcast(tensor: torch.Tensor, root: int) -> Chain:
-    """Submit a broadcast of the contiguous ``tensor`` from ``root``, for :func:`finish`."""
-    return _submit([lambda comm: comm.Ibcast(tensor.detach().numpy(), root=root)])
+def start_broadcast(tensor: torch.Tensor, root: int, group=None) -> Chain:
+    """Submit a broadcast of the contiguous ``tensor`` from ``root`` (its index in ``group``,
+    when given), for :func:`finish`."""
+    return _submit([lambda comm: comm.Ibcast(tensor.detach().numpy(), root=root)], group)
 
 
 def broadcast_(tensor: torch.Tensor, root: int) -> None:
