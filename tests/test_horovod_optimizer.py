@@ -57,3 +57,58 @@ for explicit, skip in ((True, False), (True, True), (False, False)):
 """)
     for counts in pulled(shell, "counts"):
         assert counts == [1, 0, 0]
+
+
+def test_process_set_sparse_gradients_and_explicit_groups(shell, capsys, cluster, transport):
+    """DistributedOptimizer among a process set (its ranks average, the others train alone),
+    a sparse embedding's gradient averaged and handed back sparse (or dense with
+    sparse_as_dense), and Horovod's num_groups and groups fusing the buckets."""
+    run_ok(shell, capsys, """%%everyrank
+import torch, ipydist.torch as hvd
+r = hvd.rank()
+pair = hvd.add_process_set([0, 1])
+w = torch.nn.Parameter(torch.zeros(2))
+if r in (0, 1):
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([w], lr=1.0), named_parameters=[("w", w)],
+                                   process_set=pair)
+    opt.zero_grad()
+    (w * (r + 1)).sum().backward()
+    opt.step()
+paired = w.tolist()
+kinds = []
+for dense in (False, True):
+    emb = torch.nn.Embedding(6, 2, sparse=True)
+    torch.nn.init.zeros_(emb.weight)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=1.0),
+                                   named_parameters=emb.named_parameters(),
+                                   sparse_as_dense=dense)
+    opt.zero_grad()
+    emb(torch.tensor([r])).sum().backward()   # rank r's gradient: ones in row r
+    opt.synchronize()
+    kinds.append(emb.weight.grad.is_sparse)
+    with opt.skip_synchronize():
+        opt.step()
+    rows = emb.weight.detach()[:, 0].tolist()
+layers = [torch.nn.Linear(4, 4) for _ in range(4)]
+params = [p for layer in layers for p in layer.parameters()]
+by_count = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), num_groups=2)
+by_list = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1),
+                                   groups=[list(layers[0].parameters()), [layers[3].weight]])
+buckets = (len(by_count._buckets), [len(b.params) for b in by_list._buckets])
+try:
+    hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), groups=[[torch.zeros(1)]])
+    bad = None
+except ValueError as e:
+    bad = str(e)
+hvd.remove_process_set(pair)
+""")
+    n = 4
+    for rank, (paired, kinds, rows, buckets, bad) in enumerate(zip(
+            pulled(shell, "paired"), pulled(shell, "kinds"), pulled(shell, "rows"),
+            pulled(shell, "buckets"), pulled(shell, "bad"))):
+        assert paired == ([-1.5, -1.5] if rank in (0, 1) else [0.0, 0.0])
+        assert kinds == [True, False]
+        assert rows == [-1.0 / n] * n + [0.0, 0.0]  # each row: one rank's 1, averaged
+        assert buckets[0] == 2
+        assert sorted(buckets[1]) == [1, 2, 5]  # layer 0's two, layer 3's weight, the rest
+        assert "not a parameter of this optimizer" in bad

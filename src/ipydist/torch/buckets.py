@@ -62,15 +62,16 @@ class Bucket:
 
     # --- sending ------------------------------------------------------------------------------
 
-    def launch(self, compression: type[Compressor], prescale: float) -> None:
-        """Start this bucket's allreduce (the caller has checked the step with the others)."""
-        if self.travels_in_place(compression):
-            self._launch_in_place()
+    def launch(self, compression: type[Compressor], prescale: float, group=None) -> None:
+        """Start this bucket's allreduce (the caller has checked the step with the others)
+        among every rank, or a process set's (``group``: its communicators)."""
+        if self.travels_in_place(compression, group):
+            self._launch_in_place(group)
             return
         if self.buffer is None:
             self.allocate()
         flat = self.buffer
-        grads = [p.grad for p in self.params]
+        grads = [_dense(p.grad) for p in self.params]
         if len(grads) > 8 and self.numel < 65536 * len(grads):
             # many small tensors: one cat and one scale beat a dispatch per tensor
             torch.cat(
@@ -94,28 +95,29 @@ class Bucket:
             self._launch_onebit(flat)
             return
         self.wire, self.ctx = compression.compress(flat)
-        self._count("allreduce", self.wire)
-        self.mpi = transport.uses_mpi(self.wire)
+        self._count("allreduce", group, self.wire)
+        self.mpi = transport.uses_mpi(self.wire, group)
         if self.mpi:
-            self.work = transport.start_allreduce(self.wire)
+            self.work = transport.start_allreduce(self.wire, group=group)
         else:
-            self.work = dist.all_reduce(self.wire, op=dist.ReduceOp.SUM, async_op=True)
+            self.work = dist.all_reduce(self.wire, op=dist.ReduceOp.SUM, async_op=True,
+                                        group=None if group is None else group.torch_group)
 
-    def travels_in_place(self, compression: type[Compressor]) -> bool:
+    def travels_in_place(self, compression: type[Compressor], group=None) -> bool:
         """Whether the bucket's one gradient travels in its own memory (the same answer on
         every rank: the agreement check made the plan, dtype, device and compression equal)."""
         return (self.own and compression is Compression.none
-                and transport.uses_mpi(self.params[0]))
+                and transport.uses_mpi(self.params[0], group))
 
-    def _launch_in_place(self) -> None:
+    def _launch_in_place(self, group=None) -> None:
         p = self.params[0]
-        grad = p.grad
+        grad = _dense(p.grad)
         self.sent = torch.zeros_like(p) if grad is None else (
             grad if grad.is_contiguous() else grad.contiguous())
         self.flag = torch.tensor([float(grad is not None)], dtype=p.dtype)
-        self._count("allreduce", self.sent, self.flag)
+        self._count("allreduce", group, self.sent, self.flag)
         self.mpi = True
-        self.work = transport.start_allreduce(self.sent, also=[self.flag])
+        self.work = transport.start_allreduce(self.sent, also=[self.flag], group=group)
 
     def onebit_exchange(self) -> OneBitExchange:
         """The bucket's 1-bit exchange, made with zero residuals on first use."""
@@ -130,9 +132,10 @@ class Bucket:
         self.sent_bytes = self.onebit_exchange().start(flat.cpu())
         self.work, self.mpi = self.onebit, self.onebit.mpi
 
-    def _count(self, collective: str, *tensors: torch.Tensor) -> None:
+    def _count(self, collective: str, group, *tensors: torch.Tensor) -> None:
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        self.sent_bytes = transport.bytes_sent(collective, nbytes, runtime.get().size)
+        size = runtime.get().size if group is None else group.size
+        self.sent_bytes = transport.bytes_sent(collective, nbytes, size)
 
     def progress(self) -> bool:
         """Let an MPI allreduce move on (MPI moves it only inside its calls); True once done
@@ -173,7 +176,7 @@ class Bucket:
         grads, sources = [], []
         for p, value, had in zip(self.params, values, had_grad):
             if had > 0:
-                if p.grad is None:
+                if p.grad is None or p.grad.is_sparse:  # a sparse one is replaced below
                     p.grad = value.view_as(p).to(p.dtype, copy=True)
                 else:
                     grads.append(p.grad)
@@ -188,7 +191,7 @@ class Bucket:
     def _unpack_in_place(self, scale: float) -> None:
         p, sent = self.params[0], self.sent
         if self.flag.item() > 0:  # some rank had a gradient
-            if p.grad is None:
+            if p.grad is None or p.grad.is_sparse:
                 p.grad = sent
             elif sent is not p.grad:
                 p.grad.copy_(sent)
@@ -204,23 +207,34 @@ class Bucket:
         self.ready.clear()
 
 
-def plan(params, cap_bytes: float) -> list[Bucket]:
+def _dense(grad: torch.Tensor | None) -> torch.Tensor | None:
+    """A gradient as it travels: sparse ones (``nn.Embedding(sparse=True)``) as dense, as
+    Horovod's ``sparse_as_dense`` sends them."""
+    return grad.to_dense() if grad is not None and grad.is_sparse else grad
+
+
+def plan(params, cap_bytes: float, groups=()) -> list[Bucket]:
     """Fused buckets of one dtype and device, in reverse order of the parameters.
 
     As in DDP, a bucket closes once it holds at least its cap, and the first bucket's cap is
     small (FIRST_BUCKET_MB), so that the first allreduce starts early in backward and overlaps
-    the rest of it. A parameter of OWN_BUCKET_BYTES or more is a bucket of its own.
+    the rest of it. A parameter of OWN_BUCKET_BYTES or more is a bucket of its own. Each of
+    ``groups`` (Horovod's explicit groups: lists of parameters) is fused apart from the rest,
+    one bucket per dtype and device, where its last parameter would open one.
     """
+    group_of = {id(p): i for i, g in enumerate(groups) for p in g}
     buckets: list[Bucket] = []
     open_by_kind: dict[tuple, tuple[Bucket, float]] = {}
     for p in reversed(params):
-        if p.numel() * p.element_size() >= OWN_BUCKET_BYTES:
+        explicit = group_of.get(id(p))
+        if explicit is None and p.numel() * p.element_size() >= OWN_BUCKET_BYTES:
             buckets.append(Bucket([p], p.numel(), own=True))
             continue
-        kind = (p.dtype, p.device)
+        kind = (p.dtype, p.device, explicit)
         if kind not in open_by_kind:
             limit = min(cap_bytes, FIRST_BUCKET_MB * 2**20) if not buckets else cap_bytes
-            open_by_kind[kind] = (Bucket([], 0), limit)
+            open_by_kind[kind] = (Bucket([], 0), float("inf") if explicit is not None
+                                  else limit)
             buckets.append(open_by_kind[kind][0])
         bucket, limit = open_by_kind[kind]
         bucket.params.append(p)

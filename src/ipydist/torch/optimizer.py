@@ -36,6 +36,7 @@ from ipydist.rank.sampler import waits_for_peers
 from ipydist.torch import agreement, buckets, checkpoint, consistency, runtime, signature
 from ipydist.torch.collectives import _rt, size
 from ipydist.torch.compression import Compression, Compressor
+from ipydist.torch.process_sets import ProcessSet, comms_for, global_process_set
 from ipydist.torch.reduce_ops import Average, ReduceOp, Sum
 
 #: Default bucket size, DDP's; benchmarks/train_step.py sweeps it (see the README).
@@ -62,7 +63,15 @@ class _DistributedMixin:
     def _ipydist_setup(
         self, named_parameters, compression, backward_passes_per_step, op,
         gradient_predivide_factor, bucket_cap_mb, distributed_after,
+        process_set=global_process_set, sparse_as_dense: bool = False, num_groups: int = 0,
+        groups=None,
     ) -> None:
+        self._process_set = process_set
+        self._sparse_as_dense = bool(sparse_as_dense)
+        group = comms_for(process_set)  # raises here if this rank cannot use the set
+        if group is not None and compression.summed_by_ranks:
+            raise ValueError("Compression.onebit averages over every rank: it takes no "
+                             "process_set")
         if op not in (Average, Sum):
             raise ValueError(f"DistributedOptimizer op must be Average or Sum, not {op}")
         if backward_passes_per_step < 1:
@@ -89,9 +98,11 @@ class _DistributedMixin:
         # Average divides by the world size before the sum (fewer overflows in 16 bits), or
         # with gradient_predivide_factor f, by f before and by size/f after, as Horovod does.
         f = float(gradient_predivide_factor)
-        self._prescale = 1.0 if op is Sum else (1.0 / f if f != 1.0 else 1.0 / size())
-        self._postscale = f / size() if op is Average and f != 1.0 else 1.0
-        self._buckets = buckets.plan(params, bucket_cap_mb * 2**20)
+        ranks = size() if group is None else group.size
+        self._prescale = 1.0 if op is Sum else (1.0 / f if f != 1.0 else 1.0 / ranks)
+        self._postscale = f / ranks if op is Average and f != 1.0 else 1.0
+        self._buckets = buckets.plan(params, _cap_bytes(params, bucket_cap_mb, num_groups),
+                                     _explicit_groups(groups, params))
         self._slot = {id(p): (b, i) for b, bucket in enumerate(self._buckets)
                       for i, p in enumerate(bucket.params)}
         self._passes_left = {id(p): self._passes for p in params}
@@ -154,7 +165,7 @@ class _DistributedMixin:
     def _launch(self, bucket: buckets.Bucket) -> None:
         if not self._step_agreed:
             self._agree_on_step()
-        bucket.launch(self._compression_now(), self._prescale)
+        bucket.launch(self._compression_now(), self._prescale, comms_for(self._process_set))
         self.bytes_sent += bucket.sent_bytes
 
     @waits_for_peers("allreduce of gradients (DistributedOptimizer)")
@@ -165,8 +176,9 @@ class _DistributedMixin:
         try:
             if agreement.usable(announced):
                 agreement.settle(upto=announced)  # raises on a mismatch
-            else:  # none sent (zero_grad not called), or the recovery dropped it
-                agreement.agree("optimizer step", **self._signature())
+            else:  # none sent (zero_grad not called, a process set's), or the recovery dropped it
+                agreement.agree("optimizer step", group=comms_for(self._process_set),
+                                **self._signature())
         except BaseException:
             self._abandon_pending()
             raise
@@ -199,6 +211,8 @@ class _DistributedMixin:
         if self._grad_marks == self._current_marks():
             return
         _rt()
+        sparse = [] if self._sparse_as_dense else [
+            p for b in self._buckets for p in b.params if p.grad is not None and p.grad.is_sparse]
         while self._next_launch < len(self._buckets):
             self._launch(self._buckets[self._next_launch])
             self._next_launch += 1
@@ -207,6 +221,8 @@ class _DistributedMixin:
             bucket.finish()
             runtime.note_wait(time.perf_counter() - t0)  # for the live view's straggler strip
             bucket.unpack(self._compression_now(), self._prescale, self._postscale)
+        for p in sparse:  # averaged densely, handed back as sparse as they came (its rows)
+            p.grad = p.grad.to_sparse(1)
         self._next_launch = 0
         self._step_agreed = False
         self._passes_left = dict.fromkeys(self._passes_left, self._passes)
@@ -260,7 +276,8 @@ class _DistributedMixin:
                 "optimizer.step() or optimizer.synchronize(); call zero_grad() before backward."
             )
         super().zero_grad(set_to_none=set_to_none)
-        if self._announced is None and self._buckets and not self._step_agreed:
+        if (self._announced is None and self._buckets and not self._step_agreed
+                and self._process_set is global_process_set):
             compression = self._compression_now()
             if compression not in self._headers:
                 self._headers[compression] = np.asarray(
@@ -318,6 +335,34 @@ class _DistributedMixin:
 _STATE_KEY = "ipydist"
 
 
+def _cap_bytes(params, bucket_cap_mb: float, num_groups: int) -> float:
+    """Bytes per bucket: ``bucket_cap_mb``, or the share of ``num_groups`` (Horovod's)."""
+    if not isinstance(num_groups, int) or num_groups < 0:
+        raise ValueError(f"num_groups must be a number of groups, 0 or more, not {num_groups!r}")
+    if num_groups:
+        total = sum(p.numel() * p.element_size() for p in params)
+        return max(total / num_groups, 1.0)
+    return bucket_cap_mb * 2**20
+
+
+def _explicit_groups(groups, params) -> list[list]:
+    """Horovod's ``groups``: lists of parameters fused together, checked."""
+    if groups is None:
+        return []
+    if isinstance(groups, int) or not all(isinstance(g, list | tuple) for g in groups):
+        raise ValueError("groups must be lists of parameters (use num_groups=n for n groups)")
+    known, seen = {id(p) for p in params}, set()
+    for group in groups:
+        for p in group:
+            if id(p) not in known:
+                raise ValueError("groups hold a tensor that is not a parameter of this "
+                                 "optimizer that requires a gradient")
+            if id(p) in seen:
+                raise ValueError("a parameter is in two of the groups")
+            seen.add(id(p))
+    return [list(g) for g in groups]
+
+
 def _names_for(params, named_parameters) -> dict[int, str]:
     if named_parameters is None:
         return {id(p): f"parameter {i}" for i, p in enumerate(params)}
@@ -345,6 +390,10 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name, a factory like Horovod
     backward_passes_per_step: int = 1,
     op: ReduceOp = Average,
     gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups=None,
+    sparse_as_dense: bool = False,
+    process_set: ProcessSet = global_process_set,
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
     distributed_after: int = 0,
 ) -> torch.optim.Optimizer:
@@ -359,6 +408,12 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name, a factory like Horovod
     gradients in full precision, the later ones use ``compression``. CNTK counts samples and
     trains as one worker before; here it counts optimizer steps (a torch optimizer never sees
     the batch) and every rank trains on its own data from the first step.
+
+    Horovod's arguments: ``process_set`` averages among a process set's ranks (only they step
+    it); ``num_groups=n`` fuses the gradients into about n buckets, ``groups`` (lists of
+    parameters) fuses each list into buckets of its own, where the default is buckets of
+    ``bucket_cap_mb``; sparse gradients (``nn.Embedding(sparse=True)``) are averaged densely,
+    and come back sparse unless ``sparse_as_dense``.
     """
     if isinstance(optimizer, _DistributedMixin):
         raise ValueError("this optimizer is already a DistributedOptimizer")
@@ -366,6 +421,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name, a factory like Horovod
     wrapped._ipydist_setup(
         named_parameters, compression, backward_passes_per_step, op,
         gradient_predivide_factor, bucket_cap_mb, distributed_after,
+        process_set, sparse_as_dense, num_groups, groups,
     )
     return wrapped
 
