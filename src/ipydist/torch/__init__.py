@@ -20,6 +20,7 @@ from ipydist.torch.async_ops import (
     grouped_reducescatter_async,
     poll,
     reducescatter_async,
+    sparse_allreduce_async,
     synchronize,
 )
 from ipydist.torch.basics import (
@@ -80,14 +81,14 @@ from ipydist.torch.process_sets import (
     global_process_set,
     remove_process_set,
 )
-from ipydist.torch.reduce_ops import Average, Max, Min, Product, ReduceOp, Sum
+from ipydist.torch.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from ipydist.torch.sync_batch_norm import SyncBatchNorm
 
 __all__ = [
-    "add_process_set", "allgather", "allgather_async", "allgather_object", "allreduce",
-    "allreduce_", "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async",
-    "Average", "barrier", "BlockMomentum", "broadcast", "broadcast_", "broadcast_async",
-    "broadcast_async_", "broadcast_object", "broadcast_optimizer_state",
+    "Adasum", "add_process_set", "allgather", "allgather_async", "allgather_object",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall",
+    "alltoall_async", "Average", "barrier", "BlockMomentum", "broadcast", "broadcast_",
+    "broadcast_async", "broadcast_async_", "broadcast_object", "broadcast_optimizer_state",
     "broadcast_parameters", "ccl_built", "Compression", "cross_rank", "cross_size",
     "cuda_built", "ddl_built", "device", "DistributedOptimizer", "global_process_set",
     "gloo_built", "gloo_enabled", "grouped_allgather", "grouped_allgather_async",
@@ -98,7 +99,7 @@ __all__ = [
     "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "ProcessSet", "Product",
     "rank", "ReduceOp", "reducescatter", "reducescatter_async", "remove_process_set",
     "rocm_built", "save_checkpoint", "scale_lr", "shard", "ShardSampler", "shutdown", "size",
-    "Sum", "SyncBatchNorm", "synchronize",
+    "sparse_allreduce_async", "Sum", "SyncBatchNorm", "synchronize",
 ]
 
 _register_mpi_backend()  # backend="mpi4py" (--backend mpi) for init_process_group and new_group

@@ -13,7 +13,7 @@ import torch
 from ipydist.torch import handles
 from ipydist.torch.handles import Pending, poll, synchronize
 from ipydist.torch.process_sets import ProcessSet, comms_for, global_process_set
-from ipydist.torch.reduce_ops import ReduceOp, resolve
+from ipydist.torch.reduce_ops import Average, ReduceOp, Sum, resolve
 from ipydist.torch.starts import (
     group_of,
     start_allgather,
@@ -27,7 +27,7 @@ from ipydist.torch.starts import (
 __all__ = ["allgather_async", "allreduce_async", "allreduce_async_", "alltoall_async",
            "broadcast_async", "broadcast_async_", "grouped_allgather_async",
            "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter_async",
-           "poll", "reducescatter_async", "synchronize"]
+           "poll", "reducescatter_async", "sparse_allreduce_async", "synchronize"]
 
 
 # --- Horovod's async API -------------------------------------------------------------------
@@ -159,3 +159,31 @@ def start_grouped(kind: str, tensors, name: str | None, group=None, *args) -> Pe
     else:
         parts = [start_reducescatter(t, *args, group=group) for t in tensors]
     return group_of(parts, name=name)
+
+
+def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None,
+                           op: ReduceOp | None = None,
+                           process_set: ProcessSet = global_process_set):
+    """Start reducing a sparse COO ``tensor``: an allgather of every rank's indices and
+    values, as Horovod's. Returns a function (Horovod's handle here) that waits and returns
+    the sparse sum, or for Average the sum divided by the number of ranks; entries that
+    several ranks have stay as separate entries (``coalesce()`` adds them up)."""
+    op = resolve(None, op)
+    if op not in (Average, Sum):
+        raise ValueError(f"sparse_allreduce_async takes Average or Sum, not {op.name}")
+    if not tensor.is_sparse:
+        raise ValueError("sparse_allreduce_async takes a sparse COO tensor (use allreduce for "
+                         "dense ones)")
+    group = comms_for(process_set)
+    indices = start_allgather(tensor._indices().transpose(0, 1).contiguous(),
+                              f"{name}.indices" if name else None, group)[0]
+    values = start_allgather(tensor._values(), f"{name}.values" if name else None, group)[0]
+    ranks = process_set.size()
+
+    def handle() -> torch.Tensor:
+        every_value, every_index = values.wait(), indices.wait()
+        if op is Average:
+            every_value = every_value / ranks
+        return torch.sparse_coo_tensor(every_index.transpose(0, 1), every_value, tensor.shape)
+
+    return handle

@@ -73,7 +73,9 @@ class _DistributedMixin:
             raise ValueError("Compression.onebit averages over every rank: it takes no "
                              "process_set")
         if op not in (Average, Sum):
-            raise ValueError(f"DistributedOptimizer op must be Average or Sum, not {op}")
+            raise ValueError(f"DistributedOptimizer op must be Average or Sum, not {op} (Adasum: "
+                             "allreduce(t, op=hvd.Adasum) combines tensors; Horovod's Adasum "
+                             "optimizer, which combines each step's update, is not built here)")
         if backward_passes_per_step < 1:
             raise ValueError("backward_passes_per_step must be at least 1")
         if not (isinstance(compression, type) and issubclass(compression, Compressor)):

@@ -17,6 +17,7 @@ class ReduceOp(enum.Enum):
     Min = "min"
     Max = "max"
     Product = "product"
+    Adasum = "adasum"
 
 
 Average = ReduceOp.Average
@@ -24,6 +25,7 @@ Sum = ReduceOp.Sum
 Min = ReduceOp.Min
 Max = ReduceOp.Max
 Product = ReduceOp.Product
+Adasum = ReduceOp.Adasum
 
 MPI_OPS = {Sum: "sum", Average: "sum", Min: "min", Max: "max", Product: "prod"}
 TORCH_OPS = {
@@ -51,5 +53,6 @@ def resolve(average: bool | ReduceOp | None, op: ReduceOp | None) -> ReduceOp:
         return Average
     if not isinstance(op, ReduceOp):
         raise TypeError(
-            f"op must be one of Average, Sum, Min, Max, Product from ipydist.torch, not {op!r}")
+            f"op must be one of Average, Sum, Min, Max, Product, Adasum from ipydist.torch, "
+            f"not {op!r}")
     return op

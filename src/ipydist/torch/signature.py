@@ -152,10 +152,11 @@ def disagreement(headers: Sequence[Sequence[int]]) -> str | None:
                 f"{_by_rank(kinds, _kind_name, verb=False)}. {ADVICE}")
     kind = _kind_name(next(k for k in kinds if k is not None))
     if joined and (kind not in SERVED_BY_JOINED or any(
-            h is not None and h[NDIM] > MAX_DIMS for h in active)):
+            h is not None and (h[NDIM] > MAX_DIMS or _names.get(h[OP]) == "Adasum")
+            for h in active)):
         return (f"{kind} while {describe_ranks(joined)} {'has' if len(joined) == 1 else 'have'} "
                 f"joined: a rank waiting in hvd.join() takes part only in allreduce (of at most "
-                f"{MAX_DIMS} dimensions), DistributedOptimizer steps and barrier. Call "
+                f"{MAX_DIMS} dimensions, not Adasum), DistributedOptimizer steps and barrier. Call "
                 f"hvd.join() on every rank before other collectives.")
     fields = [
         ("dtypes", lambda h: h[DTYPE], _name),

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ipydist.torch import agreement, handles, runtime, signature, transport, waiting
+from ipydist.torch import adasum, agreement, handles, runtime, signature, transport, waiting
 from ipydist.torch.handles import Pending
-from ipydist.torch.reduce_ops import MPI_OPS, TORCH_OPS, Average, ReduceOp
+from ipydist.torch.reduce_ops import MPI_OPS, TORCH_OPS, Adasum, Average, ReduceOp
 
 #: What gloo and NCCL cannot reduce or move, and the type it travels as instead.
 _WIDER = {torch.int16: torch.int32, torch.bool: torch.uint8}
@@ -53,6 +53,8 @@ def start_allreduce(tensor: torch.Tensor, op: ReduceOp, prescale: float = 1.0,
     has already agreed on this call with the other ranks. ``group``: a process set's
     communicators (``process_sets.SetComms``), when the call is among its members."""
     handles.check_name(f"allreduce.{name}" if name else None)
+    if op is Adasum:
+        return _start_adasum(tensor, prescale, postscale, name, group)
     if not checked:
         agreement.agree("allreduce", tensor, op=op, prescale=prescale, postscale=postscale,
                         group=group)
@@ -75,6 +77,27 @@ def start_allreduce(tensor: torch.Tensor, op: ReduceOp, prescale: float = 1.0,
     return Pending(work, mpi, finish, f"allreduce.{name}" if name else None)
 
 
+def _start_adasum(tensor: torch.Tensor, prescale: float, postscale: float, name: str | None,
+                  group) -> Pending:
+    """Start an Adasum allreduce of ``tensor`` in place (:mod:`ipydist.torch.adasum`: every
+    rank gathers every rank's tensor and combines them in the same tree)."""
+    if not tensor.is_floating_point():
+        raise ValueError(f"Adasum combines floating-point tensors, not {tensor.dtype}")
+    agreement.agree("allreduce", tensor, op=Adasum, prescale=prescale, postscale=postscale,
+                    group=group)
+    source = tensor.detach().reshape(1, -1)
+    if prescale != 1.0:
+        source = source * prescale
+    gathering, _ = start_allgather(source, group=group)
+
+    def finish() -> torch.Tensor:
+        result = adasum.combine(list(gathering.wait().unbind(0))).view_as(tensor)
+        tensor.copy_(result * postscale if postscale != 1.0 else result)
+        return tensor
+
+    return group_of([gathering], finish, f"allreduce.{name}" if name else None)
+
+
 def start_grouped_allreduce(tensors: list[torch.Tensor], op: ReduceOp, prescale: float = 1.0,
                             postscale: float = 1.0, name: str | None = None,
                             group=None) -> Pending:
@@ -82,6 +105,9 @@ def start_grouped_allreduce(tensors: list[torch.Tensor], op: ReduceOp, prescale:
     one flat buffer (one reduction) for each dtype and device; the result is the list."""
     name = f"grouped_allreduce.{name}" if name else None
     handles.check_name(name)
+    if op is Adasum:  # Adasum combines each tensor on its own: no fusion
+        return group_of([start_allreduce(t, op, prescale, postscale, group=group)
+                         for t in tensors], name=name)
     plan = [(str(t.dtype), t.device.type, tuple(t.shape)) for t in tensors]
     agreement.agree("grouped allreduce", shape=(len(tensors),), op=op, prescale=prescale,
                     postscale=postscale, extra=signature.plan_hash(plan), group=group)
@@ -146,6 +172,8 @@ def start_reducescatter(tensor: torch.Tensor, op: ReduceOp, prescale: float = 1.
     """Start reducing ``tensor`` over the ranks, of which this rank keeps its share of the
     rows (:func:`shares`, in rank order); the input is unchanged."""
     tensor = tensor.detach()
+    if op is Adasum:
+        raise ValueError("reducescatter takes Average, Sum, Min, Max or Product, not Adasum")
     if tensor.dim() == 0:
         raise ValueError("reducescatter shares a tensor's first dimension among the ranks: "
                          "give it a tensor with at least one dimension")
