@@ -16,7 +16,7 @@ from ipydist.magics import DistMagics
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 MAGICS = ["dist_start", "everyrank", "dist_mode", "dist_status", "dist_pull", "dist_push",
-          "dist_stop", "dist_restart"]
+          "dist_stop", "dist_restart", "dist_timeline"]
 
 
 def flat(text: str) -> str:

@@ -146,3 +146,39 @@ hvd.remove_process_set(pair)
 """)
     assert pulled(shell, "after") == [3.0, 3.0, None, None]
     assert pulled(shell, "world") == [float(NP)] * NP
+
+
+def test_optimizers_on_some_ranks_only_leave_the_recovery_whole(shell, capsys, cluster):
+    """A DistributedOptimizer of a process set, and one made on some ranks only, exist on
+    some ranks: an interrupted cell's recovery still puts the world's model back in step
+    (it once broadcast tensors of different shapes under one name and aborted the ranks)."""
+    run_ok(shell, capsys, """%%everyrank
+import time, torch, ipydist.torch as hvd
+r = hvd.rank()
+pair = hvd.add_process_set([0, 1])
+w, v = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(5))
+if r in (0, 1):
+    paired = hvd.DistributedOptimizer(torch.optim.SGD([w], lr=1.0), named_parameters=[("w", w)],
+                                      process_set=pair)
+    lonely = hvd.DistributedOptimizer(torch.optim.SGD([v], lr=1.0), named_parameters=[("v", v)])
+m = torch.nn.Linear(3, 3)
+hvd.broadcast_parameters(m.state_dict(), 0)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                               named_parameters=m.named_parameters())
+""")
+    result, out, err = run_cell(shell, capsys, """%%everyrank --timeout 2
+for step in range(100):
+    opt.zero_grad()
+    m(torch.ones(1, 3) * (r + 1)).sum().backward()
+    opt.step()
+    if r == 3 and step == 3:
+        time.sleep(60)
+""")
+    assert result.error_in_exec is not None
+    assert "collectives work in the next cell" in out + err, out + err
+    run_ok(shell, capsys, """%%everyrank
+weights = hvd.allgather(m.weight.detach()[None])
+same = bool((weights == weights[0]).all())
+hvd.remove_process_set(pair)
+""")
+    assert pulled(shell, "same") == [True] * NP

@@ -14,7 +14,7 @@ from ipydist import protocol
 from ipydist.errors import ClusterError, LaunchError, RankDied, ReplyLost
 from ipydist.notebook import words
 from ipydist.notebook.stall import STALL_WARNING_SECONDS
-from ipydist.session import DEFAULT_START_TIMEOUT, Session
+from ipydist.session import DEFAULT_START_TIMEOUT, TIMELINE_FILE, Session
 from ipydist.specs import SpecError, format_ranks, parse_np
 
 _USER_ERRORS = (SpecError, LaunchError, ClusterError)
@@ -251,6 +251,34 @@ class DistMagics(Magics):
             self.session.restart()
         except _USER_ERRORS as e:
             raise UsageError(str(e)) from None
+
+    @magic_arguments()
+    @argument("--start", action="store_true",
+              help="start recording every rank's collectives afresh (hvd.start_timeline)")
+    @argument("--stop", action="store_true", help="show what was recorded and stop recording")
+    @argument("--out", default=None, metavar="PATH",
+              help="where to write the Chrome trace (default: ipydist-timeline.json)")
+    @line_magic
+    def dist_timeline(self, line: str = ""):
+        """Show every rank's collectives recorded so far (a bar per collective, its check
+        apart) and write them as one Chrome trace."""
+        args = parse_argstring(self.dist_timeline, line)
+        if args.start and args.stop:
+            raise UsageError("--start and --stop: choose one")
+        action = "start" if args.start else "stop" if args.stop else "show"
+        try:
+            shown = self._session().timeline(action, args.out or TIMELINE_FILE)
+        except TimeoutError as e:
+            raise UsageError(f"{e}: wait for the running cell to end, then try again") \
+                from None
+        if action == "start":
+            print("Recording every rank's collectives: %dist_timeline shows them.")
+            return None
+        if shown.empty:
+            print("No collectives recorded: start with %dist_timeline --start (or "
+                  "hvd.start_timeline(path) in an %%everyrank cell), then run some.")
+            return None
+        return shown
 
     @magic_arguments()
     @argument("name", help="the variable to fetch")

@@ -16,6 +16,7 @@ Everything that crosses from one side to the other is named here, once:
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import re
 import signal
@@ -200,3 +201,31 @@ def on_rank(name: str, *args):
     """Run ``ipydist.rank.calls.<name>(*args)``; the notebook sends this function through
     ipyparallel's ``apply``, so only this module, not rank code, is imported in the kernel."""
     return getattr(importlib.import_module(RANK_CALLS), name)(*args)
+
+
+# --- the timeline ----------------------------------------------------------------------------
+#: The lanes of a rank's row in a timeline: its collectives' data, and their checks.
+TIMELINE_DATA_LANE, TIMELINE_CHECK_LANE = 1, 2
+
+
+def chrome_trace(per_rank: list[list[dict]]) -> dict:
+    """Every rank's timeline events (Chrome trace "X" events, without a pid) as one Chrome
+    trace: one process per rank, with its lanes named. Loadable in chrome://tracing and
+    https://ui.perfetto.dev."""
+    trace: list[dict] = []
+    for rank, mine in enumerate(per_rank):
+        trace.append({"name": "process_name", "ph": "M", "pid": rank,
+                      "args": {"name": f"rank {rank}"}})
+        for lane, label in ((TIMELINE_DATA_LANE, "data"), (TIMELINE_CHECK_LANE, "negotiation")):
+            trace.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": lane,
+                          "args": {"name": label}})
+        trace.extend({**e, "pid": rank} for e in mine)
+    return {"traceEvents": trace, "displayTimeUnit": "ms"}
+
+
+def write_json(path: str, value) -> None:
+    """Write ``value`` as JSON atomically (a reader never sees half a file)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(value, f)
+    os.replace(tmp, path)

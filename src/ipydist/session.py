@@ -22,7 +22,7 @@ import weakref
 
 from ipydist import protocol
 from ipydist.errors import ClusterError, RankDied, RankError
-from ipydist.notebook import display, mpiexec, recovery, slurm, words
+from ipydist.notebook import display, mpiexec, recovery, slurm, timeline, words
 from ipydist.notebook.cell import CellRun, RunResult
 from ipydist.notebook.cluster import Cluster
 from ipydist.notebook.hosts import choose as choose_hosts
@@ -45,6 +45,10 @@ from ipydist.specs import (
 DEFAULT_START_TIMEOUT = 120.0
 #: When a rank fails, how long the others get to finish before they are released.
 FAILURE_GRACE = 10.0
+#: Where ``%dist_timeline`` writes the ranks' Chrome trace, and how long it waits for them
+#: (a rank busy with a cell answers once the cell ends).
+TIMELINE_FILE = "ipydist-timeline.json"
+TIMELINE_TIMEOUT = 30.0
 
 
 class Session:
@@ -281,6 +285,22 @@ class Session:
     def push(self, **values) -> None:
         """Send notebook values to every rank, under the given names."""
         self._require_running().view(list(range(self.size))).push(values, block=True)
+
+    # --- timeline ----------------------------------------------------------------------------
+
+    def timeline(self, action: str = "show", path: str = TIMELINE_FILE) -> timeline.Timeline:
+        """Every rank's recorded collectives (``action``: "start" recording afresh, "show"
+        what was recorded so far, or "stop" and show), written as one Chrome trace at
+        ``path`` unless there is nothing to write."""
+        cluster = self._require_running()
+        rank_action = {"start": "start", "show": "events", "stop": "stop"}[action]
+        per_rank = cluster.call("timeline", rank_action, timeout=TIMELINE_TIMEOUT)
+        if action == "start":
+            return timeline.Timeline([[] for _ in range(self.size)])
+        shown = timeline.Timeline(per_rank)
+        if not shown.empty:
+            shown.path = timeline.save(per_rank, path)
+        return shown
 
     # --- status ------------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from IPython import get_ipython
 
 from ipydist import protocol
 from ipydist.rank import consensus, watcher
-from ipydist.torch import consistency, handles, process_sets, runtime, shims, waiting
+from ipydist.torch import consistency, events, handles, process_sets, runtime, shims, waiting
 
 
 def attach() -> dict:
@@ -153,3 +153,14 @@ def _give_up(out: dict, why: str) -> dict:
     runtime.abandon_process_group()
     out["failed"] = why
     return out
+
+
+def timeline(action: str) -> list[dict] | None:
+    """``%dist_timeline``: start recording ("start"), or return this rank's events so far
+    ("events"), or return them and stop ("stop")."""
+    if action == "start":
+        events.start(events.path or "ipydist-timeline.json")
+        return None
+    if action == "stop":
+        return events.stop()
+    return events.recorded()

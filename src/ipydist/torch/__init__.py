@@ -83,6 +83,7 @@ from ipydist.torch.process_sets import (
 )
 from ipydist.torch.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from ipydist.torch.sync_batch_norm import SyncBatchNorm
+from ipydist.torch.timeline import start_timeline, stop_timeline
 
 __all__ = [
     "Adasum", "add_process_set", "allgather", "allgather_async", "allgather_object",
@@ -99,7 +100,8 @@ __all__ = [
     "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "ProcessSet", "Product",
     "rank", "ReduceOp", "reducescatter", "reducescatter_async", "remove_process_set",
     "rocm_built", "save_checkpoint", "scale_lr", "shard", "ShardSampler", "shutdown", "size",
-    "sparse_allreduce_async", "Sum", "SyncBatchNorm", "synchronize",
+    "sparse_allreduce_async", "start_timeline", "stop_timeline", "Sum", "SyncBatchNorm",
+    "synchronize",
 ]
 
 _register_mpi_backend()  # backend="mpi4py" (--backend mpi) for init_process_group and new_group

@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 
 from ipydist import protocol
-from ipydist.torch import runtime, waiting
-from ipydist.torch.signature import CARRIED, HEADER_WORDS, disagreement, header
+from ipydist.torch import events, runtime, waiting
+from ipydist.torch.signature import CARRIED, HEADER_WORDS, KIND, KINDS, disagreement, header
 
 _enabled = os.environ.get(protocol.CHECK_COLLECTIVES_ENV, "1").strip() != "0"
 #: (device, world size) -> (every rank's header, as one tensor and as a list of its rows),
@@ -62,10 +62,11 @@ def set_enabled(on: bool) -> None:
 class Announced:
     """A header this rank sent ahead of its call (see :func:`announce`)."""
 
-    __slots__ = ("request", "mine", "every", "settled", "problem")
+    __slots__ = ("request", "mine", "every", "settled", "problem", "sent")
 
     def __init__(self, request, mine: np.ndarray, every: np.ndarray) -> None:
         self.request, self.mine, self.every = request, mine, every  # MPI reads them meanwhile
+        self.sent = time.perf_counter()
         self.settled = False
         self.problem: str | None = None
 
@@ -115,6 +116,8 @@ def settle(upto: Announced | None = None) -> None:
         waiting.wait_for_mpi(found.request)
         rt.announced.popleft()
         found.settled = True
+        if events.recording:  # from when it was sent: the check overlaps the backward pass
+            events.negotiated(KINDS[int(found.mine[KIND]) - 1], found.sent, time.perf_counter())
         found.problem = disagreement(found.every.tolist())
         if found.problem is not None:
             raise RuntimeError(found.problem)
@@ -154,7 +157,11 @@ def agree(kind: str, tensor: torch.Tensor | None = None, *, dtype: torch.dtype |
         if len(_headers) >= _HEADERS_KEPT:
             _headers.clear()
         mine = _headers[key] = np.asarray(header(*key), dtype=np.int64)
+    started = time.perf_counter()
     headers = _exchange(group, mine)
+    if events.recording:
+        events.negotiated(kind, started, time.perf_counter(),
+                          None if group is rt else group.size)
     if _enabled:
         problem = disagreement(headers)
         if problem is not None:

@@ -11,6 +11,7 @@ is MPI or the process group (:mod:`ipydist.torch.transport`); the optimizer deci
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -51,6 +52,8 @@ class Bucket:
     onebit: OneBitExchange | None = None
     #: What this rank sent in the last launch (transport.bytes_sent's model).
     sent_bytes: int = 0
+    #: When the last launch began (``time.perf_counter()``), for the timeline.
+    launched: float = 0.0
 
     def allocate(self) -> None:
         first = self.params[0]
@@ -65,6 +68,7 @@ class Bucket:
     def launch(self, compression: type[Compressor], prescale: float, group=None) -> None:
         """Start this bucket's allreduce (the caller has checked the step with the others)
         among every rank, or a process set's (``group``: its communicators)."""
+        self.launched = time.perf_counter()
         if self.travels_in_place(compression, group):
             self._launch_in_place(group)
             return

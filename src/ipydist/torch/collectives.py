@@ -14,11 +14,13 @@ collective it stands for, the name stall warnings give a rank that waits in that
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
 from ipydist.rank.sampler import waits_for_peers
-from ipydist.torch import agreement, async_ops, autograd, runtime, starts
+from ipydist.torch import agreement, async_ops, autograd, events, runtime, starts
 from ipydist.torch.compression import Compression, Compressor
 from ipydist.torch.process_sets import ProcessSet, add_at_init, comms_for, global_process_set
 from ipydist.torch.reduce_ops import ReduceOp, resolve
@@ -30,6 +32,7 @@ def init(comm=None, process_sets=None) -> None:
     not added yet. ``comm``, Horovod's MPI communicator argument, may only be the world: the
     ranks are those mpiexec started (process sets give collectives on fewer)."""
     rt = runtime.ensure_process_group()
+    events.start_from_environment(os.environ)
     if comm is not None and (not hasattr(comm, "Get_size") or comm.Get_size() != rt.size):
         raise ValueError("hvd.init(comm=...) takes only the world communicator here: use "
                          "process_sets=[...] (or hvd.add_process_set) for collectives among "

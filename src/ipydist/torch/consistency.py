@@ -78,7 +78,7 @@ def _tracked_items() -> list[tuple[int, torch.Tensor]]:
     """(name, tensor) for every tracked tensor whose memory still exists (forgetting the
     others), sorted by name. A name is the same on every rank: the serial of a tensor
     ``broadcast_parameters`` was given, or for an optimizer's parameter or state tensor one
-    made of the optimizer's serial and the tensor's place in it."""
+    made of the optimizer's serial and the tensor's place in it (with shape and dtype)."""
     items, seen = {}, set()
     for key, (storage_ref, stride, serial) in list(_tensors.items()):
         storage = storage_ref()
@@ -87,7 +87,7 @@ def _tracked_items() -> list[tuple[int, torch.Tensor]]:
             continue
         _, offset, shape, dtype = key
         view = torch.empty(0, dtype=dtype, device=storage.device)
-        items[serial] = view.set_(storage, offset, shape, stride)
+        items[_name(serial, shape, str(dtype))] = view.set_(storage, offset, shape, stride)
         seen.add(key)
     for opt, serial in list(_optimizers.items()):
         for g, group in enumerate(opt.param_groups):
@@ -98,12 +98,15 @@ def _tracked_items() -> list[tuple[int, torch.Tensor]]:
                 for name, t in places:
                     if _key(t) not in seen:
                         seen.add(_key(t))
-                        items[_name(serial, g, i, name)] = t
+                        items[_name(serial, g, i, name, tuple(t.shape), str(t.dtype))] = t
     return sorted(items.items(), key=lambda item: item[0])
 
 
 def _name(*place) -> int:
-    """A 62-bit name for an optimizer tensor's place, above every serial."""
+    """A 62-bit name for a tensor's place (its serial, or its optimizer's and its place
+    there), with its shape and dtype: ranks whose serials went apart (an optimizer made on
+    some ranks only) then share no name between tensors of different shapes, which one
+    broadcast between them would abort the process on."""
     digest = hashlib.blake2b(repr(place).encode(), digest_size=7).digest()
     return (1 << 61) | int.from_bytes(digest, "little")
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ipydist.rank.sampler import waits_for_peers
-from ipydist.torch import runtime, transport, waiting
+from ipydist.torch import events, runtime, transport, waiting
 
 
 @dataclass(eq=False)
@@ -31,6 +31,10 @@ class Pending:
     mpi: bool
     finish: Callable[[], Any]
     name: str | None = None
+    #: What the timeline calls it ("ALLREDUCE"...; none for a group of others), and when its
+    #: data was posted.
+    label: str = ""
+    posted: float = field(default_factory=time.perf_counter)
 
     def poll(self) -> bool:
         """Whether the data has arrived (moves an MPI operation on; never waits)."""
@@ -47,6 +51,9 @@ class Pending:
             else:
                 waiting.wait_for(self.work)
             runtime.note_wait(time.perf_counter() - t0)
+            if events.recording and self.label:
+                events.record(self.label, self.posted, time.perf_counter(), op_name=self.name,
+                              wire="MPI" if self.mpi else "process group")
             self.work = None
         return self.finish()
 

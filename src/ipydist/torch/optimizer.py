@@ -33,7 +33,18 @@ import numpy as np
 import torch
 
 from ipydist.rank.sampler import waits_for_peers
-from ipydist.torch import agreement, buckets, checkpoint, consistency, runtime, signature
+from ipydist.torch import (
+    agreement,
+    buckets,
+    checkpoint,
+    consistency,
+    events,
+    runtime,
+    signature,
+)
+from ipydist.torch import (
+    optimizer_options as options,
+)
 from ipydist.torch.collectives import _rt, size
 from ipydist.torch.compression import Compression, Compressor
 from ipydist.torch.process_sets import ProcessSet, comms_for, global_process_set
@@ -69,31 +80,20 @@ class _DistributedMixin:
         self._process_set = process_set
         self._sparse_as_dense = bool(sparse_as_dense)
         group = comms_for(process_set)  # raises here if this rank cannot use the set
-        if group is not None and compression.summed_by_ranks:
-            raise ValueError("Compression.onebit averages over every rank: it takes no "
-                             "process_set")
-        if op not in (Average, Sum):
-            raise ValueError(f"DistributedOptimizer op must be Average or Sum, not {op} (Adasum: "
-                             "allreduce(t, op=hvd.Adasum) combines tensors; Horovod's Adasum "
-                             "optimizer, which combines each step's update, is not built here)")
-        if backward_passes_per_step < 1:
-            raise ValueError("backward_passes_per_step must be at least 1")
-        if not (isinstance(compression, type) and issubclass(compression, Compressor)):
-            raise TypeError("compression must be Compression.none, .fp16, .bf16 or .onebit")
-        if not isinstance(distributed_after, int) or distributed_after < 0:
-            raise ValueError("distributed_after must be a number of steps, 0 or more")
+        options.check(op, backward_passes_per_step, compression, distributed_after, group)
         params = [
             p for group in self.param_groups for p in group["params"] if p.requires_grad
         ]
-        consistency.track_optimizer(self)  # kept in step after an interrupt
+        if group is None:  # kept in step after an interrupt, as every rank has it (a
+            consistency.track_optimizer(self)  # process set's is on its ranks only)
         _live.add(self)  # so that a rank in hvd.join() can serve its steps
-        self._names = _names_for(params, named_parameters)
+        self._names = options.names_for(params, named_parameters)
         self._compression = compression
         self._distributed_after = distributed_after
         # Steps completed: the same on every rank, and put back in step by the recovery
         # (tracked), since it decides when the compression starts.
         self._steps = torch.zeros((), dtype=torch.int64)
-        if distributed_after:
+        if distributed_after and group is None:
             consistency.track_tensors([self._steps])
         self._passes = backward_passes_per_step
         self._op = op
@@ -103,8 +103,9 @@ class _DistributedMixin:
         ranks = size() if group is None else group.size
         self._prescale = 1.0 if op is Sum else (1.0 / f if f != 1.0 else 1.0 / ranks)
         self._postscale = f / ranks if op is Average and f != 1.0 else 1.0
-        self._buckets = buckets.plan(params, _cap_bytes(params, bucket_cap_mb, num_groups),
-                                     _explicit_groups(groups, params))
+        self._buckets = buckets.plan(params,
+                                     options.cap_bytes(params, bucket_cap_mb, num_groups),
+                                     options.explicit_groups(groups, params))
         self._slot = {id(p): (b, i) for b, bucket in enumerate(self._buckets)
                       for i, p in enumerate(bucket.params)}
         self._passes_left = {id(p): self._passes for p in params}
@@ -222,6 +223,10 @@ class _DistributedMixin:
             t0 = time.perf_counter()
             bucket.finish()
             runtime.note_wait(time.perf_counter() - t0)  # for the live view's straggler strip
+            if events.recording:
+                events.record("ALLREDUCE", bucket.launched, time.perf_counter(),
+                              bucket=self._names.get(id(bucket.params[0])),
+                              parameters=len(bucket.params), bytes=bucket.sent_bytes)
             bucket.unpack(self._compression_now(), self._prescale, self._postscale)
         for p in sparse:  # averaged densely, handed back as sparse as they came (its rows)
             p.grad = p.grad.to_sparse(1)
@@ -335,54 +340,6 @@ class _DistributedMixin:
 
 #: Key of ipydist's own entries in the optimizer's state dict.
 _STATE_KEY = "ipydist"
-
-
-def _cap_bytes(params, bucket_cap_mb: float, num_groups: int) -> float:
-    """Bytes per bucket: ``bucket_cap_mb``, or the share of ``num_groups`` (Horovod's)."""
-    if not isinstance(num_groups, int) or num_groups < 0:
-        raise ValueError(f"num_groups must be a number of groups, 0 or more, not {num_groups!r}")
-    if num_groups:
-        total = sum(p.numel() * p.element_size() for p in params)
-        return max(total / num_groups, 1.0)
-    return bucket_cap_mb * 2**20
-
-
-def _explicit_groups(groups, params) -> list[list]:
-    """Horovod's ``groups``: lists of parameters fused together, checked."""
-    if groups is None:
-        return []
-    if isinstance(groups, int) or not all(isinstance(g, list | tuple) for g in groups):
-        raise ValueError("groups must be lists of parameters (use num_groups=n for n groups)")
-    known, seen = {id(p) for p in params}, set()
-    for group in groups:
-        for p in group:
-            if id(p) not in known:
-                raise ValueError("groups hold a tensor that is not a parameter of this "
-                                 "optimizer that requires a gradient")
-            if id(p) in seen:
-                raise ValueError("a parameter is in two of the groups")
-            seen.add(id(p))
-    return [list(g) for g in groups]
-
-
-def _names_for(params, named_parameters) -> dict[int, str]:
-    if named_parameters is None:
-        return {id(p): f"parameter {i}" for i, p in enumerate(params)}
-    pairs = list(named_parameters)
-    if any(not isinstance(x, tuple) or len(x) != 2 for x in pairs):
-        raise ValueError("named_parameters should be model.named_parameters(): (name, param) pairs")
-    names = [n for n, _ in pairs]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise ValueError(f"named_parameters has duplicate names: {', '.join(duplicates)}")
-    by_id = {id(p): n for n, p in pairs}
-    unnamed = [i for i, p in enumerate(params) if id(p) not in by_id]
-    if unnamed:
-        raise ValueError(
-            f"{len(unnamed)} of the optimizer's parameters are not in named_parameters; "
-            "pass the named_parameters() of the model the optimizer was built on."
-        )
-    return {id(p): by_id[id(p)] for p in params}
 
 
 def DistributedOptimizer(  # noqa: N802 - Horovod's name, a factory like Horovod's

@@ -74,7 +74,8 @@ def start_allreduce(tensor: torch.Tensor, op: ReduceOp, prescale: float = 1.0,
             tensor.copy_(buf)
         return _averaged(tensor, op, postscale, size)
 
-    return Pending(work, mpi, finish, f"allreduce.{name}" if name else None)
+    return Pending(work, mpi, finish, f"allreduce.{name}" if name else None,
+                   "ALLREDUCE")
 
 
 def _start_adasum(tensor: torch.Tensor, prescale: float, postscale: float, name: str | None,
@@ -207,7 +208,8 @@ def start_reducescatter(tensor: torch.Tensor, op: ReduceOp, prescale: float = 1.
         return _averaged(mine if mine.dtype == tensor.dtype else mine.to(tensor.dtype), op,
                          postscale, rt.size)
 
-    return Pending(work, mpi, finish, f"reducescatter.{name}" if name else None)
+    return Pending(work, mpi, finish, f"reducescatter.{name}" if name else None,
+                   "REDUCESCATTER")
 
 
 def start_allgather(tensor: torch.Tensor, name: str | None = None,
@@ -241,7 +243,8 @@ def start_allgather(tensor: torch.Tensor, name: str | None = None,
             return torch.cat([g[:n] for g, n in zip(stacked.unbind(0), counts)])
         return torch.cat([g[:n] for g, n in zip(parts, counts)]).to(tensor.dtype)
 
-    return Pending(work, mpi, finish, f"allgather.{name}" if name else None), counts
+    return Pending(work, mpi, finish, f"allgather.{name}" if name else None,
+                   "ALLGATHER"), counts
 
 
 def start_broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -265,7 +268,8 @@ def start_broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = Non
             tensor.copy_(buf)
         return tensor
 
-    return Pending(work, mpi, finish, f"broadcast.{name}" if name else None)
+    return Pending(work, mpi, finish, f"broadcast.{name}" if name else None,
+                   "BROADCAST")
 
 
 def start_alltoall(tensor: torch.Tensor, splits=None, name: str | None = None,
@@ -302,7 +306,8 @@ def start_alltoall(tensor: torch.Tensor, splits=None, name: str | None = None,
     def finish() -> torch.Tensor:
         return out.to(tensor.dtype)
 
-    return Pending(work, mpi, finish, f"alltoall.{name}" if name else None), recv_rows
+    return Pending(work, mpi, finish, f"alltoall.{name}" if name else None,
+                   "ALLTOALL"), recv_rows
 
 
 def _splits(splits, rows: int, world: int) -> list[int]:
