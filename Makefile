@@ -1,5 +1,6 @@
 # The two commands in the README: `make demo` (the main job) and `make test`.
-# Everything is installed into .venv; torch is pinned by constraints.txt (a small CPU wheel here).
+# Everything is installed into .venv; constraints.txt pins torch (a small CPU wheel here) and the
+# packages results depend on (numpy, scikit-learn, MPI).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
