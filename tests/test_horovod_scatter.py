@@ -88,16 +88,19 @@ def test_grouped_allreduce_fuses_mixed_dtypes_and_checks_the_group(shell, capsys
     run_ok(shell, capsys, """%%everyrank
 import torch, ipydist.torch as hvd
 r = hvd.rank()
-ins = [torch.full((2,), r, dtype=torch.int32), torch.full((3,), float(r)),
+big = torch.full((1 << 18,), float(r))  # 1 MB: reduced where it lies, not fused
+ins = [torch.full((2,), r, dtype=torch.int32), torch.full((3,), float(r)), big,
        torch.full((2, 2), r, dtype=torch.int64), torch.full((1,), 2.0 * r)]
-outs = hvd.grouped_allreduce(ins, op=hvd.Sum)
-fused = [(str(o.dtype), o.tolist()) for o in outs]
+outs = hvd.grouped_allreduce_(ins, op=hvd.Sum)
+fused = [(str(o.dtype), o.tolist()) for o in outs if o is not big]
+big_sum = (outs[2] is big, big.unique().tolist())
 """)
     total = sum(range(NP))
-    for fused in pulled(shell, "fused"):
+    for fused, big in zip(pulled(shell, "fused"), pulled(shell, "big_sum")):
         assert fused == [("torch.int32", [total] * 2), ("torch.float32", [float(total)] * 3),
                          ("torch.int64", [[total] * 2] * 2),
                          ("torch.float32", [2.0 * total])]
+        assert big == (True, [float(total)])
     result, out, err = run_cell(shell, capsys, """%%everyrank
 import torch, ipydist.torch as hvd
 shapes = [(3,), (2,)] if hvd.rank() != 1 else [(3,), (4,)]

@@ -99,11 +99,18 @@ def _start_adasum(tensor: torch.Tensor, prescale: float, postscale: float, name:
     return group_of([gathering], finish, f"allreduce.{name}" if name else None)
 
 
+#: A tensor of a grouped allreduce this large or larger is reduced where it lies, alone:
+#: copying it into a fused buffer and back cost more than the call it saved (np=2, 8 MB in 8
+#: tensors: 7x plain allreduce's time fused, benchmarks/allreduce.py's grouped column).
+FUSE_BELOW_BYTES = 1 << 20
+
+
 def start_grouped_allreduce(tensors: list[torch.Tensor], op: ReduceOp, prescale: float = 1.0,
                             postscale: float = 1.0, name: str | None = None,
                             group=None) -> Pending:
     """Start reducing every tensor of ``tensors`` in place, fused: one check for the group,
-    one flat buffer (one reduction) for each dtype and device; the result is the list."""
+    one flat buffer (one reduction) for each dtype and device of the small ones, the large
+    ones (FUSE_BELOW_BYTES) reduced where they lie; the result is the list."""
     name = f"grouped_allreduce.{name}" if name else None
     handles.check_name(name)
     if op is Adasum:  # Adasum combines each tensor on its own: no fusion
@@ -113,9 +120,13 @@ def start_grouped_allreduce(tensors: list[torch.Tensor], op: ReduceOp, prescale:
     agreement.agree("grouped allreduce", shape=(len(tensors),), op=op, prescale=prescale,
                     postscale=postscale, extra=signature.plan_hash(plan), group=group)
     fused: dict[tuple, list[torch.Tensor]] = {}
-    for t in tensors:
-        fused.setdefault((t.dtype, t.device), []).append(t)
     parts = []
+    for t in tensors:
+        if t.numel() * t.element_size() >= FUSE_BELOW_BYTES:  # alone, where it lies
+            parts.append(([t], t, start_allreduce(t, op, prescale, postscale, checked=True,
+                                                  group=group)))
+        else:
+            fused.setdefault((t.dtype, t.device), []).append(t)
     for alike in fused.values():
         flat = alike[0].reshape(-1) if len(alike) == 1 else torch.cat(
             [t.reshape(-1) for t in alike])
