@@ -22,11 +22,14 @@ opt = hvd.DistributedOptimizer(
 before = w.detach().clone()
 hvd.broadcast_optimizer_state(opt, root_rank=0)
 buffer = opt.state[w]["momentum_buffer"]
+lbfgs = torch.optim.LBFGS([torch.nn.Parameter(torch.ones(2))])  # its step needs a closure
+hvd.broadcast_optimizer_state(lbfgs, root_rank=0)
 outcome = (frozen.grad is None, w.grad.tolist(), torch.equal(w.detach(), before),
-           buffer.tolist(), hvd.broadcast(buffer, 0).tolist())
+           buffer.tolist(), hvd.broadcast(buffer, 0).tolist(), len(lbfgs.state))
 """)
     outcomes = pulled(shell, "outcome")
-    for frozen_none, grad, unchanged, buffer, roots in outcomes:
+    for frozen_none, grad, unchanged, buffer, roots, lbfgs_states in outcomes:
+        assert lbfgs_states == 0  # no step taken for it: its first real step makes the state
         assert frozen_none and grad == [0.0] * 4 and unchanged
         assert buffer == roots  # every rank holds rank 0's state
         assert any(v != 0.0 for v in buffer)  # weight decay's term: a real step ran

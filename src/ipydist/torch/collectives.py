@@ -90,9 +90,9 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
     if agreement.enabled():
         agreement.agree("barrier", group=group)
     elif rt.backend == "nccl" and rt.device_index is not None:
-        dist.barrier(group=starts._pg(group), device_ids=[rt.device_index])
+        dist.barrier(group=starts.torch_group_of(group), device_ids=[rt.device_index])
     else:
-        dist.barrier(group=starts._pg(group))
+        dist.barrier(group=starts.torch_group_of(group))
 
 
 @waits_for_peers("all_reduce")

@@ -6,6 +6,7 @@ small tensors costs a handful of broadcasts rather than hundreds.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -131,6 +132,9 @@ def _initialise_state(optimizer: torch.optim.Optimizer) -> None:
             p.grad = torch.zeros_like(p)
     own = next(cls for cls in type(optimizer).__mro__
                if "step" in vars(cls) and not hasattr(cls, "wrapper_name"))
+    closure = inspect.signature(own.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        return  # a step that needs the loss (LBFGS): its state is made by its first step
     own.step(optimizer)
     for p, value in zip(params, kept):
         p.copy_(value)

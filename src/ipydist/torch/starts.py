@@ -41,7 +41,7 @@ def members(group=None):
     return runtime.ensure_process_group() if group is None else group
 
 
-def _pg(group):
+def torch_group_of(group):
     """The torch.distributed group for ``group`` (None: the default one)."""
     return None if group is None else group.torch_group
 
@@ -65,7 +65,7 @@ def start_allreduce(tensor: torch.Tensor, op: ReduceOp, prescale: float = 1.0,
         work, mpi = transport.start_allreduce(buf, MPI_OPS[op], group=group), True
     else:
         buf = _for_group(tensor)
-        work = dist.all_reduce(buf, op=TORCH_OPS[op], group=_pg(group), async_op=True)
+        work = dist.all_reduce(buf, op=TORCH_OPS[op], group=torch_group_of(group), async_op=True)
         mpi = False
     size = members(group).size
 
@@ -211,7 +211,7 @@ def start_reducescatter(tensor: torch.Tensor, op: ReduceOp, prescale: float = 1.
             block[:len(part)] = part
         out = send.new_empty((most, *rest))
         work = dist.reduce_scatter_tensor(out, blocks.reshape(-1, *rest), op=TORCH_OPS[op],
-                                          group=_pg(group), async_op=True)
+                                          group=torch_group_of(group), async_op=True)
         mpi = False
 
     def finish() -> torch.Tensor:
@@ -245,7 +245,7 @@ def start_allgather(tensor: torch.Tensor, name: str | None = None,
     else:
         send = _for_group(padded)
         parts = [torch.empty_like(send) for _ in range(world)]
-        work, mpi = dist.all_gather(parts, send, group=_pg(group), async_op=True), False
+        work, mpi = dist.all_gather(parts, send, group=torch_group_of(group), async_op=True), False
 
     def finish() -> torch.Tensor:
         if parts is None:
@@ -271,7 +271,7 @@ def start_broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = Non
         work, mpi = transport.start_broadcast(buf, root, group), True
     else:
         buf = _for_group(tensor)
-        work = dist.broadcast(buf, src=root_rank, group=_pg(group), async_op=True)
+        work = dist.broadcast(buf, src=root_rank, group=torch_group_of(group), async_op=True)
         mpi = False
 
     def finish() -> torch.Tensor:
@@ -305,12 +305,13 @@ def start_alltoall(tensor: torch.Tensor, splits=None, name: str | None = None,
     else:
         mine = torch.tensor(send_rows, dtype=torch.int64, device=tensor.device)
         theirs = torch.empty_like(mine)
-        waiting.wait_for(dist.all_to_all_single(theirs, mine, group=_pg(group), async_op=True))
+        waiting.wait_for(dist.all_to_all_single(theirs, mine, group=torch_group_of(group),
+                                                async_op=True))
         recv_rows = theirs.tolist()
         send = _for_group(tensor.reshape(rows, *tensor.shape[1:])[:sum(send_rows)])
         out = send.new_empty((sum(recv_rows), *send.shape[1:]))
         work = dist.all_to_all_single(out, send, output_split_sizes=recv_rows,
-                                      input_split_sizes=send_rows, group=_pg(group),
+                                      input_split_sizes=send_rows, group=torch_group_of(group),
                                       async_op=True)
         mpi = False
 
