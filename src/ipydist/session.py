@@ -257,8 +257,7 @@ class Session:
             for note in recovery.recover(cluster, released, self.words.restart):
                 print(f"ipydist: before this cell: {note}", file=sys.stderr, flush=True)
         started = time.perf_counter()
-        ar = cluster.view(targets).execute(code, silent=False, block=False)
-        return CellRun(self, ar, targets, output, timeout, started).wait()
+        return CellRun(self, code, targets, output, timeout, started).wait()
 
     def signal(self, sig: int, ranks: list[int] | None = None) -> None:
         """Send ``sig`` to ranks: directly to local pids, through ipyparallel's nanny otherwise."""

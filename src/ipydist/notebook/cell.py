@@ -49,18 +49,18 @@ class RunResult:
 
 
 class CellRun:
-    """One cell on ``targets`` (sent as ``async_result``) until every rank has replied."""
+    """One cell on ``targets``, sent as it starts, until every rank has replied."""
 
-    def __init__(self, session, async_result, targets: list[int], output: str,
+    def __init__(self, session, code: str, targets: list[int], output: str,
                  timeout: float | None, started: float):
         self.session = session
         self.cluster = session.cluster
-        self.ar = async_result
         self.targets = targets
         self.started = started
         self.deadline = None if not timeout else started + float(timeout)
         self.timeout = timeout
-        self.collector = IOPubCollector(async_result, targets)
+        self.collector = IOPubCollector(targets)
+        self.ar = ipp.execute(self.cluster.view(targets), code, self.collector.watch)
         self.shown = targets if output == "all" else targets[:1]
         self.merger = LineMerger(self.shown)
         self.displays = rich.DisplayBook(self.shown)
@@ -70,7 +70,7 @@ class CellRun:
         #: A failing rank's peers get this long to finish by themselves before release.
         self.failure_grace = float(timeout) if timeout else session.failure_grace
         self.first_failure: tuple[int, float] | None = None  # (rank, when)
-        self.release = recovery.Release(self.cluster, async_result, targets)
+        self.release = recovery.Release(self.cluster, self.ar, targets)
         #: rank -> when it said it ended the cell's code (its reply should follow at once)
         self.ended: dict[int, float] = {}
         #: Ranks whose reply was lost on the way (they ended the cell, and are idle).

@@ -15,7 +15,6 @@ from typing import Any
 
 from ipyparallel.serialize import deserialize_object
 
-from ipydist.notebook import ipp
 from ipydist.protocol import CELL_KEY, STATE_KEY, is_metrics_key
 
 #: Data-message keys the ranks send, and the kind of event each becomes (besides the metrics
@@ -38,28 +37,34 @@ class Event:
 class IOPubCollector:
     """Collects one cell's IOPub output from every rank into a thread-safe queue.
 
-    Output can reach the client's IO thread before our callbacks are attached (the request is
-    sent from that thread as soon as ``execute`` returns). ipyparallel keeps everything that
-    arrived in the request's metadata, so each rank starts with a snapshot of it: taken on the
-    first callback (the metadata then already includes that message), or at :meth:`finish` if
-    no message came after attaching. A lock makes sure exactly one of the two takes it, so no
-    output is lost or shown twice, and no extra wake-up of the IO thread is needed. (Metrics
-    batches are the exception: each has its own key in the metadata, taken out of it as it is
-    queued, so none is lost however late the callbacks come, nor kept twice in memory; one may
-    be queued twice, by the snapshot and by its own message, and the history ignores the repeat
-    by its number.)
+    Its callbacks are attached to each rank's request before the request is sent
+    (:func:`ipydist.notebook.ipp.execute` calls :meth:`watch`), so they see every message, in
+    the order the rank sent it: a display and the lines printed around it keep their order.
+    ipyparallel also keeps everything that arrived in the request's metadata, and each rank
+    starts with a snapshot of it: taken on the first callback (the metadata then holds that
+    one message), or at :meth:`finish` if none came. A lock makes sure exactly one of the two
+    takes it, so no output is lost or shown twice. (Metrics batches have each their own key
+    in the metadata, taken out of it as it is queued, so none is kept twice in memory; one may
+    be queued twice, by the snapshot and by its own message, and the history ignores the
+    repeat by its number.)
     """
 
-    def __init__(self, async_result, ranks: list[int]):
+    def __init__(self, ranks: list[int]):
         self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._started: set[int] = set()
-        self._futures = ipp.per_rank(async_result, ranks)
+        self._ranks = ranks
+        self._futures: dict = {}
         self._callbacks = []
-        for rank, future in self._futures.items():
-            callback = self._make_callback(rank, future)
-            future.iopub_callbacks.append(callback)
-            self._callbacks.append((future, callback))
+
+    def watch(self, index: int, future) -> None:
+        """Attach to the request future of ``ranks[index]`` (:func:`ipp.execute` calls this
+        before the request is sent, so the callback sees every message, in order)."""
+        rank = self._ranks[index]
+        self._futures[rank] = future
+        callback = self._make_callback(rank, future)
+        future.iopub_callbacks.append(callback)
+        self._callbacks.append((future, callback))
 
     def _snapshot(self, rank: int, future) -> bool:
         """Queue what arrived so far for ``rank``, once; False if that was already done."""

@@ -1,12 +1,15 @@
 """The few ipyparallel internals ipydist relies on, in one place.
 
 ipyparallel has no public API for "which of this request's engines are done", "does this
-client have a request pending on engine N" or "stop waiting for this reply"; all are read from
-(or written to) attributes that have been stable since ipyparallel 7. If a release changes
-them, this module is the one to adapt.
+client have a request pending on engine N", "stop waiting for this reply" or "watch this
+request's output from its first message"; all are read from (or written to) attributes that
+have been stable since ipyparallel 7. If a release changes them, this module is the one to
+adapt.
 """
 
 from __future__ import annotations
+
+from ipyparallel.client.asyncresult import AsyncResult
 
 
 def per_rank(async_result, targets: list[int]) -> dict:
@@ -63,3 +66,24 @@ def forget(client, msg_id: str) -> None:
     client.outstanding.discard(msg_id)
     for pending in client._outstanding_dict.values():
         pending.discard(msg_id)
+
+
+def execute(view, code: str, on_future) -> AsyncResult:
+    """``view.execute(code, silent=False, block=False)``, calling ``on_future(i, future)``
+    with the i-th target's request future before that request is sent.
+
+    ``DirectView.execute`` returns the request only once it is sent, and a rank's output can
+    arrive before the caller attaches its IOPub callbacks; ipyparallel then keeps it in the
+    request's metadata, but as a stdout string and a list of displays, not their order (a
+    display followed by a print came out print first). A callback attached here, as ipyparallel's
+    own LoadBalancedView attaches its hook, sees every message in order.
+    """
+    client = view.client
+    idents, targets = client._build_targets(view.targets)
+    futures = [client.send_execute_request(view._socket, code, silent=False, ident=ident,
+                                           metadata={"label": None},
+                                           message_future_hook=lambda f, i=i: on_future(i, f))
+               for i, ident in enumerate(idents)]
+    if isinstance(view.targets, int):
+        futures = futures[0]
+    return AsyncResult(client, futures, fname="execute", targets=targets, owner=True)
