@@ -15,11 +15,11 @@ from ipydist.torch.handles import Pending, poll, synchronize
 from ipydist.torch.process_sets import ProcessSet, comms_for, global_process_set
 from ipydist.torch.reduce_ops import Average, ReduceOp, Sum, resolve
 from ipydist.torch.starts import (
-    group_of,
     start_allgather,
     start_allreduce,
     start_alltoall,
     start_broadcast,
+    start_grouped,
     start_grouped_allreduce,
     start_reducescatter,
 )
@@ -147,18 +147,6 @@ def grouped_reducescatter_async(tensors, name: str | None = None,
     return handles.register(start_grouped("reducescatter", tensors, name,
                                           comms_for(process_set), resolve(None, op),
                                           prescale_factor, postscale_factor))
-
-
-def start_grouped(kind: str, tensors, name: str | None, group=None, *args) -> Pending:
-    """One pending operation for an allgather or a reducescatter (``kind``) of each tensor,
-    each checked and posted now (``args``: reducescatter's op and scale factors)."""
-    name = f"grouped_{kind}.{name}" if name else None
-    handles.check_name(name)
-    if kind == "allgather":
-        parts = [start_allgather(t, group=group)[0] for t in tensors]
-    else:
-        parts = [start_reducescatter(t, *args, group=group) for t in tensors]
-    return group_of(parts, name=name)
 
 
 def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None,

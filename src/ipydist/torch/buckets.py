@@ -159,28 +159,33 @@ class Bucket:
         else:
             waiting.wait_for(self.work)
 
-    def unpack(self, compression: type[Compressor], prescale: float, postscale: float) -> None:
-        """Write the averaged gradients into the parameters' ``grad``."""
+    def unpack(self, compression: type[Compressor], prescale: float, postscale: float,
+               sparse_as_dense: bool = False) -> None:
+        """Write the averaged gradients into the parameters' ``grad``: a sparse one (it was
+        sent dense) comes back sparse, unless ``sparse_as_dense``."""
         if self.sent is not None:
-            self._unpack_in_place(prescale * postscale)
+            self._unpack_in_place(prescale * postscale, sparse_as_dense)
             return
         if self.work is not None and self.work is self.onebit:
             total, had_grad = self.onebit.result()
             total = total.to(self.params[0].device)
-            self._write(total.split([p.numel() for p in self.params]), had_grad, postscale)
+            self._write(total.split([p.numel() for p in self.params]), had_grad, postscale,
+                        sparse_as_dense)
             return
         flat = compression.decompress(self.wire, self.ctx)
         views = self.views if flat is self.buffer else flat[:self.numel].split(
             [p.numel() for p in self.params])
-        self._write(views, flat[self.numel:].tolist(), postscale)
+        self._write(views, flat[self.numel:].tolist(), postscale, sparse_as_dense)
 
-    def _write(self, values, had_grad: list, postscale: float) -> None:
+    def _write(self, values, had_grad: list, postscale: float, sparse_as_dense: bool) -> None:
         """Each parameter's averaged gradient from ``values`` (one flat piece per parameter),
         where some rank had a gradient."""
-        grads, sources = [], []
+        grads, sources, sparse = [], [], []
         for p, value, had in zip(self.params, values, had_grad):
             if had > 0:
-                if p.grad is None or p.grad.is_sparse:  # a sparse one is replaced below
+                if p.grad is None or p.grad.is_sparse:
+                    if p.grad is not None and not sparse_as_dense:
+                        sparse.append(p)
                     p.grad = value.view_as(p).to(p.dtype, copy=True)
                 else:
                     grads.append(p.grad)
@@ -190,17 +195,22 @@ class Bucket:
         if postscale != 1.0:
             torch._foreach_mul_(
                 [p.grad for p, had in zip(self.params, had_grad) if had > 0], postscale)
+        for p in sparse:  # back to the layout it came in: its rows
+            p.grad = p.grad.to_sparse(1)
         self.abandon()
 
-    def _unpack_in_place(self, scale: float) -> None:
+    def _unpack_in_place(self, scale: float, sparse_as_dense: bool) -> None:
         p, sent = self.params[0], self.sent
         if self.flag.item() > 0:  # some rank had a gradient
-            if p.grad is None or p.grad.is_sparse:
+            was_sparse = p.grad is not None and p.grad.is_sparse
+            if p.grad is None or was_sparse:
                 p.grad = sent
             elif sent is not p.grad:
                 p.grad.copy_(sent)
             if scale != 1.0:
                 p.grad.mul_(scale)
+            if was_sparse and not sparse_as_dense:
+                p.grad = p.grad.to_sparse(1)
         self.abandon()
 
     def abandon(self) -> None:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ipydist.rank.sampler import waits_for_peers
-from ipydist.torch import agreement, async_ops, autograd, events, runtime, starts
+from ipydist.torch import agreement, autograd, events, runtime, starts
 from ipydist.torch.compression import Compression, Compressor
 from ipydist.torch.process_sets import ProcessSet, add_at_init, comms_for, global_process_set
 from ipydist.torch.reduce_ops import ReduceOp, resolve
@@ -191,7 +191,7 @@ def grouped_allgather(tensors, name: str | None = None,
     tensors, group = list(tensors), comms_for(process_set)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return [autograd.Allgather.apply(t, group) for t in tensors]
-    return async_ops.start_grouped("allgather", tensors, name, group).wait()
+    return starts.start_grouped("allgather", tensors, name, group).wait()
 
 
 @waits_for_peers("reduce_scatter")
@@ -229,7 +229,7 @@ def grouped_reducescatter(tensors, name: str | None = None,
         outs = [autograd.Reducescatter.apply(w, op, prescale_factor, postscale_factor, group)
                 for w, _ in wired]
     else:
-        outs = async_ops.start_grouped("reducescatter", [w for w, _ in wired], name, group,
+        outs = starts.start_grouped("reducescatter", [w for w, _ in wired], name, group,
                                        op, prescale_factor, postscale_factor).wait()
     return [compression.decompress(out, ctx) for out, (_, ctx) in zip(outs, wired)]
 

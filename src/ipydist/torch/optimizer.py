@@ -214,8 +214,6 @@ class _DistributedMixin:
         if self._grad_marks == self._current_marks():
             return
         _rt()
-        sparse = [] if self._sparse_as_dense else [
-            p for b in self._buckets for p in b.params if p.grad is not None and p.grad.is_sparse]
         while self._next_launch < len(self._buckets):
             self._launch(self._buckets[self._next_launch])
             self._next_launch += 1
@@ -227,9 +225,8 @@ class _DistributedMixin:
                 events.record("ALLREDUCE", bucket.launched, time.perf_counter(),
                               bucket=self._names.get(id(bucket.params[0])),
                               parameters=len(bucket.params), bytes=bucket.sent_bytes)
-            bucket.unpack(self._compression_now(), self._prescale, self._postscale)
-        for p in sparse:  # averaged densely, handed back as sparse as they came (its rows)
-            p.grad = p.grad.to_sparse(1)
+            bucket.unpack(self._compression_now(), self._prescale, self._postscale,
+                          self._sparse_as_dense)
         self._next_launch = 0
         self._step_agreed = False
         self._passes_left = dict.fromkeys(self._passes_left, self._passes)

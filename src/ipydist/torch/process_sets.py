@@ -175,7 +175,7 @@ def _connect(process_set: ProcessSet, rt: runtime.Runtime) -> None:
         color = 0 if member else MPI.UNDEFINED
         check_comm = rt.control_comm.Split(color, rt.rank)
         data_comm = rt.control_comm.Split(color, rt.rank)
-    group = dist.new_group(ranks) if rt.group is not None or dist.is_initialized() else None
+    group = dist.new_group(ranks)  # collective over the world too
     process_set._comms = SetComms(ranks, ranks.index(rt.rank), check_comm, data_comm,
                                   group) if member else None
 

@@ -146,6 +146,18 @@ def start_grouped_allreduce(tensors: list[torch.Tensor], op: ReduceOp, prescale:
     return group_of([pending for _, _, pending in parts], finish, name)
 
 
+def start_grouped(kind: str, tensors, name: str | None, group=None, *args) -> Pending:
+    """One pending operation for an allgather or a reducescatter (``kind``) of each tensor,
+    each checked and posted now (``args``: reducescatter's op and scale factors)."""
+    name = f"grouped_{kind}.{name}" if name else None
+    handles.check_name(name)
+    if kind == "allgather":
+        parts = [start_allgather(t, group=group)[0] for t in tensors]
+    else:
+        parts = [start_reducescatter(t, *args, group=group) for t in tensors]
+    return group_of(parts, name=name)
+
+
 def group_of(parts: list[Pending], finish=None, name: str | None = None) -> Pending:
     """One pending operation for several: done when all are, its result ``finish()``'s (by
     default the list of theirs)."""
