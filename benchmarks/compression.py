@@ -7,7 +7,7 @@ run, the variants interleaved round by round:
 - ``fp16``: the same with ``Compression.fp16``;
 - ``1-bit``: ``Compression.onebit``: 1-bit messages with error feedback, by stripes (an
   all-to-all to each stripe's owner, then an allgather of the owners' sums);
-- ``bmuf``: ``BlockMomentum(block_size=BLOCK)``: one allreduce of the model per block.
+- ``bmuf``: ``BlockMomentum(block_steps=BLOCK)``: one allreduce of the model per block.
 
 Bytes are the optimizers' own count (``optimizer.bytes_sent``): every buffer a rank hands to
 MPI (or gloo), as the bytes it sends under the bandwidth-optimal algorithms (an allreduce of n
@@ -43,7 +43,7 @@ RANK_CODE = textwrap.dedent('''
     def wrap(variant, model):
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         if variant == "bmuf":
-            return hvd.BlockMomentum(opt, block_size=BLOCK)
+            return hvd.BlockMomentum(opt, block_steps=BLOCK)
         compression = {"fp32": hvd.Compression.none, "fp16": hvd.Compression.fp16,
                        "1-bit": hvd.Compression.onebit}[variant]
         return hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     med = {v: statistics.median(t) * 1e3 for v, t in times.items()}
 
     print(f"\nCPU, np={args.np}, {params / 1e6:.2f} M parameters, median of {args.rounds} rounds "
-          f"of {args.steps} steps; bmuf: block_size={BLOCK}. Bytes: what each rank sends per "
+          f"of {args.steps} steps; bmuf: block_steps={BLOCK}. Bytes: what each rank sends per "
           "step (transport.bytes_sent's model).")
     print(f"{'variant':<8}{'ms/step':>10}{'x fp32':>8}{'KB sent/step':>15}{'fewer than fp32':>17}")
     for v in VARIANTS:

@@ -1,10 +1,12 @@
-"""BMUF's block update on known vectors (pure arithmetic; the cluster tests run it on ranks)."""
+"""BMUF's block update on known vectors, and the block's length from CNTK's samples (pure
+arithmetic; the cluster tests run it on ranks)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from ipydist.torch.block_momentum import BlockState, filter_block
+from ipydist.torch.block_momentum import BlockState, block_steps_of, filter_block
 
 
 def state_at(values):
@@ -49,3 +51,37 @@ def test_parameters_of_several_shapes_are_laid_out_in_order():
     filter_block(state, torch.arange(7, dtype=torch.float32), 0.0, 1.0, True)
     assert params[0].tolist() == [[0.0, 1.0], [2.0, 3.0]]
     assert params[1].tolist() == [4.0, 5.0, 6.0]
+
+
+@pytest.mark.parametrize("block_size, batch_size, world, steps", [
+    (512, 32, 4, 4),    # 128 samples per rank per block: 4 batches of 32
+    (500, 32, 4, 4),    # 125 per rank: CNTK syncs once 125 are seen, after the 4th batch
+    (4, 32, 4, 1),      # one sample per rank: the first batch ends the block
+    (2048, 16, 8, 16),
+])
+def test_block_size_counts_samples_over_all_ranks_as_cntk_does(block_size, batch_size, world,
+                                                                steps):
+    assert block_steps_of(block_size, batch_size, None, world) == steps
+
+
+def test_block_steps_count_optimizer_steps():
+    assert block_steps_of(None, None, 3, 4) == 3
+
+
+@pytest.mark.parametrize("block_size, batch_size, block_steps, world, says", [
+    (64, None, None, 4, "block_size=64 counts samples, as CNTK's block_size does: also give "
+                        "batch_size="),
+    (None, None, None, 4, "needs the block length: block_steps=k"),
+    (64, 16, 4, 4, "not both"),
+    (None, 16, 4, 4, "not both"),
+    (0, 16, None, 4, "block_size counts samples"),
+    (3, 16, None, 4, "fewer than one per rank (4 ranks)"),
+    (64, 0, None, 4, "batch_size must be the samples per rank per step"),
+    (None, None, 0, 4, "block_steps must be a number of optimizer steps"),
+    (None, None, 2.5, 4, "block_steps must be a number of optimizer steps"),
+])
+def test_a_block_length_given_wrong_says_what_to_give(block_size, batch_size, block_steps,
+                                                      world, says):
+    with pytest.raises(ValueError, match=None) as raised:
+        block_steps_of(block_size, batch_size, block_steps, world)
+    assert says in str(raised.value)

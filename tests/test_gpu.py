@@ -77,6 +77,6 @@ def test_onebit_and_block_momentum_train_cuda_models(gpu_session):
         "        hvd.allreduce(w, op=hvd.Min))))\n"
         "gpu_res = [check(lambda o: hvd.DistributedOptimizer(\n"
         "               o, compression=hvd.Compression.onebit)),\n"
-        "           check(lambda o: hvd.BlockMomentum(o, block_size=3))]"
+        "           check(lambda o: hvd.BlockMomentum(o, block_steps=3))]"
     )
     assert gpu_session.pull("gpu_res") == [[("cuda", True), ("cuda", True)]] * gpu_session.size

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ipydist.torch import runtime, transport, waiting
 from ipydist.torch.compression import Compression, Compressor
+from ipydist.torch.momentum_correction import MomentumCorrection
 from ipydist.torch.onebit_exchange import OneBitExchange
 
 #: Cap of the first bucket (DDP's too): small, so communication starts early in backward.
@@ -50,6 +51,9 @@ class Bucket:
     views: list[torch.Tensor] = field(default_factory=list)
     #: Compression.onebit: the bucket's exchange and the residuals it keeps between steps.
     onebit: OneBitExchange | None = None
+    #: Compression.onebit with SGD's momentum: the momentum kept on this rank, before the
+    #: quantizer (the optimizer sets it).
+    correction: MomentumCorrection | None = None
     #: What this rank sent in the last launch (transport.bytes_sent's model).
     sent_bytes: int = 0
     #: When the last launch began (``time.perf_counter()``), for the timeline.
@@ -127,7 +131,8 @@ class Bucket:
         """The bucket's 1-bit exchange, made with zero residuals on first use."""
         if self.onebit is None:
             rt = runtime.get()
-            self.onebit = OneBitExchange(self.numel, len(self.params), rt.size, rt.rank)
+            self.onebit = OneBitExchange(self.numel, len(self.params), rt.size, rt.rank,
+                                         self.correction)
         return self.onebit
 
     def _launch_onebit(self, flat: torch.Tensor) -> None:

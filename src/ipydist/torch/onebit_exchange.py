@@ -4,7 +4,8 @@ keeps between steps (the arithmetic is :mod:`ipydist.torch.onebit`).
 A step: this rank quantizes its gradients plus its residual, one message per stripe, and sends
 each stripe's owner its message (an all-to-all); each owner sums the messages of its stripe,
 quantizes the sum plus its owner residual, and every rank gathers every owner's message (an
-allgather) and decodes the whole sum. Both residuals take their new values only when the step
+allgather) and decodes the whole sum. Both residuals (and the velocity of a momentum
+correction, :mod:`ipydist.torch.momentum_correction`) take their new values only when the step
 completes, so a step that a release abandons leaves them as the last completed step did.
 """
 
@@ -14,14 +15,18 @@ import torch
 import torch.distributed as dist
 
 from ipydist.torch import onebit, transport, waiting
+from ipydist.torch.momentum_correction import MomentumCorrection
 
 
 class OneBitExchange:
     """The exchange of a bucket of ``numel`` values and ``extra`` exact float32 values (the
-    had-gradient flags) among ``world`` ranks, seen from rank ``rank``."""
+    had-gradient flags) among ``world`` ranks, seen from rank ``rank``; with ``correction``,
+    SGD's momentum is kept on this rank and sent instead of the gradients."""
 
-    def __init__(self, numel: int, extra: int, world: int, rank: int) -> None:
+    def __init__(self, numel: int, extra: int, world: int, rank: int,
+                 correction: MomentumCorrection | None = None) -> None:
         self.numel, self.extra, self.world = numel, extra, world
+        self.correction = correction
         start, stop = onebit.stripes(numel, world)[rank]
         self.own = stop - start  # values in this rank's stripe
         #: What this rank has not sent of its gradients, and what it did not send of its
@@ -41,7 +46,11 @@ class OneBitExchange:
     def start(self, flat: torch.Tensor) -> int:
         """Start the exchange of ``flat`` (values, then extras); returns the bytes this rank
         sends in it (``transport.bytes_sent``'s model)."""
-        send = onebit.quantize_stripes(flat[:self.numel], flat[self.numel:], self.residual,
+        values = flat[:self.numel]
+        if self.correction is not None:
+            values = values.to(torch.float32)  # in place when it is already float32
+            self.correction.apply(values)
+        send = onebit.quantize_stripes(values, flat[self.numel:], self.residual,
                                        self.next_residual, self.world, self._scratch)
         recv, gathered = torch.empty_like(send), torch.empty_like(send)
         self._buffers = dict(send=send, recv=recv, gathered=gathered)
@@ -58,7 +67,7 @@ class OneBitExchange:
         """This rank's stripe summed over the ranks, as the message every rank gathers."""
         message = onebit.requantize_stripe(self._buffers["recv"], self.own, self.extra,
                                            self.owner_residual, self.next_owner_residual,
-                                           self._scratch)
+                                           self._scratch, self._total[:self.own])
         self._buffers["message"] = message  # alive until the allgather is done
         return message
 
@@ -84,6 +93,8 @@ class OneBitExchange:
         self.residual, self.next_residual = self.next_residual, self.residual
         self.owner_residual, self.next_owner_residual = (self.next_owner_residual,
                                                          self.owner_residual)
+        if self.correction is not None:
+            self.correction.commit()
         self.abandon()
         return total, extras
 
@@ -95,8 +106,13 @@ class OneBitExchange:
     # --- checkpoints --------------------------------------------------------------------------
 
     def state(self) -> dict:
-        return {"residual": self.residual.clone(), "owner_residual": self.owner_residual.clone()}
+        state = {"residual": self.residual.clone(), "owner_residual": self.owner_residual.clone()}
+        if self.correction is not None:
+            state["velocity"] = self.correction.state()
+        return state
 
     def load(self, state: dict) -> None:
         self.residual.copy_(state["residual"])
         self.owner_residual.copy_(state["owner_residual"])
+        if self.correction is not None:
+            self.correction.load(state.get("velocity"))

@@ -39,6 +39,7 @@ from ipydist.torch import (
     checkpoint,
     consistency,
     events,
+    momentum_correction,
     runtime,
     signature,
 )
@@ -49,6 +50,7 @@ from ipydist.torch.collectives import _rt, size
 from ipydist.torch.compression import Compression, Compressor
 from ipydist.torch.process_sets import ProcessSet, comms_for, global_process_set
 from ipydist.torch.reduce_ops import Average, ReduceOp, Sum
+from ipydist.torch.wrapping import wrap
 
 #: Default bucket size, DDP's; benchmarks/train_step.py sweeps it (see the README).
 DEFAULT_BUCKET_CAP_MB = 25.0
@@ -106,6 +108,11 @@ class _DistributedMixin:
         self._buckets = buckets.plan(params,
                                      options.cap_bytes(params, bucket_cap_mb, num_groups),
                                      options.explicit_groups(groups, params))
+        if compression.summed_by_ranks and momentum_correction.applies(self):
+            for bucket in self._buckets:  # 1-bit with SGD's momentum: kept before the quantizer
+                bucket.correction = momentum_correction.MomentumCorrection(
+                    bucket.params, self, 1.0 / (ranks * self._postscale))
+        self._stepped_with: type[Compressor] = Compression.none  # the last synchronize's
         self._slot = {id(p): (b, i) for b, bucket in enumerate(self._buckets)
                       for i, p in enumerate(bucket.params)}
         self._passes_left = {id(p): self._passes for p in params}
@@ -217,6 +224,7 @@ class _DistributedMixin:
         while self._next_launch < len(self._buckets):
             self._launch(self._buckets[self._next_launch])
             self._next_launch += 1
+        self._stepped_with = self._compression_now()
         for bucket in self._buckets:
             t0 = time.perf_counter()
             bucket.finish()
@@ -271,7 +279,10 @@ class _DistributedMixin:
                     stacklevel=2)
             self.synchronize()
         self._synchronized = False
-        return super().step(closure)
+        corrected = self._stepped_with.summed_by_ranks and any(
+            b.correction is not None for b in self._buckets)
+        with momentum_correction.plain_step(self) if corrected else contextlib.nullcontext():
+            return super().step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if any(b.work is not None for b in self._buckets):
@@ -326,11 +337,14 @@ class _DistributedMixin:
         saved = (mine or {}).get("onebit") or [None] * len(self._buckets)
         for bucket, state in zip(self._buckets, saved):  # none saved: start afresh
             bucket.onebit = None
+            if bucket.correction is not None:
+                bucket.correction.load(None)
             if state is not None:
                 bucket.onebit_exchange().load(state)
 
     def _ipydist_rank_state(self) -> dict | None:
-        """What differs between ranks and a checkpoint must keep per rank: 1-bit residuals."""
+        """What differs between ranks and a checkpoint must keep per rank: 1-bit residuals
+        (and the velocity of a momentum correction)."""
         states = [None if b.onebit is None else b.onebit.state() for b in self._buckets]
         return None if all(s is None for s in states) else {"onebit": states}
 
@@ -379,21 +393,4 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name, a factory like Horovod
         gradient_predivide_factor, bucket_cap_mb, distributed_after,
         process_set, sparse_as_dense, num_groups, groups,
     )
-    return wrapped
-
-
-def wrap(optimizer: torch.optim.Optimizer, mixin: type) -> torch.optim.Optimizer:
-    """``optimizer`` as an instance of a subclass of its own class with ``mixin``'s methods
-    first, sharing the original's state, param_groups and hooks (LR schedulers accept it)."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"expected a torch.optim.Optimizer, not {type(optimizer).__name__}")
-    base = type(optimizer)
-    cls = type(base.__name__, (mixin, base), {"__module__": base.__module__})
-    wrapped = cls.__new__(cls)
-    wrapped.__dict__ = optimizer.__dict__
-    if "step" in wrapped.__dict__:  # an LR scheduler patched the instance's step
-        warnings.warn(
-            f"wrap the optimizer in {mixin.wrapper_name} before creating its LR scheduler",
-            stacklevel=3,
-        )
     return wrapped
