@@ -93,7 +93,7 @@ def train(kind: str, seed: int, variant: str, epochs: int, split) -> float:
                 loss_fn(model(x_train[idx]), y_train[idx]).backward()
                 flat = torch.cat([p.grad.reshape(-1) for p in params]) / WORLD
                 if corrections:
-                    corrections[r].apply(flat)
+                    flat = corrections[r].apply(flat).clone()
                 sent.append(flat)
             total = torch.stack(sent).sum(0) if exchange is None else exchange.sum(sent)
             for p, piece in zip(params, total.split([p.numel() for p in params])):

@@ -134,3 +134,20 @@ def test_importing_the_notebook_side_leaves_torch_out():
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", f"torch was imported: {out.stdout.strip()[:300]}"
+
+
+def test_a_rank_imports_numba_only_when_1_bit_sgd_is_used():
+    """numba compiles 1-bit SGD's loops; its import (about half a second) stays off every
+    rank's start and every cell that does not use Compression.onebit."""
+    code = (
+        "import sys, torch\n"
+        "import ipydist.torch as hvd\n"
+        "from ipydist.torch import onebit\n"
+        "print('numba' in sys.modules, end=' ')\n"
+        "onebit.quantize(torch.ones(3))\n"
+        "print('numba' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False True", out.stdout

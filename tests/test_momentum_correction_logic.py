@@ -30,8 +30,7 @@ def gradients(step: int, ps) -> list[torch.Tensor]:
 def corrected_step(opt, correction, grads, scale=1.0) -> None:
     """One step as DistributedOptimizer takes it with 1-bit, the exchange left out."""
     flat = torch.cat([g.reshape(-1) for g in grads]) * scale
-    correction.apply(flat)
-    sent = flat / scale
+    sent = correction.apply(flat) / scale
     for p, piece in zip(correction.params, sent.split([p.numel() for p in correction.params])):
         p.grad = piece.view_as(p).clone()
     with mc.plain_step(opt):

@@ -80,11 +80,13 @@ class MomentumCorrection:
             if buffer is not None:
                 self.velocity[start:stop] = buffer.detach().reshape(-1).float().cpu() * self.scale
 
-    def apply(self, values: torch.Tensor) -> None:
-        """Turn ``values`` (this rank's prescaled gradients, float32 on the CPU, in place) into
-        what it sends; the new velocity is kept until :meth:`commit`."""
+    def apply(self, values: torch.Tensor) -> torch.Tensor:
+        """What this rank sends in place of ``values`` (its prescaled gradients, float32 on
+        the CPU, changed in place): the new velocity, or with Nesterov the gradients plus
+        momentum times it. The new velocity is kept until :meth:`commit`."""
         if self.velocity is None:
             self._start()
+        nesterov = []
         for start, stop, index in self._runs:
             group, g = self._optimizer.param_groups[index], values[start:stop]
             if group.get("maximize", False):
@@ -101,10 +103,15 @@ class MomentumCorrection:
                 torch.add(v.mul(m), g, alpha=1.0 - damp, out=nv)
             else:
                 torch.add(g, v, alpha=m, out=nv)
-            if group.get("nesterov", False):
+            nesterov.append(group.get("nesterov", False))
+            if nesterov[-1]:
                 g.add_(nv, alpha=m)
-            else:
-                g.copy_(nv)
+        if not any(nesterov):  # the velocity itself is sent: no copy of it
+            return self._next
+        for (start, stop, _), keeps_gradient in zip(self._runs, nesterov):
+            if not keeps_gradient:
+                values[start:stop].copy_(self._next[start:stop])
+        return values
 
     def commit(self) -> None:
         """The step completed: its velocity becomes the current one (SGD's own buffers, which

@@ -5,12 +5,15 @@ Algorithm, for one rank's gradient ``g`` and the residual ``r`` it kept from the
 
 1. ``x = g + r`` (error feedback: what earlier steps did not send is sent now);
 2. ``x`` is cut into groups of GROUP consecutive values (the paper's columns); in each group
-   every value becomes one bit, set where the value is >= 0, and each bit value has one
-   reconstruction value, the mean of the group's values that took it (the choice that makes
-   the squared error of the group smallest), rounded to bfloat16;
+   every value becomes one bit, set where its sign bit is clear (>= 0, but -0.0), and each
+   bit value has one reconstruction value, the mean of the group's values that took it (the
+   choice that makes the squared error of the group smallest), rounded to bfloat16;
 3. the rank sends the packed bits and the two reconstruction values per group: 1 bit per value
    plus 32 bits per group, 1.5 bits per value with GROUP = 64, 1/21 of float32;
 4. it keeps ``r = x - reconstruct(bits, values)``: exactly what was not sent.
+
+The loops are compiled (:mod:`ipydist.torch.onebit_kernels`); this module is the format, the
+stripes and their bookkeeping.
 
 Why groups of 64 with bfloat16 levels (measured by ``benchmarks/onebit_accuracy.py``, a
 one-process emulation of this exchange on 4 ranks, digits MLP and CNN, SGD with momentum 0.9
@@ -69,77 +72,16 @@ def padded_size(numel: int) -> int:
     return groups(numel) * GROUP
 
 
-def _group_sums(flat: torch.Tensor, ones: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Per group: the sum of the values, the sum of their magnitudes, and how many are >= 0;
-    a last short group is padded with zeros, which add nothing to the sums (nor the count)."""
-    n = flat.numel()
-    full = n // GROUP
-    rows, row_ones = flat[:full * GROUP].view(full, GROUP), ones[:full * GROUP].view(full, GROUP)
-    total, magnitude = rows.sum(1), rows.abs().sum(1)  # 10x faster than an L1 norm here
-    count = row_ones.sum(1, dtype=torch.int32)
-    if n > full * GROUP:
-        tail, tail_ones = flat[full * GROUP:], ones[full * GROUP:]
-        total = torch.cat([total, tail.sum().view(1)])
-        magnitude = torch.cat([magnitude, tail.abs().sum().view(1)])
-        count = torch.cat([count, tail_ones.sum(dtype=torch.int32).view(1)])
-    return total, magnitude, count
+def _kernels():
+    """The compiled loops (:mod:`ipydist.torch.onebit_kernels`), imported on first use."""
+    from ipydist.torch import onebit_kernels
+
+    return onebit_kernels
 
 
-def _levels(flat: torch.Tensor, ones: torch.Tensor) -> torch.Tensor:
-    """(groups, 2) float32 holding bfloat16 values: the mean of each group's values < 0 and
-    of its values >= 0, from the sum and the sum of magnitudes."""
-    n = flat.numel()
-    total, magnitude, one_count = _group_sums(flat, ones)
-    sizes = torch.full_like(one_count, GROUP)
-    if n % GROUP:
-        sizes[-1] = n % GROUP
-    zero_count = sizes - one_count
-    levels = torch.stack([(total - magnitude) / 2 / zero_count.clamp(min=1),
-                          (total + magnitude) / 2 / one_count.clamp(min=1)], dim=1)
-    return levels.to(torch.bfloat16).to(torch.float32)
-
-
-def _reconstruct(ones: torch.Tensor, levels: torch.Tensor, numel: int,
-                 into: torch.Tensor | None = None) -> torch.Tensor:
-    """Each value's level: ``where(ones, level of 1, level of 0)`` per group (``ones``: bool,
-    ``numel`` values), done on the levels' bits (``lo ^ (mask & (lo ^ hi))``), which is exact
-    and 15 times faster than ``torch.where`` here; in ``into`` (float32, at least
-    padded_size(numel)) when given: large fresh buffers cost more in page faults than the
-    arithmetic."""
-    g = levels.shape[0]
-    if into is None:
-        into = torch.empty(g * GROUP, dtype=torch.float32)
-    bits = levels.contiguous().view(torch.int32)
-    lo, hi = bits[:, :1], bits[:, 1:]
-    mask = into[:g * GROUP].view(torch.int32).view(g, GROUP)
-    full = numel // GROUP
-    mask[:full].copy_(ones[:full * GROUP].view(full, GROUP).view(torch.uint8))
-    if numel > full * GROUP:
-        tail = numel - full * GROUP
-        mask[full, :tail].copy_(ones[full * GROUP:].view(torch.uint8))
-        mask[full, tail:] = 0
-    return mask.neg_().bitwise_and_(lo ^ hi).bitwise_xor_(lo).view(torch.float32).view(-1)[:numel]
-
-
-def _quantize(flat: torch.Tensor) -> tuple[Quantized, torch.Tensor, torch.Tensor]:
-    """The message for the 1-D float32 ``flat``, and its mask of 1 bits and levels, from
-    which the reconstruction is computed without unpacking."""
-    ones = flat >= 0
-    levels = _levels(flat, ones)
-    bits = np.packbits(ones.numpy(), bitorder="little")
-    return Quantized(bits, levels.numpy(), flat.numel()), ones, levels
-
-
-def quantize(x: torch.Tensor) -> Quantized:
-    """Quantize the 1-D float32 tensor ``x`` (gradient plus residual) to one bit per value."""
-    return _quantize(x.detach().reshape(-1).to(torch.float32).contiguous())[0]
-
-
-def dequantize(q: Quantized, into: torch.Tensor | None = None) -> torch.Tensor:
-    """The float32 values a message stands for (in ``into``, as ``_reconstruct``)."""
-    ones = np.unpackbits(q.bits, count=q.numel, bitorder="little").view(bool)
-    levels = torch.from_numpy(np.ascontiguousarray(q.levels, dtype=np.float32))
-    return _reconstruct(torch.from_numpy(ones), levels.view(-1, 2), q.numel, into)
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    """A float32 CPU tensor's memory as numpy (written through)."""
+    return t.detach().numpy()
 
 
 def quantize_with_feedback(grad: torch.Tensor, residual: torch.Tensor,
@@ -148,15 +90,41 @@ def quantize_with_feedback(grad: torch.Tensor, residual: torch.Tensor,
     """Quantize ``grad + residual`` and write what the message does not carry into ``out``
     (``residual`` itself when not given; all 1-D float32 of one length). The optimizer passes
     a second buffer, so that a step abandoned before its exchange leaves the residual as the
-    last completed step left it, and a ``scratch`` of padded_size."""
-    grad = grad.detach().reshape(-1).to(torch.float32)
-    if out is None or out is residual:
-        x, out = grad + residual, residual
-    else:
-        x = torch.add(grad, residual, out=out)
-    q, ones, levels = _quantize(x)
-    torch.sub(x, _reconstruct(ones, levels, x.numel(), scratch), out=out)
-    return q
+    last completed step left it. (``scratch`` is not needed: kept for callers that pass it.)"""
+    grad = grad.detach().reshape(-1).to(torch.float32).contiguous()
+    out = residual if out is None else out
+    n = grad.numel()
+    signs = _signs(n)
+    levels = np.empty((groups(n), 2), dtype=np.float32)
+    _kernels().quantize(_numpy(grad), _numpy(residual), _numpy(out), signs, levels, GROUP)
+    return Quantized(np.packbits(signs, bitorder="little"), levels, n)
+
+
+#: One bool per value of the largest message so far, reused (``_signs``).
+_spare_signs = np.empty(0, dtype=np.bool_)
+
+
+def _signs(n: int) -> np.ndarray:
+    global _spare_signs
+    if _spare_signs.size < n:
+        _spare_signs = np.empty(n, dtype=np.bool_)
+    return _spare_signs[:n]
+
+
+def quantize(x: torch.Tensor) -> Quantized:
+    """Quantize the 1-D float32 tensor ``x`` (gradient plus residual) to one bit per value."""
+    x = x.detach().reshape(-1).to(torch.float32)
+    return quantize_with_feedback(x, torch.zeros_like(x), out=torch.empty_like(x))
+
+
+def dequantize(q: Quantized, into: torch.Tensor | None = None) -> torch.Tensor:
+    """The float32 values a message stands for (in ``into``, float32 of at least ``numel``
+    values, when given: large fresh buffers cost more in page faults than the decoding)."""
+    if into is None:
+        into = torch.empty(q.numel, dtype=torch.float32)
+    levels = np.ascontiguousarray(q.levels, dtype=np.float32).reshape(-1, 2)
+    _kernels().decode(q.bits, levels, q.numel, GROUP, _numpy(into), False)
+    return into[:q.numel]
 
 
 # --- the message one rank sends: levels, then extra float32 values, then the bits ------------
@@ -185,28 +153,34 @@ def to_message(q: Quantized, extra: torch.Tensor) -> torch.Tensor:
         q.bits]))
 
 
-def from_message(row: np.ndarray, numel: int, extra: int,
-                 into: torch.Tensor | None = None) -> tuple[torch.Tensor, np.ndarray]:
-    """The float32 values and the extra values one message (uint8; may be padded) stands for
-    (the values in ``into``, as ``_reconstruct``)."""
+def _parts(row: np.ndarray, numel: int, extra: int) -> tuple[Quantized, np.ndarray]:
+    """A message (uint8; may be padded) as its quantized values and its extra values."""
     level_bytes = groups(numel) * LEVEL_BYTES
     levels = _levels_from_bytes(row[:level_bytes])
     extras = row[level_bytes:level_bytes + extra * 4].view(np.float32)
-    bits = row[level_bytes + extra * 4:]
-    return dequantize(Quantized(bits, levels, numel), into), extras
+    return Quantized(row[level_bytes + extra * 4:], levels, numel), extras
+
+
+def from_message(row: np.ndarray, numel: int, extra: int,
+                 into: torch.Tensor | None = None) -> tuple[torch.Tensor, np.ndarray]:
+    """The float32 values and the extra values one message (uint8; may be padded) stands for
+    (the values in ``into``, as ``dequantize``)."""
+    q, extras = _parts(row, numel, extra)
+    return dequantize(q, into), extras
 
 
 def sum_messages(rows: torch.Tensor, numel: int, extra: int,
                  scratch: torch.Tensor | None = None,
                  total: torch.Tensor | None = None) -> tuple[torch.Tensor, list]:
-    """Every rank's message (``rows``: world x message bytes) reconstructed and summed in rank
+    """Every rank's message (``rows``: world x message bytes) decoded and summed in rank
     order: the values (float32, in ``total`` when given) and the sums of the extra values. The
-    same on every rank."""
-    total = torch.zeros(numel, dtype=torch.float32) if total is None else total.zero_()
+    same on every rank. (``scratch`` is not needed: each message is added as it is decoded.)"""
+    total = torch.empty(numel, dtype=torch.float32) if total is None else total
     extras = np.zeros(extra, dtype=np.float64)
-    for row in rows.numpy():
-        values, more = from_message(row, numel, extra, scratch)
-        total += values
+    decode = _kernels().decode
+    for r, row in enumerate(rows.numpy()):
+        q, more = _parts(row, numel, extra)
+        decode(q.bits, q.levels, numel, GROUP, _numpy(total), r > 0)  # the first one written
         extras += more
     return total, extras.tolist()
 

@@ -48,8 +48,7 @@ class OneBitExchange:
         sends in it (``transport.bytes_sent``'s model)."""
         values = flat[:self.numel]
         if self.correction is not None:
-            values = values.to(torch.float32)  # in place when it is already float32
-            self.correction.apply(values)
+            values = self.correction.apply(values.to(torch.float32))
         send = onebit.quantize_stripes(values, flat[self.numel:], self.residual,
                                        self.next_residual, self.world, self._scratch)
         recv, gathered = torch.empty_like(send), torch.empty_like(send)
