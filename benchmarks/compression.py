@@ -14,9 +14,11 @@ MPI (or gloo), as the bytes it sends under the bandwidth-optimal algorithms (an 
 bytes: 2 (N-1)/N x n, as ring or reduce-scatter plus allgather; an all-to-all of N rows of m
 bytes: (N-1) x m; an allgather of an m-byte message from every rank: (N-1) x m). The
 collectives' small agreement headers are not counted. Targets: 1-bit sends at least 20x
-fewer bytes than fp32, bmuf at least BLOCK times fewer.
+fewer bytes than fp32, bmuf at least BLOCK times fewer, and a 1-bit step takes at most 1.5x an
+fp32 step on one host (where the quantization is all cost: shared memory moves the fp32
+gradients in a few milliseconds).
 
-    .venv/bin/python benchmarks/compression.py [--np 2] [--steps 32] [--rounds 5]
+    .venv/bin/python benchmarks/compression.py [--np 2] [--steps 32] [--rounds 9]
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--np", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4 * BLOCK)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args(argv)
     if args.steps % BLOCK:
         parser.error(f"--steps must be a multiple of the block size, {BLOCK}")
@@ -104,9 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     for v in VARIANTS:
         print(f"{v:<8}{med[v]:>10.2f}{med[v] / med['fp32']:>7.2f}x{wire[v] / 1e3:>15.1f}"
               f"{wire['fp32'] / wire[v]:>16.1f}x")
-    ok = wire["fp32"] / wire["1-bit"] >= 20 and wire["fp32"] / wire["bmuf"] >= BLOCK
-    print(f"\ntargets (1-bit >= 20x fewer bytes than fp32, bmuf >= {BLOCK}x fewer): "
-          f"{'met' if ok else 'not met'}")
+    ok = (wire["fp32"] / wire["1-bit"] >= 20 and wire["fp32"] / wire["bmuf"] >= BLOCK
+          and med["1-bit"] <= 1.5 * med["fp32"])
+    print(f"\ntargets (1-bit >= 20x fewer bytes than fp32, bmuf >= {BLOCK}x fewer, 1-bit step "
+          f"<= 1.5x fp32's): {'met' if ok else 'not met'}")
     return 0 if ok else 1
 
 

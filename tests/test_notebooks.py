@@ -505,6 +505,7 @@ def test_cntk_notebook_meets_the_accuracy_and_bytes_bars(cntk):
     nb, _, left = cntk
     _ran_cleanly(nb, left)
     table = _text(_cell(nb, "pulled = %dist_pull results --rank 0"))
+    print(table)  # shown with -s
     rows = {m.group(1): (float(m.group(2)), float(m.group(3)), float(m.group(4)))
             for m in re.finditer(r"^(fp32|fp16|1-bit|bmuf)\s+(\d\.\d{4})\s+(\d\.\d{4})\s+\S+"
                                  r"\s+[\d.]+\s+([\d.]+)x\s+[\d.]+$", table, re.MULTILINE)}
