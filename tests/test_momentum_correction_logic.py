@@ -88,3 +88,37 @@ def test_an_abandoned_step_leaves_the_velocity_as_it_was():
     correction.apply(torch.cat([g.reshape(-1) for g in gradients(1, ps)]))  # never committed
     assert correction.velocity.equal(kept)
     assert correction.state().equal(kept)
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: ",".join(s))
+def test_the_quantizer_applies_the_same_correction_on_the_way(settings):
+    """``fused`` hands the correction to the 1-bit kernel, which applies it while it
+    quantizes (one pass over the bucket): what it quantizes and the velocity it keeps are
+    those of ``apply``."""
+    from ipydist.torch import onebit
+
+    ps_a, ps_b = params(2), params(2)
+    opt_a = torch.optim.SGD(ps_a, lr=0.1, **settings)
+    opt_b = torch.optim.SGD(ps_b, lr=0.1, **settings)
+    a = mc.MomentumCorrection(ps_a, opt_a, scale=0.5)
+    b = mc.MomentumCorrection(ps_b, opt_b, scale=0.5)
+    for step in range(3):
+        flat = torch.cat([g.reshape(-1) for g in gradients(step, ps_a)])
+        sent = a.apply(flat.clone()).clone()
+        values = flat.clone()
+        momentum = b.fused(values)
+        out = torch.empty_like(values)
+        q = onebit.quantize_with_feedback(values, torch.zeros_like(values), out=out,
+                                          momentum=momentum)
+        assert torch.allclose(out + onebit.dequantize(q), sent, atol=1e-6)
+        a.commit()
+        b.commit()
+        assert torch.allclose(a.velocity, b.velocity, atol=1e-6)
+
+
+def test_param_groups_of_different_momentum_are_not_fused():
+    ps = params(3)
+    opt = torch.optim.SGD([{"params": ps[:1], "momentum": 0.9}, {"params": ps[1:]}], lr=0.1,
+                          momentum=0.5)
+    correction = mc.MomentumCorrection(ps, opt, scale=1.0)
+    assert correction.fused(torch.zeros(correction.numel)) is None

@@ -8,10 +8,9 @@ after the average multiplies every such delayed piece by up to ``1 / (1 - moment
 0.9), so the quantization error reaches the parameters ten times over. Kept before the
 quantizer, momentum is part of what is sent and the error reaches them once. Measured
 (``benchmarks/onebit_accuracy.py``: 4 ranks emulated in one process, digits, SGD momentum 0.9
-at full precision's learning rate, 4 seeds): with momentum after the average, 1-bit trained
-the CNN to 0.68 (one seed 0.31) where full precision reached 0.98; with momentum before the
-quantizer, 0.98 on the CNN and 0.975 on the MLP (full precision 0.969), with or without a
-warm start.
+at full precision's learning rate, groups of 64, 30 epochs, 4 seeds): with momentum after the
+average, 1-bit trained the CNN to 0.78 (spread between seeds 0.27) and the MLP to 0.951, where
+full precision reached 0.981 and 0.969; with momentum before the quantizer, 0.982 and 0.974.
 
 Algorithm, for a torch.optim.SGD param group with momentum ``m``, dampening ``d``, weight
 decay ``wd`` and Nesterov or not, on rank r, with ``s = 1 / (N * postscale)`` so that the ranks'
@@ -35,6 +34,8 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+
+from ipydist.torch.onebit import Momentum
 
 #: SGD's settings that the correction applies before the quantizer, set aside in its step.
 _APPLIED_BEFORE = {"momentum": 0.0, "weight_decay": 0.0, "maximize": False, "nesterov": False}
@@ -80,23 +81,44 @@ class MomentumCorrection:
             if buffer is not None:
                 self.velocity[start:stop] = buffer.detach().reshape(-1).float().cpu() * self.scale
 
-    def apply(self, values: torch.Tensor) -> torch.Tensor:
-        """What this rank sends in place of ``values`` (its prescaled gradients, float32 on
-        the CPU, changed in place): the new velocity, or with Nesterov the gradients plus
-        momentum times it. The new velocity is kept until :meth:`commit`."""
-        if self.velocity is None:
-            self._start()
-        nesterov = []
+    def _fold(self, values: torch.Tensor) -> None:
+        """``maximize`` and weight decay into ``values`` (in place), run by run."""
         for start, stop, index in self._runs:
-            group, g = self._optimizer.param_groups[index], values[start:stop]
+            group = self._optimizer.param_groups[index]
             if group.get("maximize", False):
-                g.neg_()
+                values[start:stop].neg_()
             decay = group.get("weight_decay", 0.0)
             if decay:
                 for p, (a, b) in zip(self.params, self._slices):
                     if start <= a < stop:
                         values[a:b].add_(p.detach().reshape(-1).to(values),
                                          alpha=decay * self.scale)
+
+    def fused(self, values: torch.Tensor) -> Momentum | None:
+        """For the quantizer to apply on the way (one pass over the bucket instead of two):
+        the velocities and SGD's settings, with ``maximize`` and weight decay already folded
+        into ``values``; None where the bucket's param groups differ in momentum, dampening
+        or Nesterov (then :meth:`apply`)."""
+        settings = {(g.get("momentum", 0.0), g.get("dampening", 0.0), g.get("nesterov", False))
+                    for g in (self._optimizer.param_groups[i] for _, _, i in self._runs)}
+        if len(settings) != 1:
+            return None
+        if self.velocity is None:
+            self._start()
+        self._fold(values)
+        (m, damp, nesterov), = settings
+        return Momentum(self.velocity, self._next, m, 1.0 - damp, nesterov)
+
+    def apply(self, values: torch.Tensor) -> torch.Tensor:
+        """What this rank sends in place of ``values`` (its prescaled gradients, float32 on
+        the CPU, changed in place): the new velocity, or with Nesterov the gradients plus
+        momentum times it. The new velocity is kept until :meth:`commit`."""
+        if self.velocity is None:
+            self._start()
+        self._fold(values)
+        nesterov = []
+        for start, stop, index in self._runs:
+            group, g = self._optimizer.param_groups[index], values[start:stop]
             m, damp = group.get("momentum", 0.0), group.get("dampening", 0.0)
             v, nv = self.velocity[start:stop], self._next[start:stop]
             if damp:

@@ -46,11 +46,14 @@ class OneBitExchange:
     def start(self, flat: torch.Tensor) -> int:
         """Start the exchange of ``flat`` (values, then extras); returns the bytes this rank
         sends in it (``transport.bytes_sent``'s model)."""
-        values = flat[:self.numel]
+        values, momentum = flat[:self.numel], None
         if self.correction is not None:
-            values = self.correction.apply(values.to(torch.float32))
+            values = values.to(torch.float32)  # in place when it is already float32
+            momentum = self.correction.fused(values)
+            if momentum is None:  # param groups of different settings: a pass of its own
+                values = self.correction.apply(values)
         send = onebit.quantize_stripes(values, flat[self.numel:], self.residual,
-                                       self.next_residual, self.world, self._scratch)
+                                       self.next_residual, self.world, self._scratch, momentum)
         recv, gathered = torch.empty_like(send), torch.empty_like(send)
         self._buffers = dict(send=send, recv=recv, gathered=gathered)
         self.mpi = transport.uses_mpi(send)

@@ -80,6 +80,60 @@ def quantize(grad: np.ndarray, residual: np.ndarray, out: np.ndarray, signs: np.
         _residual(g, r, out[start:stop], signs[start:stop], levels[k, 0], levels[k, 1])
 
 
+@_sums
+def _momentum_sums(grad: np.ndarray, velocity: np.ndarray, next_velocity: np.ndarray,
+                   residual: np.ndarray, out: np.ndarray, m: np.float32, damped: np.float32,
+                   nesterov: bool) -> tuple:
+    """Momentum correction and the sums of one group (slices): ``next_velocity = m * velocity
+    + damped * grad``; the value sent is ``grad + m * next_velocity`` (Nesterov) or
+    ``next_velocity``; ``out`` = that plus the residual, and its sums as ``_sums_of``'s."""
+    total = np.float32(0.0)
+    magnitude = np.float32(0.0)
+    ones = np.int32(0)
+    for i in range(grad.size):
+        nv = m * velocity[i] + damped * grad[i]
+        next_velocity[i] = nv
+        x = (grad[i] + m * nv if nesterov else nv) + residual[i]
+        out[i] = x
+        total += x
+        magnitude += abs(x)
+        ones += np.int32(x >= 0)
+    return total, magnitude, ones
+
+
+@_jit
+def _residual_in_place(out: np.ndarray, signs: np.ndarray, lo: np.float32,
+                       hi: np.float32) -> None:
+    for i in range(out.size):
+        x = out[i]
+        up = x >= 0
+        signs[i] = up
+        out[i] = x - (hi if up else lo)
+
+
+@_jit
+def quantize_momentum(grad: np.ndarray, velocity: np.ndarray, next_velocity: np.ndarray,
+                      m: np.float32, damped: np.float32, nesterov: bool, residual: np.ndarray,
+                      out: np.ndarray, signs: np.ndarray, levels: np.ndarray,
+                      group: int) -> None:
+    """``quantize`` of what a momentum correction sends (:mod:`momentum_correction`), with the
+    new velocity written on the way: one pass over the bucket instead of two."""
+    n = grad.size
+    words = levels.reshape(-1).view(np.uint32)
+    for k in range(levels.shape[0]):
+        start, stop = k * group, min(k * group + group, n)
+        o = out[start:stop]
+        total, magnitude, ones = _momentum_sums(
+            grad[start:stop], velocity[start:stop], next_velocity[start:stop],
+            residual[start:stop], o, m, damped, nesterov)
+        zeros = (stop - start) - ones
+        levels[k, 0] = (total - magnitude) / np.float32(2.0) / np.float32(max(zeros, 1))
+        levels[k, 1] = (total + magnitude) / np.float32(2.0) / np.float32(max(ones, 1))
+        _round_to_bfloat16(words, 2 * k)
+        _round_to_bfloat16(words, 2 * k + 1)
+        _residual_in_place(o, signs[start:stop], levels[k, 0], levels[k, 1])
+
+
 @_jit
 def _decode_group(bits: np.ndarray, lo: np.float32, hi: np.float32, out: np.ndarray,
                   add: bool) -> None:
