@@ -5,11 +5,18 @@ tests import are in helpers.py."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
 from helpers import NP, cluster_processes, run_cell
+
+# The tests press the stop button as IPython's does (``_thread.interrupt_main``), which does
+# nothing where SIGINT is ignored: in a shell without job control, a command started in the
+# background (``make test &``, nohup) inherits SIGINT ignored. A notebook kernel always has
+# Python's handler, so the tests put it back.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
