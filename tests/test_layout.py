@@ -120,6 +120,14 @@ def test_the_wire_contract_needs_only_the_standard_library(name):
     assert all(side(m) == "shared" for m in GRAPH[name]), GRAPH[name]
 
 
+def python_prints(code: str) -> str:
+    """What ``code`` prints, run in a fresh interpreter (so that ``sys.modules`` is its own)."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
 def test_importing_the_notebook_side_leaves_torch_out():
     notebook_modules = [n for n in MODULES if side(n) != "rank" and not n.endswith("__main__")]
     code = (
@@ -130,10 +138,8 @@ def test_importing_the_notebook_side_leaves_torch_out():
         "ipydist.metrics()\n"
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]", f"torch was imported: {out.stdout.strip()[:300]}"
+    out = python_prints(code)
+    assert out == "[]", f"torch was imported: {out[:300]}"
 
 
 def test_a_rank_imports_numba_only_when_1_bit_sgd_is_used():
@@ -147,7 +153,5 @@ def test_a_rank_imports_numba_only_when_1_bit_sgd_is_used():
         "onebit.quantize(torch.ones(3))\n"
         "print('numba' in sys.modules)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "False True", out.stdout
+    out = python_prints(code)
+    assert out == "False True", out

@@ -5,8 +5,8 @@ Algorithm, for one rank's gradient ``g`` and the residual ``r`` it kept from the
 
 1. ``x = g + r`` (error feedback: what earlier steps did not send is sent now);
 2. ``x`` is cut into groups of GROUP consecutive values (the paper's columns); in each group
-   every value becomes one bit, set where its sign bit is clear (>= 0, but -0.0), and each
-   bit value has one reconstruction value, the mean of the group's values that took it (the
+   every value becomes one bit, set where the value is >= 0, and each bit value has one
+   reconstruction value, the mean of the group's values that took it (the
    choice that makes the squared error of the group smallest), rounded to bfloat16;
 3. the rank sends the packed bits and the two reconstruction values per group: 1 bit per value
    plus 32 bits per group, 1.5 bits per value with GROUP = 64, 1/21 of float32;
@@ -66,11 +66,6 @@ def groups(numel: int) -> int:
     return -(-numel // GROUP)
 
 
-def padded_size(numel: int) -> int:
-    """Values in ``numel``'s groups, the last one padded: the size of a scratch buffer."""
-    return groups(numel) * GROUP
-
-
 def _kernels():
     """The compiled loops (:mod:`ipydist.torch.onebit_kernels`), imported on first use."""
     from ipydist.torch import onebit_kernels
@@ -85,14 +80,13 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
 
 def quantize_with_feedback(grad: torch.Tensor, residual: torch.Tensor,
                            out: torch.Tensor | None = None,
-                           scratch: torch.Tensor | None = None,
                            momentum: Momentum | None = None) -> Quantized:
     """Quantize ``grad + residual`` and write what the message does not carry into ``out``
     (``residual`` itself when not given; all 1-D float32 of one length). The optimizer passes
     a second buffer, so that a step abandoned before its exchange leaves the residual as the
     last completed step left it. With ``momentum`` (slices of this length), what is quantized
     is the momentum correction's value for ``grad`` and its new velocity is written on the
-    way. (``scratch`` is not needed: kept for callers that pass it.)"""
+    way."""
     grad = grad.detach().reshape(-1).to(torch.float32).contiguous()
     out = residual if out is None else out
     n = grad.numel()
@@ -195,11 +189,10 @@ def from_message(row: np.ndarray, numel: int, extra: int,
 
 
 def sum_messages(rows: torch.Tensor, numel: int, extra: int,
-                 scratch: torch.Tensor | None = None,
                  total: torch.Tensor | None = None) -> tuple[torch.Tensor, list]:
     """Every rank's message (``rows``: world x message bytes) decoded and summed in rank
     order: the values (float32, in ``total`` when given) and the sums of the extra values. The
-    same on every rank. (``scratch`` is not needed: each message is added as it is decoded.)"""
+    same on every rank."""
     total = torch.empty(numel, dtype=torch.float32) if total is None else total
     extras = np.zeros(extra, dtype=np.float64)
     decode = _kernels().decode
@@ -241,12 +234,11 @@ def _padded(message: torch.Tensor, nbytes: int) -> torch.Tensor:
 
 def quantize_stripes(x: torch.Tensor, extra: torch.Tensor, residual: torch.Tensor,
                      out: torch.Tensor, world: int,
-                     scratch: torch.Tensor | None = None,
                      momentum: Momentum | None = None) -> torch.Tensor:
     """This rank's message for each stripe of ``x + residual`` (what it sends to the stripe's
     owner: world x stripe_message_size), with the float32 values ``extra`` in each; what the
-    messages do not carry goes to ``out`` (``scratch``: padded_size of x, or None; with
-    ``momentum``, ``x`` is the gradient and the correction's value is quantized)."""
+    messages do not carry goes to ``out`` (with ``momentum``, ``x`` is the gradient and the
+    correction's value is quantized)."""
     nbytes = stripe_message_size(x.numel(), world, extra.numel())
     send = torch.zeros((world, nbytes), dtype=torch.uint8)
     for row, (start, stop) in zip(send, stripes(x.numel(), world)):
@@ -259,25 +251,24 @@ def quantize_stripes(x: torch.Tensor, extra: torch.Tensor, residual: torch.Tenso
 
 
 def requantize_stripe(rows: torch.Tensor, numel: int, extra: int, residual: torch.Tensor,
-                      out: torch.Tensor, scratch: torch.Tensor | None = None,
-                      total: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor, total: torch.Tensor | None = None) -> torch.Tensor:
     """The owner's step: every rank's message for its stripe of ``numel`` values (``rows``)
     summed in rank order, plus the owner's ``residual``, as one message (padded to the size of
     ``rows``' messages) with the summed extra values; the new residual goes to ``out``
-    (``scratch``: padded_size of the stripe, ``total``: numel float32, or None)."""
-    total, extras = sum_messages(rows, numel, extra, scratch, total)
-    q = quantize_with_feedback(total, residual, out=out, scratch=scratch)
+    (``total``: numel float32 to sum in, or None)."""
+    total, extras = sum_messages(rows, numel, extra, total)
+    q = quantize_with_feedback(total, residual, out=out)
     return _padded(to_message(q, torch.tensor(extras, dtype=torch.float32)), rows.shape[1])
 
 
 def assemble(gathered: torch.Tensor, numel: int, extra: int,
              into: torch.Tensor | None = None) -> tuple[torch.Tensor, list]:
     """The whole sum from every owner's message (``gathered``: world x message bytes, in rank
-    order), in ``into`` when given (padded_size(numel)), and the summed extra values (every
+    order), in ``into`` when given (numel float32), and the summed extra values (every
     owner sends the same ones)."""
     world = gathered.shape[0]
     if into is None:
-        into = torch.empty(padded_size(numel), dtype=torch.float32)
+        into = torch.empty(numel, dtype=torch.float32)
     extras = None
     for row, (start, stop) in zip(gathered.numpy(), stripes(numel, world)):
         _, more = from_message(row, stop - start, extra, into[start:])

@@ -35,10 +35,9 @@ class OneBitExchange:
         self.owner_residual = torch.zeros(self.own, dtype=torch.float32)
         self.next_residual = torch.empty_like(self.residual)
         self.next_owner_residual = torch.empty_like(self.owner_residual)
-        # kept between steps: fresh buffers of this size cost more in page faults than the
-        # arithmetic (a third of a 1-bit step on benchmarks/compression.py's model)
-        self._scratch = torch.empty(onebit.padded_size(numel), dtype=torch.float32)
-        self._total = torch.empty(onebit.padded_size(numel), dtype=torch.float32)
+        # the decoded sums, kept between steps: a fresh buffer of this size costs more in page
+        # faults than the decoding (the owner sums its stripe in the front of it first)
+        self._total = torch.empty(numel, dtype=torch.float32)
         self.work = None
         self.mpi = False
         self._buffers: dict[str, torch.Tensor] = {}
@@ -53,7 +52,7 @@ class OneBitExchange:
             if momentum is None:  # param groups of different settings: a pass of its own
                 values = self.correction.apply(values)
         send = onebit.quantize_stripes(values, flat[self.numel:], self.residual,
-                                       self.next_residual, self.world, self._scratch, momentum)
+                                       self.next_residual, self.world, momentum)
         recv, gathered = torch.empty_like(send), torch.empty_like(send)
         self._buffers = dict(send=send, recv=recv, gathered=gathered)
         self.mpi = transport.uses_mpi(send)
@@ -69,7 +68,7 @@ class OneBitExchange:
         """This rank's stripe summed over the ranks, as the message every rank gathers."""
         message = onebit.requantize_stripe(self._buffers["recv"], self.own, self.extra,
                                            self.owner_residual, self.next_owner_residual,
-                                           self._scratch, self._total[:self.own])
+                                           self._total[:self.own])
         self._buffers["message"] = message  # alive until the allgather is done
         return message
 

@@ -112,6 +112,7 @@ class _DistributedMixin:
             for bucket in self._buckets:  # 1-bit with SGD's momentum: kept before the quantizer
                 bucket.correction = momentum_correction.MomentumCorrection(
                     bucket.params, self, 1.0 / (ranks * self._postscale))
+        self._corrected = any(b.correction is not None for b in self._buckets)
         self._stepped_with: type[Compressor] = Compression.none  # the last synchronize's
         self._slot = {id(p): (b, i) for b, bucket in enumerate(self._buckets)
                       for i, p in enumerate(bucket.params)}
@@ -279,8 +280,7 @@ class _DistributedMixin:
                     stacklevel=2)
             self.synchronize()
         self._synchronized = False
-        corrected = self._stepped_with.summed_by_ranks and any(
-            b.correction is not None for b in self._buckets)
+        corrected = self._corrected and self._stepped_with.summed_by_ranks
         with momentum_correction.plain_step(self) if corrected else contextlib.nullcontext():
             return super().step(closure)
 
