@@ -49,13 +49,13 @@ RANK_CODE = textwrap.dedent('''
             torch.nn.Linear(1536, 10)), (16, 512)
 
     def time_variant(kind, variant, steps, bucket_mb=None):
-        from ipydist.torch import runtime
-        wire = runtime.get().transport
-        runtime.get().transport = "gloo" if variant.endswith("-gloo") else wire
+        from ipydist.torch._core import topology
+        wire = topology.get().transport
+        topology.get().transport = "gloo" if variant.endswith("-gloo") else wire
         try:
             return _time_variant(kind, variant.removesuffix("-gloo"), steps, bucket_mb)
         finally:
-            runtime.get().transport = wire
+            topology.get().transport = wire
 
     def _time_variant(kind, variant, steps, bucket_mb=None):
         model, (batch, width) = make_model(kind)

@@ -64,7 +64,8 @@ def transport(request, shell, capsys, cluster):
     the ranks) and gloo, switched on every rank for the test and back after it."""
     def use(name: str) -> None:
         result, out, err = run_cell(
-            shell, capsys, "%everyrank from ipydist.torch import runtime as _rt, transport as _tp"
+            shell, capsys, "%everyrank from ipydist.torch._core import topology as _rt; "
+                           "from ipydist.torch._wire import transport as _tp"
                            f"; _rt.get().transport = {name!r}; _uses = _tp.uses_mpi(__import__("
                            "'torch').ones(1))")
         assert result.error_in_exec is None, (out, err)

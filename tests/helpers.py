@@ -92,10 +92,10 @@ def assert_collectives_work(shell, capsys):
 def idle_cpu_and_retired_connections(session) -> tuple[list[float], list[tuple]]:
     """Per rank: CPU seconds it used over 2 s of idling (a spinning thread shows here), and
     (registered, armed): its replaced groups' connections still in an epoll set, and those
-    of them that could still be reported (none once silenced: ``ipydist.torch.retired``)."""
+    of them that could still be reported (none once silenced: ``ipydist.torch._core.retired``)."""
     session.run("""
 import time as _time
-from ipydist.torch import retired as _r
+from ipydist.torch._core import retired as _r
 _t = _time.process_time(); _time.sleep(2); _idle_cpu = _time.process_time() - _t
 _kept = (_r.registered(), _r.armed())""")
     return session.pull("_idle_cpu"), session.pull("_kept")

@@ -7,7 +7,7 @@ import torch
 from helpers import NP
 from test_horovod_api import pulled, run_ok
 
-from ipydist.torch import adasum
+from ipydist.torch._wire import adasum
 
 
 def test_adasum_of_equal_tensors_is_their_average_and_of_orthogonal_ones_their_sum():
@@ -32,7 +32,7 @@ def test_adasum_combines_in_a_binary_tree_with_the_odd_one_moving_up():
 def test_adasum_allreduce_on_the_ranks(shell, capsys, cluster, transport):
     run_ok(shell, capsys, """%%everyrank
 import torch, ipydist.torch as hvd
-from ipydist.torch import adasum
+from ipydist.torch._wire import adasum
 r, n = hvd.rank(), hvd.size()
 mine = torch.randn(3, 4, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
 every = hvd.allgather(mine[None])

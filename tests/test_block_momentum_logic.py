@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ipydist.torch.block_momentum import BlockState, block_steps_of, filter_block
+from ipydist.torch.training.block_momentum import BlockState, block_steps_of, filter_block
 
 
 def state_at(values):

@@ -17,8 +17,8 @@ from helpers import NP, run_cell
 from torch.utils.data import DistributedSampler
 
 from ipydist.errors import RankError
-from ipydist.torch.checkpoint import _atomic_save
-from ipydist.torch.data import ShardSampler
+from ipydist.torch.training.checkpoint import _atomic_save
+from ipydist.torch.training.data import ShardSampler
 
 
 def parts(n: int, replicas: int, **kwargs) -> list[list[int]]:
@@ -133,7 +133,7 @@ def test_atomic_save_file_mode_follows_the_umask(tmp_path):
 
 WRITER = r"""
 import sys, torch
-from ipydist.torch.checkpoint import _atomic_save
+from ipydist.torch.training.checkpoint import _atomic_save
 path, numel = sys.argv[1], int(sys.argv[2])
 _atomic_save({"step": 1, "w": torch.arange(10.0)}, path)
 big = torch.ones(numel)

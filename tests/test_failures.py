@@ -322,20 +322,20 @@ def test_tracking_lasts_as_long_as_the_model():
 
     import torch
 
-    from ipydist.torch import consistency
+    from ipydist.torch._core import resync
 
     model = torch.nn.Linear(3, 2)
-    before = len(consistency.tracked())
-    consistency.track_tensors(list(model.state_dict().values()))
+    before = len(resync.tracked())
+    resync.track_tensors(list(model.state_dict().values()))
     gc.collect()
-    tracked = consistency.tracked()
+    tracked = resync.tracked()
     assert len(tracked) == before + 2, "the state_dict's views died, the model did not"
     weight = next(t for t in tracked if t.shape == (2, 3))
     weight.add_(1.0)
     assert torch.equal(weight, model.weight.data), "a tracked view is the model's memory"
     del model, weight, tracked
     gc.collect()
-    assert len(consistency.tracked()) == before, "a deleted model is no longer tracked"
+    assert len(resync.tracked()) == before, "a deleted model is no longer tracked"
 
 
 

@@ -99,12 +99,12 @@ after = hvd.allreduce(torch.ones(1), op=hvd.Sum).item()
 def test_join_needs_the_collective_check(shell, capsys, cluster):
     result, out, err = run_cell(shell, capsys, """%%everyrank
 import ipydist.torch as hvd
-from ipydist.torch import agreement
-agreement.set_enabled(False)
+from ipydist.torch._wire import call_check
+call_check.set_enabled(False)
 try:
     hvd.join()
 finally:
-    agreement.set_enabled(True)
+    call_check.set_enabled(True)
 """)
     assert result.error_in_exec is not None
     assert "learns what the other ranks call from the collective check, which is off" in (

@@ -148,10 +148,84 @@ def test_a_rank_imports_numba_only_when_1_bit_sgd_is_used():
     code = (
         "import sys, torch\n"
         "import ipydist.torch as hvd\n"
-        "from ipydist.torch import onebit\n"
+        "from ipydist.torch.training import onebit\n"
         "print('numba' in sys.modules, end=' ')\n"
         "onebit.quantize(torch.ones(3))\n"
         "print('numba' in sys.modules)\n"
     )
     out = python_prints(code)
     assert out == "False True", out
+
+
+#: torch/'s sub-packages, lowest first: each may import those before it (and itself), never one
+#: after it, so that the rank's runtime knows nothing of Horovod's API or of training.
+TORCH_LAYERS = ["_core", "_wire", "_mpi", "horovod", "training"]
+#: Modules every layer may use: the stdlib-only contract and validated user values.
+SHARED = {"ipydist.protocol", "ipydist.specs", "ipydist.errors", "ipydist._version"}
+
+
+def torch_layer(name: str) -> int | None:
+    """Index of ``name``'s sub-package of ipydist.torch; len(TORCH_LAYERS) for the package's
+    own ``__init__`` (the re-exports, above every layer); None outside ipydist.torch."""
+    if name == "ipydist.torch":
+        return len(TORCH_LAYERS)
+    parts = name.split(".")
+    if parts[:2] != ["ipydist", "torch"]:
+        return None
+    return TORCH_LAYERS.index(parts[2]) if parts[2] in TORCH_LAYERS else -1
+
+
+def test_every_torch_module_lives_in_a_layer():
+    loose = sorted(n for n in MODULES if torch_layer(n) == -1)
+    assert loose == [], f"{loose}: put them in one of ipydist.torch's sub-packages {TORCH_LAYERS}"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if torch_layer(n) is not None))
+def test_torch_sub_packages_import_downward_only(name):
+    mine = torch_layer(name)
+    upward = sorted(m for m in GRAPH[name]
+                    if torch_layer(m) is not None and torch_layer(m) > mine)
+    assert upward == [], (
+        f"{name} imports {upward} from a layer above its own (layers, lowest first: "
+        f"{TORCH_LAYERS}); inject what it needs instead, as join.serve_steps_of does")
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if torch_layer(n) is not None))
+def test_torch_never_imports_the_rank_side(name):
+    """rank/ drives torch/ (bootstrap, calls); torch/ is handed what it needs from rank/
+    (metrics.send_with, the watcher's break_communication_with), so it also runs in a plain
+    script under mpiexec or torchrun."""
+    rank_side = sorted(m for m in GRAPH[name] if m.startswith("ipydist.rank"))
+    assert rank_side == [], f"{name} imports the rank side: {rank_side}"
+    others = sorted(m for m in GRAPH[name]
+                    if torch_layer(m) is None and m not in SHARED and m != "ipydist")
+    assert others == [], f"{name} imports {others}: torch/ uses only itself and {sorted(SHARED)}"
+
+
+def private_reach_ins(name: str) -> list[str]:
+    """``from ipydist.x import _private`` and ``module._private`` where ``module`` is an
+    imported ipydist module: a module's underscore names are its own."""
+    tree = ast.parse(MODULES[name].read_text())
+    found, bound = [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ipydist"):
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.append(f"from {node.module} import {alias.name}")
+                elif f"{node.module}.{alias.name}" in MODULES:
+                    bound.add(alias.asname or alias.name)
+        elif isinstance(node, ast.Import):
+            bound |= {a.asname for a in node.names if a.asname and a.name in MODULES}
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in bound and node.attr.startswith("_")
+                and not node.attr.startswith("__")):
+            found.append(f"{node.value.id}.{node.attr}")
+    return sorted(set(found))
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_module_reaches_into_another_modules_private_names(name):
+    assert private_reach_ins(name) == [], (
+        f"{name} uses private names of other modules: {private_reach_ins(name)}; make what it "
+        f"needs public (and documented) or hand it in")

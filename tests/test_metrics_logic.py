@@ -9,7 +9,7 @@ import pytest
 from ipydist.notebook.live.history import MetricHistory, downsample
 from ipydist.notebook.live.summary import rank_strip, summarize
 from ipydist.protocol import to_columns
-from ipydist.rank.batching import MetricBatcher
+from ipydist.torch.training.batching import MetricBatcher
 
 NO_POINTS = to_columns([])  # a batch from a rank other than 0: step times only
 
@@ -203,7 +203,7 @@ def test_total_and_batch_size_belong_to_the_cell_that_gave_them():
 def test_a_rank_forgets_total_and_batch_size_when_its_cell_ends():
     b = MetricBatcher(interval=0.0)
     b.total, b.batch_size = 30, 64
-    from ipydist.torch import metrics
+    from ipydist.torch.training import metrics
 
     saved, metrics._batcher = metrics._batcher, b
     try:

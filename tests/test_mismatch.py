@@ -17,7 +17,7 @@ from helpers import NP, run_cell
 
 from ipydist.errors import CellTimeout, RankError
 from ipydist.protocol import CHECK_COLLECTIVES_ENV
-from ipydist.torch import agreement, signature
+from ipydist.torch._wire import call_check, signature
 
 LAST = NP - 1
 #: A cell that works only if every rank is alive and the group is healthy.
@@ -191,18 +191,19 @@ def test_the_step_checked_at_zero_grad_lets_other_collectives_come_before_it(
     (a metric, a broadcast) meet in order after it, and a step with no zero_grad() before it
     is checked where its first bucket leaves."""
     result, out, err = run_cell(shell, capsys, """%%everyrank
-from ipydist.torch import agreement, runtime
+from ipydist.torch._wire import call_check
+from ipydist.torch._core import topology
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 2)
 opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                named_parameters=model.named_parameters())
 sent = []
-real = agreement._exchange
-agreement._exchange = lambda *args: sent.append(1) or real(*args)
+real = call_check._exchange
+call_check._exchange = lambda *args: sent.append(1) or real(*args)
 try:
     for i in range(3):
         opt.zero_grad()
-        announced = runtime.get().announced and opt._announced is not None
+        announced = topology.get().announced and opt._announced is not None
         model(torch.randn(3, 4) + hvd.rank()).sum().backward()
         total = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item()
         opt.step()
@@ -210,10 +211,10 @@ try:
     model(torch.randn(3, 4)).sum().backward()
     opt.step()
 finally:
-    agreement._exchange = real
+    call_check._exchange = real
 w = model.weight.detach()
 same = bool(hvd.allreduce(w, op=hvd.Max).equal(hvd.allreduce(w, op=hvd.Min)))
-print(announced, total, len(sent), same, len(runtime.get().announced))
+print(announced, total, len(sent), same, len(topology.get().announced))
 """)
     assert result.error_in_exec is None, err
     # three allreduces and the last step exchanged headers on the spot; the announced ones not
@@ -226,7 +227,7 @@ def test_a_rank_waiting_in_the_check_is_reported_in_the_collective_it_called(
     the rank actually waits in."""
     result, out, err = run_cell(shell, capsys, f"""%%everyrank
 import sys, threading
-from ipydist.rank.sampler import collective_frame
+from ipydist.rank.stack_sampler import collective_frame
 main, seen = threading.main_thread().ident, []
 def look():
     time.sleep(0.5)
@@ -248,10 +249,10 @@ print(seen if hvd.rank() != {LAST} else "late")
 
 def test_with_the_check_off_no_headers_are_exchanged(shell, capsys, hvd_cluster):
     result, out, err = run_cell(shell, capsys, """%%everyrank
-from ipydist.torch import agreement
+from ipydist.torch._wire import call_check
 exchanges = []
-real = agreement._exchange
-agreement._exchange = lambda *args: exchanges.append(1) or real(*args)
+real = call_check._exchange
+call_check._exchange = lambda *args: exchanges.append(1) or real(*args)
 def calls():
     hvd.allreduce(torch.ones(2)); hvd.broadcast(torch.ones(2), 0); hvd.barrier()
     hvd.broadcast_object("x"); hvd.allgather_object(1)
@@ -259,11 +260,11 @@ def calls():
     return len(every)
 try:
     on = calls(), len(exchanges)
-    agreement.set_enabled(False)
+    call_check.set_enabled(False)
     off = calls(), len(exchanges) - on[1]
 finally:
-    agreement.set_enabled(True)
-    agreement._exchange = real
+    call_check.set_enabled(True)
+    call_check._exchange = real
 print(on, off)
 """)
     assert result.error_in_exec is None, err
@@ -275,11 +276,11 @@ print(on, off)
 def test_the_environment_variable_turns_the_check_off(monkeypatch):
     monkeypatch.setenv(CHECK_COLLECTIVES_ENV, "0")
     try:
-        assert not importlib.reload(agreement).enabled()  # read when the module loads
+        assert not importlib.reload(call_check).enabled()  # read when the module loads
     finally:
         monkeypatch.undo()
-        importlib.reload(agreement)
-    assert agreement.enabled()
+        importlib.reload(call_check)
+    assert call_check.enabled()
 
 
 # --- the header and the verdict, without a cluster --------------------------------------------

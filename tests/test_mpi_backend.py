@@ -130,7 +130,7 @@ if objs != [{"rank": k} for k in range(N)]:
 box = [f"from {r}"]; dist.broadcast_object_list(box, src=3)
 if box != ["from 3"]:
     wrong.append(f"broadcast_object_list: {box}")
-from ipydist.torch import runtime as _rt
+from ipydist.torch._core import topology as _rt
 _rt.get().split_large = True  # 4 ranks on 2 cores agreed on whole; pieces on every rank now
 big = torch.full((3_000_000,), float(r + 1))  # 12 MB: three pieces
 dist.all_reduce(big, op=dist.ReduceOp.MAX)
@@ -194,7 +194,8 @@ def test_ipydist_collectives_through_the_backend(shell, capsys, mpi_cluster):
     """With --transport gloo, hvd's collectives go through the process group: this one."""
     ok(shell, capsys, """%%everyrank
 import torch, ipydist.torch as hvd
-from ipydist.torch import runtime as _rt, transport as _tp
+from ipydist.torch._core import topology as _rt
+from ipydist.torch._wire import transport as _tp
 _rt.get().transport = "gloo"
 try:
     through_group = not _tp.uses_mpi(torch.ones(1))

@@ -84,12 +84,12 @@ def test_two_hosts_two_ranks_each_collectives_and_the_wire(hosts):
     """, rank_code="""
         import os
         import torch, ipydist.torch as hvd
-        from ipydist.torch import runtime
+        from ipydist.torch._core import topology
         s = hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum).item()
         g = hvd.allgather(torch.full((hvd.rank() + 1,), float(hvd.rank()))).tolist()
         b = hvd.broadcast(torch.tensor([float(hvd.rank() + 10)]), root_rank=3).item()
         ifname = os.environ.get("GLOO_SOCKET_IFNAME")
-        master = runtime.get().master_addr
+        master = topology.get().master_addr
     """)
     names = [h.name for h in hosts.hosts]
     assert out["hosts"] == [names[0]] * 2 + [names[1]] * 2, out["hosts"]

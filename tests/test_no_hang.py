@@ -137,10 +137,10 @@ AGREE_SCRIPT = textwrap.dedent("""\
     t0 = time.monotonic()
     if me == 2:
         time.sleep(3)  # misses the first agreement, and joins it after the others gave up
-    first = consensus.agree(comm, 7, 0, [me, 10 * me], time.monotonic() + 1.0)
+    first = consensus.decide(comm, 7, 0, [me, 10 * me], time.monotonic() + 1.0)
     print(f"first {me} {first} {time.monotonic() - t0:.2f}", flush=True)
     comm.Barrier()
-    second = consensus.agree(comm, 8, 0, [me, 10 * me], time.monotonic() + 5.0)
+    second = consensus.decide(comm, 8, 0, [me, 10 * me], time.monotonic() + 5.0)
     print(f"second {me} {second}", flush=True)
 """)
 
@@ -149,12 +149,12 @@ RECOVER_SCRIPT = textwrap.dedent("""\
     import torch
     from ipydist.rank import calls, bootstrap
     import ipydist.torch as hvd
-    from ipydist.torch import runtime
+    from ipydist.torch._core import process_group
     rt = bootstrap.bootstrap()
     calls.ARRIVE_SECONDS = 1.0
     hvd.allreduce(torch.ones(1))
     if rt.rank == 1:
-        runtime.break_communication()  # as a release does
+        process_group.break_communication()  # as a release does
     if rt.rank == 2:
         time.sleep(2)  # still busy when the others recover
     t0 = time.monotonic()

@@ -1,4 +1,4 @@
-"""1-bit quantization with error feedback (ipydist.torch.onebit) on known vectors: pure
+"""1-bit quantization with error feedback (ipydist.torch.training.onebit) on known vectors: pure
 arithmetic, no cluster."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from ipydist.torch import onebit
+from ipydist.torch.training import onebit
 
 
 def test_one_group_on_a_known_vector():
@@ -134,7 +134,7 @@ def test_the_exchange_by_stripes_loses_nothing_but_the_residuals():
 def test_each_rank_sends_over_20_times_fewer_bytes_than_a_float32_allreduce(world):
     """The bar of issue 16, on a model of a million parameters, at every world size: the
     stripes keep each rank's bytes at 2 (N-1)/N of one message, as an allreduce's are."""
-    from ipydist.torch.transport import bytes_sent
+    from ipydist.torch._wire.transport import bytes_sent
 
     n = 1 << 20
     row = onebit.stripe_message_size(n, world, 1)

@@ -152,12 +152,13 @@ def test_large_parameters_travel_in_their_own_memory(shell, capsys, cluster, tra
     process on the union of the batches, a rank without its gradient sends zeros, and one
     without a gradient anywhere keeps None. On gloo the same buckets are packed as before."""
     run_ok(shell, capsys, f"""%%everyrank
-from ipydist.torch import runtime as _rt
+from ipydist.torch._core import topology as _rt
 _rt.get().split_large = {split}
 """)
     run_ok(shell, capsys, """%%everyrank
 import torch, ipydist.torch as hvd
-from ipydist.torch import optimizer as _opt, transport as _tp
+from ipydist.torch.training import optimizer as _opt
+from ipydist.torch._wire import transport as _tp
 N, r, b = hvd.size(), hvd.rank(), 4
 def make():
     torch.manual_seed(5)  # 3000 x 1000 floats: 12 MB, three pieces over MPI

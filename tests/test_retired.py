@@ -1,4 +1,4 @@
-"""Silencing a replaced group's connections (``ipydist.torch.retired``), against the kernel's
+"""Silencing a replaced group's connections (``ipydist.torch._core.retired``), against the kernel's
 own epoll, set up the way gloo's event loop sets it up: a connected socket registered
 level-triggered for input, with the handler's address as its data.
 
@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from ipydist.torch import retired
+from ipydist.torch._core import retired
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="epoll, /proc")
 

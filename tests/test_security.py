@@ -36,8 +36,8 @@ def test_controller_and_ranks_listen_on_loopback_only(shell, capsys, cluster):
 def test_the_rendezvous_store_is_a_private_file_not_a_port(shell, capsys, cluster):
     result, _, err = run_cell(shell, capsys, """%%everyrank
 import os, stat
-from ipydist.torch import runtime
-_rt = runtime.get()
+from ipydist.torch._core import topology
+_rt = topology.get()
 store_kind = type(_rt.base_store).__name__
 store_mode = stat.S_IMODE(os.stat(os.path.dirname(_rt.store_path)).st_mode)
 """)

@@ -116,7 +116,7 @@ def test_transport_gloo_puts_cpu_collectives_back_on_the_process_group(capsys):
     with ipydist.Session(np=2, transport="gloo") as s:
         assert [r["transport"] for r in s.ranks] == ["gloo", "gloo"]
         s.run("import torch, ipydist.torch as hvd\n"
-              "from ipydist.torch import transport\n"
+              "from ipydist.torch._wire import transport\n"
               "t = torch.ones(3)\n"
               "wire = transport.uses_mpi(t)\n"
               "total = hvd.allreduce(t, op=hvd.Sum).tolist()")

@@ -15,7 +15,7 @@ from helpers import NP, run_cell
 
 from ipydist.errors import CellTimeout
 from ipydist.notebook.stall import StallWatch
-from ipydist.rank.sampler import CollectiveSampler, collective_frame
+from ipydist.rank.stack_sampler import CollectiveSampler, collective_frame
 
 THRESHOLD = 2.0  # the tests' stall threshold (the default is 30 s)
 
@@ -151,8 +151,8 @@ if hvd.rank() != 0:
 
 def test_a_collective_between_zero_grad_and_step_on_one_rank_is_a_named_stall(
         shell, capsys, stall_cluster):
-    """What the check sent ahead at zero_grad() cannot catch (see ipydist.torch.optimizer): the
-    extra call and the others' gradients wait for each other. No rank crashes, the warning
+    """What the check sent ahead at zero_grad() cannot catch (see ipydist.torch.training.optimizer):
+    the extra call and the others' gradients wait for each other. No rank crashes, the warning
     names both calls, the timeout ends the cell, and the optimizer trains on afterwards."""
     last = NP - 1
     # made beforehand: a process's first torch optimizer imports torch._dynamo (seconds)

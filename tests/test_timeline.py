@@ -56,7 +56,7 @@ def test_horovod_timeline_environment_starts_it_at_init(shell, capsys, cluster, 
     path = tmp_path / "from-env.json"
     run_ok(shell, capsys, f"""%%everyrank
 import os, torch, ipydist.torch as hvd
-from ipydist.torch import events
+from ipydist.torch._core import events
 events.path = None  # as in a fresh process
 os.environ["HOROVOD_TIMELINE"] = {str(path)!r}
 try:

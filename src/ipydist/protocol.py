@@ -41,7 +41,8 @@ MASTER_ADDR_ENV = "IPYDIST_MASTER_ADDR"
 #: gloo/NCCL to its own interface that reaches it, and rank 0 offers its address there.
 NOTEBOOK_ADDR_ENV = "IPYDIST_NOTEBOOK_ADDR"
 #: ``0`` turns off the check that every rank calls the same collective with the same shapes
-#: and dtypes before its data moves (``ipydist.torch.agreement``); users set it with ``--env``.
+#: and dtypes before its data moves (``ipydist.torch._wire.call_check``); users set it with
+#: ``--env``.
 CHECK_COLLECTIVES_ENV = "IPYDIST_CHECK_COLLECTIVES"
 DEFAULT_PG_TIMEOUT = 600.0
 
@@ -216,7 +217,7 @@ def chrome_trace(per_rank: list[list[dict]]) -> dict:
     for rank, mine in enumerate(per_rank):
         trace.append({"name": "process_name", "ph": "M", "pid": rank,
                       "args": {"name": f"rank {rank}"}})
-        for lane, label in ((TIMELINE_DATA_LANE, "data"), (TIMELINE_CHECK_LANE, "negotiation")):
+        for lane, label in ((TIMELINE_DATA_LANE, "data"), (TIMELINE_CHECK_LANE, "check")):
             trace.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": lane,
                           "args": {"name": label}})
         trace.extend({**e, "pid": rank} for e in mine)

@@ -138,7 +138,7 @@ def _one_of(value: str, option: str, choices: tuple[str, ...], expected: str) ->
 
 
 #: ``--backend`` values: ``mpi`` is ipydist's torch.distributed backend over mpi4py
-#: (``ipydist.torch.mpi_backend``).
+#: (``ipydist.torch._mpi.backend``).
 BACKENDS = ("auto", "nccl", "gloo", "mpi")
 #: ``--transport`` values: the wire of ipydist's collectives on CPU tensors.
 TRANSPORTS = ("auto", "mpi", "gloo")

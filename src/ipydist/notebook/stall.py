@@ -6,7 +6,7 @@ shows a busy cell. Horovod's coordinator notices this and writes a warning to it
 puts the same warning under the cell.
 
 Each rank's watcher thread reports the collective call it has been in for a second
-(:mod:`ipydist.rank.sampler`, as ``protocol.STATE_KEY`` data messages). :class:`StallWatch`
+(:mod:`ipydist.rank.stack_sampler`, as ``protocol.STATE_KEY`` data messages). :class:`StallWatch`
 collects those reports for the running cell and, once a rank has waited past the threshold,
 names the ranks that are not in that collective and what they are doing instead. Pure logic,
 tested without a cluster.

@@ -2,7 +2,7 @@
 one Chrome trace (for chrome://tracing or https://ui.perfetto.dev).
 
 The drawing is a static SVG (no JavaScript, so it survives a saved notebook): one row per
-rank and lane (data, negotiation), one bar per event, its tooltip the event's name, duration
+rank and lane (data, check), one bar per event, its tooltip the event's name, duration
 and arguments; and a table of where the time went, by event name. Plain text where there is
 no HTML.
 """

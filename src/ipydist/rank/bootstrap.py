@@ -16,7 +16,7 @@ import sys
 
 from ipydist import protocol
 from ipydist.errors import LaunchError
-from ipydist.rank import device, watcher
+from ipydist.rank import channel, device, watcher
 from ipydist.specs import SpecError, format_gpus, parse_gpus
 
 
@@ -37,10 +37,11 @@ def bootstrap(env: dict[str, str] | None = None):
 
     import torch  # after the watcher and CUDA_VISIBLE_DEVICES
 
-    from ipydist.torch import runtime, shims
+    from ipydist.torch._core import process_group, shims, topology
+    from ipydist.torch.training import metrics
 
     _reached(comm.Get_rank(), protocol.PHASE_TORCH)
-    rt = runtime.topology_from_mpi(comm, advertise=_use_route_to(config.notebook_addr))
+    rt = topology.from_mpi(comm, advertise=_use_route_to(config.notebook_addr))
     # OMP_NUM_THREADS from the user (--env) wins; otherwise share the host's cores.
     threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or device.threads_per_rank(
         os.cpu_count() or 1, rt.local_size
@@ -60,13 +61,14 @@ def bootstrap(env: dict[str, str] | None = None):
     _fail_all(comm, rt.rank, rt.host, problem)
 
     rt.backend = device.resolve_backend(config.backend, rt.device_index)
-    runtime.set_runtime(rt)
+    topology.set_runtime(rt)
     shims.install_reuse_shim()
     shims.track_ddp_models()
-    watcher.break_communication_with(runtime.break_communication)
+    watcher.break_communication_with(process_group.break_communication)
+    metrics.send_with(channel.publish)
     if config.init:
         try:
-            runtime.init_process_group(rt)
+            process_group.make(rt)
         except Exception as e:  # the backend's own message is the useful part
             print(
                 f"{protocol.ERROR_PREFIX} {rt.rank} on {rt.host}: could not create the "
@@ -78,7 +80,7 @@ def bootstrap(env: dict[str, str] | None = None):
         _reached(rt.rank, protocol.PHASE_GROUP)
     else:
         rt.master_port = comm.bcast(_free_port(rt.master_addr) if rt.rank == 0 else 0, root=0)
-        runtime.export_torchrun_env(rt)
+        topology.export_torchrun_env(rt)
         _reached(rt.rank, protocol.PHASE_ENV)
     return rt
 

@@ -16,7 +16,9 @@ from IPython import get_ipython
 
 from ipydist import protocol
 from ipydist.rank import consensus, watcher
-from ipydist.torch import consistency, events, handles, process_sets, runtime, shims, waiting
+from ipydist.torch._core import events, process_group, resync, shims, topology, waiting
+from ipydist.torch._wire import handles
+from ipydist.torch.horovod import process_sets
 
 
 def attach() -> dict:
@@ -28,7 +30,7 @@ def attach() -> dict:
 
 def info() -> dict:
     """What the notebook shows about this rank."""
-    rt = runtime.get()
+    rt = topology.get()
     nanny_pid = None
     try:
         from ipyparallel.engine.app import IPEngine
@@ -60,23 +62,23 @@ REBUILD_SECONDS = protocol.RECOVERY_REBUILD_SECONDS
 RESYNC_SECONDS = protocol.RECOVERY_RESYNC_SECONDS
 
 
-def recover(number: int, resync: bool) -> dict:
+def recover(number: int, resync_tensors: bool) -> dict:
     """After a failed or interrupted cell, on every rank at once: report what the release
     found, and bring the ranks back in step -- together or not at all.
 
-    The ranks first agree (over MPI, which a release never breaks: ``consensus.agree``)
+    The ranks first agree (over MPI, which a release never breaks: ``consensus.decide``)
     whether the process group must be rebuilt: a release broke it, or the ranks no longer
     agree on how many collectives it ran. Then they rebuild it, agree that every rank
-    succeeded, and, when ``resync`` (ranks were released mid-cell), put drifted parameters
+    succeeded, and, when ``resync_tensors`` (ranks were released mid-cell), put drifted parameters
     back in step. Each step has a deadline; a rank that misses one, or hears that another
     did, drops the group and says why (the notebook tells the user to restart), so nothing
     the recovery started lives on and no rank waits for the others past RECOVERY_SECONDS.
     ``number`` is this recovery's number (the notebook counts them), which tags its messages.
     """
     start = time.monotonic()
-    consistency.abandon_pending()  # the failed cell's half-done gradient averaging is void
+    resync.abandon_pending()  # the failed cell's half-done gradient averaging is void
     handles.abandon_all()  # and so is every async operation it left in flight
-    rt = runtime.get()
+    rt = topology.get()
     out = {"release": watcher.take_report(), "rebuilt": False, "fixed": 0, "failed": None,
            "ddp": shims.has_ddp_model()}
     if rt is None or rt.control_comm is None:
@@ -84,7 +86,7 @@ def recover(number: int, resync: bool) -> dict:
     comm = rt.control_comm
     broken = bool(rt.broken)
     seq = _collective_count(rt)
-    votes = consensus.agree(comm, number, 0, [int(broken), seq, int(rt.checks_unfinished)],
+    votes = consensus.decide(comm, number, 0, [int(broken), seq, int(rt.checks_unfinished)],
                             start + ARRIVE_SECONDS)
     if votes is None:
         return _give_up(out, "not every rank joined the recovery in time")
@@ -93,7 +95,7 @@ def recover(number: int, resync: bool) -> dict:
             return _give_up(out, "replacing the communicator of collective checks timed out")
     if any(b for b, _, _ in votes) or len({s for _, s, _ in votes}) > 1:
         failed = _together(comm, number, 2, start + REBUILD_SECONDS,
-                           "rebuilding the process group", lambda: runtime.rebuild_process_group(
+                           "rebuilding the process group", lambda: process_group.rebuild(
                                timeout_s=max(REBUILD_SECONDS - (time.monotonic() - start), 1.0)))
         if failed:
             return _give_up(out, failed)
@@ -104,11 +106,11 @@ def recover(number: int, resync: bool) -> dict:
                            process_sets.reconnect_all)
         if failed:
             return _give_up(out, failed)
-    if resync:
+    if resync_tensors:
         fixed = []
         failed = _together(comm, number, 3, start + RESYNC_SECONDS,
                            "checking that the models are identical",
-                           lambda: fixed.append(consistency.resync(
+                           lambda: fixed.append(resync.from_root(
                                timeout_s=RESYNC_SECONDS - (time.monotonic() - start))))
         if failed:
             return _give_up(out, failed)
@@ -124,7 +126,7 @@ def _together(comm, number: int, step: int, deadline: float, what: str, action) 
         action()
     except Exception as e:
         failure = f"{what} failed on rank {comm.Get_rank()}: {e}"
-    votes = consensus.agree(comm, number, step, [int(failure is None)], deadline)
+    votes = consensus.decide(comm, number, step, [int(failure is None)], deadline)
     if votes is not None and all(ok for (ok,) in votes):
         return None
     return failure or f"{what} failed on {_who(votes, 'another rank')}"
@@ -150,7 +152,7 @@ def _who(votes, fallback: str) -> str:
 def _give_up(out: dict, why: str) -> dict:
     """Leave the process group dropped (collectives then raise, saying to restart)."""
     watcher.log(f"recovery gave up: {why}")
-    runtime.abandon_process_group()
+    process_group.abandon()
     out["failed"] = why
     return out
 

@@ -4,9 +4,9 @@ After a failed or interrupted cell the ranks must all rebuild their process grou
 must; a rank that decides alone waits for peers that never come (torch's rendezvous waits ten
 minutes). The process group cannot carry that decision: a release has just broken it. MPI can,
 since a release never touches it. But a blocking MPI collective waits forever for a rank that
-never arrives, so :func:`agree` uses point-to-point messages through rank 0, polled against a
+never arrives, so :func:`decide` uses point-to-point messages through rank 0, polled against a
 deadline: every rank sends rank 0 its vote, rank 0 answers each with the verdict, and a rank
-that hears nothing by its deadline gives up on its own -- so every rank leaves :func:`agree`
+that hears nothing by its deadline gives up on its own -- so every rank leaves :func:`decide`
 by its deadline, whatever the others do.
 
 Messages travel on a communicator of their own (made once at start), tagged with the
@@ -22,7 +22,7 @@ import numpy as np
 
 #: The largest tag every MPI implementation accepts is 32767; tags cycle below it.
 _TAG_SPACE = 32000
-#: Steps of one recovery (each :func:`agree` call within it has its own).
+#: Steps of one recovery (each :func:`decide` call within it has its own).
 STEPS = 8
 #: Rank 0 decides by the deadline; the others wait this much longer for its verdict, so a
 #: verdict sent at the last moment still arrives.
@@ -34,7 +34,7 @@ def tag(recovery: int, step: int) -> int:
     return (recovery * STEPS + step) % _TAG_SPACE
 
 
-def agree(comm, recovery: int, step: int, vote: list[int],
+def decide(comm, recovery: int, step: int, vote: list[int],
           deadline: float) -> list[list[int]] | None:
     """Every rank's ``vote`` (a few ints, the same count on every rank), in rank order, the
     same list on every rank -- or None on a rank that did not hear from all in time.

@@ -47,7 +47,7 @@ def plan_device(
 
 def resolve_backend(backend: str, device_index: int | None) -> str:
     """nccl when the rank has a GPU, gloo otherwise, unless ``--backend`` says which (``mpi``:
-    ipydist's backend over mpi4py, ``ipydist.torch.mpi_backend``)."""
+    ipydist's backend over mpi4py, ``ipydist.torch._mpi.backend``)."""
     if backend == "mpi":
         return MPI_BACKEND
     if backend in ("nccl", "gloo"):

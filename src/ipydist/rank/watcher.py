@@ -21,7 +21,7 @@ inherit the mask from the bootstrap). On the signal it looks at what the main th
 
 Between signals the watcher also looks at the main thread's stack twice a second, to tell the
 notebook when this rank has been waiting in one collective for a while
-(:mod:`ipydist.rank.sampler`).
+(:mod:`ipydist.rank.stack_sampler`).
 
 A second signal in the same cell does both. Either way the process group is then marked
 broken, and the notebook side rebuilds it on every rank (``ipydist.rank.calls.recover``) before
@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable
 
 from ipydist.protocol import CELL_KEY, RELEASE_SIGNAL, STATE_KEY
-from ipydist.rank import channel, sampler
+from ipydist.rank import channel, stack_sampler
 
 #: How long a release waits for a rank in Python code to end its cell by itself (see _settle).
 SETTLE_SECONDS = 0.3
@@ -113,11 +113,11 @@ def break_communication_with(breaker: Callable[[], bool]) -> None:
 
 
 def _watch() -> None:
-    collectives = sampler.CollectiveSampler()
+    collectives = stack_sampler.CollectiveSampler()
     timed = hasattr(signal, "sigtimedwait")  # not on macOS: no stall reports there
     while True:
         if timed:
-            got = signal.sigtimedwait({RELEASE_SIGNAL}, sampler.SAMPLE_SECONDS)
+            got = signal.sigtimedwait({RELEASE_SIGNAL}, stack_sampler.SAMPLE_SECONDS)
         else:
             got = signal.sigwait({RELEASE_SIGNAL})
         try:
@@ -170,7 +170,7 @@ def _settle(seconds: float) -> tuple[str | None, bool]:
     deadline = start + seconds
     while True:
         frame = _main_frame()
-        found = sampler.collective_frame(frame)
+        found = stack_sampler.collective_frame(frame)
         what = found[1] if found else None
         if what is not None:
             return what, False

@@ -1,0 +1,113 @@
+"""Collectives in flight, and the handles Horovod's ``*_async`` functions return.
+
+A collective starts when it is called (its check with the other ranks, then its data posted
+nonblocking on MPI or the process group) and is represented by a :class:`Pending`: ``poll``
+asks whether its data has arrived without waiting, ``synchronize`` waits (a release ends the
+wait) and returns its result. The blocking collectives are a start followed by a wait.
+
+A failed or interrupted cell voids whatever was in flight (the recovery replaces the
+communicators it was posted on), so :func:`abandon_all` forgets every handle: a later
+``synchronize`` on one raises and says so, instead of waiting for an operation that is gone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ipydist.torch._core import events, waiting
+from ipydist.torch._core.marks import waits_for_peers
+from ipydist.torch._wire import transport
+
+
+@dataclass(eq=False)
+class Pending:
+    """One collective in flight: its wire operation (an MPI chain, a torch ``Work``, or None
+    when nothing travels), and what turns the received data into the result."""
+
+    work: Any
+    mpi: bool
+    finish: Callable[[], Any]
+    name: str | None = None
+    #: What the timeline calls it ("ALLREDUCE"...; none for a group of others), and when its
+    #: data was posted.
+    label: str = ""
+    posted: float = field(default_factory=time.perf_counter)
+
+    def poll(self) -> bool:
+        """Whether the data has arrived (moves an MPI operation on; never waits)."""
+        if self.work is None:
+            return True
+        return transport.progress(self.work) if self.mpi else self.work.is_completed()
+
+    def wait(self) -> Any:
+        """Wait for the data (a release ends the wait) and return the result."""
+        if self.work is not None:
+            t0 = time.perf_counter()
+            if self.mpi:
+                transport.finish(self.work)
+            else:
+                waiting.wait_for(self.work)
+            waiting.note_wait(time.perf_counter() - t0)
+            if events.recording and self.label:
+                events.record(self.label, self.posted, time.perf_counter(), op_name=self.name,
+                              wire="MPI" if self.mpi else "process group")
+            self.work = None
+        return self.finish()
+
+
+_pending: dict[int, Pending] = {}
+_abandoned: set[int] = set()
+_numbers = itertools.count(1)
+
+
+def check_name(name: str | None) -> None:
+    """Refuse a name that an operation still in flight has (Horovod does: two operations of
+    one name would be matched to each other across ranks). Called before anything starts,
+    so every rank refuses at the same call."""
+    if name is not None and any(p.name == name for p in _pending.values()):
+        raise ValueError(
+            f"an operation named {name!r} is still in flight: synchronize() its handle "
+            "first, or give this one another name")
+
+
+def register(pending: Pending) -> int:
+    """A handle for ``pending``: a number, as Horovod's."""
+    handle = next(_numbers)
+    _pending[handle] = pending
+    return handle
+
+
+def _get(handle: int) -> Pending:
+    pending = _pending.get(handle)
+    if pending is not None:
+        return pending
+    if handle in _abandoned:
+        raise RuntimeError(
+            f"handle {handle}'s operation was abandoned when a cell failed or was interrupted "
+            "while it was in flight; start it again")
+    raise ValueError(f"no operation in flight has handle {handle!r} (already synchronized?)")
+
+
+def poll(handle: int) -> bool:
+    """Whether the operation of ``handle`` is done (``synchronize`` then returns at once)."""
+    return _get(handle).poll()
+
+
+@waits_for_peers("synchronize")
+def synchronize(handle: int) -> Any:
+    """Wait for the operation of ``handle`` and return its output tensor."""
+    pending = _get(handle)
+    try:
+        return pending.wait()
+    finally:
+        _pending.pop(handle, None)
+
+
+def abandon_all() -> None:
+    """Forget every operation in flight (a failed or interrupted cell voided them)."""
+    _abandoned.update(_pending)
+    _pending.clear()

@@ -1,0 +1,264 @@
+"""DistributedOptimizer's gradient buckets: how they are planned, packed, sent and unpacked.
+
+A bucket is a set of parameters whose gradients travel in one allreduce. Packed buckets copy
+their gradients (scaled, for Average) into one buffer followed by one "this rank had a
+gradient" flag per parameter, summed with the gradients, so that a parameter without a gradient
+on some ranks is averaged with zeros there and one without a gradient anywhere keeps ``None``.
+A parameter of OWN_BUCKET_BYTES or more is a bucket of its own: over MPI and uncompressed, its
+gradient is reduced where it lies, followed by its flag, with no pack and no unpack. The wire
+is MPI or the process group (:mod:`ipydist.torch._wire.transport`); the optimizer decides when.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ipydist.torch._core import topology, waiting
+from ipydist.torch._wire import transport
+from ipydist.torch._wire.compression import Compression, Compressor
+from ipydist.torch.training.momentum_correction import MomentumCorrection
+from ipydist.torch.training.onebit_exchange import OneBitExchange
+
+#: Cap of the first bucket (DDP's too): small, so communication starts early in backward.
+FIRST_BUCKET_MB = 1.0
+#: A parameter at least this large is a bucket of its own, which MPI reduces in the gradient's
+#: own memory: packing it into a bucket and unpacking it again cost two passes over it, a
+#: third of DistributedOptimizer's overhead on benchmarks/train_step.py's large model.
+OWN_BUCKET_BYTES = 1 << 20
+
+
+@dataclass
+class Bucket:
+    """Parameters sent together, and the buffer they travel in (kept between steps: a fresh
+    allocation of many megabytes each step costs more than the copy into it)."""
+
+    params: list[torch.nn.Parameter]
+    numel: int
+    ready: set[int] = field(default_factory=set)
+    work: object = None  # the allreduce in flight: a torch Work, or an MPI chain (``mpi``)
+    mpi: bool = False
+    #: One large parameter (OWN_BUCKET_BYTES): over MPI, uncompressed, its gradient travels in
+    #: place (``sent``), followed by its had-gradient flag (``flag``).
+    own: bool = False
+    sent: torch.Tensor | None = None
+    flag: torch.Tensor | None = None
+    wire: torch.Tensor | None = None
+    ctx: object = None
+    buffer: torch.Tensor | None = None  # gradients, then one had-gradient flag per parameter
+    views: list[torch.Tensor] = field(default_factory=list)
+    #: Compression.onebit: the bucket's exchange and the residuals it keeps between steps.
+    onebit: OneBitExchange | None = None
+    #: Compression.onebit with SGD's momentum: the momentum kept on this rank, before the
+    #: quantizer (the optimizer sets it).
+    correction: MomentumCorrection | None = None
+    #: What this rank sent in the last launch (transport.bytes_sent's model).
+    sent_bytes: int = 0
+    #: When the last launch began (``time.perf_counter()``), for the timeline.
+    launched: float = 0.0
+
+    def allocate(self) -> None:
+        first = self.params[0]
+        self.buffer = torch.empty(
+            self.numel + len(self.params), dtype=first.dtype, device=first.device
+        )
+        grads = self.buffer[:self.numel].split([p.numel() for p in self.params])
+        self.views = [v.view_as(p) for v, p in zip(grads, self.params)]
+
+    # --- sending ------------------------------------------------------------------------------
+
+    def launch(self, compression: type[Compressor], prescale: float, group=None) -> None:
+        """Start this bucket's allreduce (the caller has checked the step with the others)
+        among every rank, or a process set's (``group``: its communicators)."""
+        self.launched = time.perf_counter()
+        if self.travels_in_place(compression, group):
+            self._launch_in_place(group)
+            return
+        if self.buffer is None:
+            self.allocate()
+        flat = self.buffer
+        grads = [_dense(p.grad) for p in self.params]
+        if len(grads) > 8 and self.numel < 65536 * len(grads):
+            # many small tensors: one cat and one scale beat a dispatch per tensor
+            torch.cat(
+                [g.reshape(-1) if g is not None else v.new_zeros(v.numel())
+                 for g, v in zip(grads, self.views)],
+                out=flat[:self.numel],
+            )
+            if prescale != 1.0:
+                flat[:self.numel].mul_(prescale)
+        else:
+            # few large tensors: copy and scale in one pass each, as DDP does
+            for g, view in zip(grads, self.views):
+                if g is None:
+                    view.zero_()
+                elif prescale != 1.0:
+                    torch.mul(g, prescale, out=view)
+                else:
+                    view.copy_(g)
+        flat[self.numel:].copy_(torch.tensor([g is not None for g in grads]))
+        if compression.summed_by_ranks:
+            self._launch_onebit(flat)
+            return
+        self.wire, self.ctx = compression.compress(flat)
+        self._count("allreduce", group, self.wire)
+        self.mpi = transport.uses_mpi(self.wire, group)
+        if self.mpi:
+            self.work = transport.start_allreduce(self.wire, group=group)
+        else:
+            self.work = dist.all_reduce(self.wire, op=dist.ReduceOp.SUM, async_op=True,
+                                        group=None if group is None else group.torch_group)
+
+    def travels_in_place(self, compression: type[Compressor], group=None) -> bool:
+        """Whether the bucket's one gradient travels in its own memory (the same answer on
+        every rank: the call check made the plan, dtype, device and compression equal)."""
+        return (self.own and compression is Compression.none
+                and transport.uses_mpi(self.params[0], group))
+
+    def _launch_in_place(self, group=None) -> None:
+        p = self.params[0]
+        grad = _dense(p.grad)
+        self.sent = torch.zeros_like(p) if grad is None else (
+            grad if grad.is_contiguous() else grad.contiguous())
+        self.flag = torch.tensor([float(grad is not None)], dtype=p.dtype)
+        self._count("allreduce", group, self.sent, self.flag)
+        self.mpi = True
+        self.work = transport.start_allreduce(self.sent, also=[self.flag], group=group)
+
+    def onebit_exchange(self) -> OneBitExchange:
+        """The bucket's 1-bit exchange, made with zero residuals on first use."""
+        if self.onebit is None:
+            rt = topology.get()
+            self.onebit = OneBitExchange(self.numel, len(self.params), rt.size, rt.rank,
+                                         self.correction)
+        return self.onebit
+
+    def _launch_onebit(self, flat: torch.Tensor) -> None:
+        """1-bit: quantize gradients plus residual, and exchange the messages by stripes (on
+        the CPU: a GPU bucket is copied there, and its result copied back in ``unpack``)."""
+        self.sent_bytes = self.onebit_exchange().start(flat.cpu())
+        self.work, self.mpi = self.onebit, self.onebit.mpi
+
+    def _count(self, collective: str, group, *tensors: torch.Tensor) -> None:
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        size = topology.get().size if group is None else group.size
+        self.sent_bytes = transport.bytes_sent(collective, nbytes, size)
+
+    def progress(self) -> bool:
+        """Let an MPI allreduce move on (MPI moves it only inside its calls); True once done
+        (a gloo one moves by itself: True)."""
+        if self.work is self.onebit:
+            return self.onebit.progress()
+        return not self.mpi or transport.progress(self.work)
+
+    # --- receiving ----------------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Wait for the allreduce (a release ends the wait)."""
+        if self.work is self.onebit:
+            self.onebit.finish()
+        elif self.mpi:
+            transport.finish(self.work)
+        else:
+            waiting.wait_for(self.work)
+
+    def unpack(self, compression: type[Compressor], prescale: float, postscale: float,
+               sparse_as_dense: bool = False) -> None:
+        """Write the averaged gradients into the parameters' ``grad``: a sparse one (it was
+        sent dense) comes back sparse, unless ``sparse_as_dense``."""
+        if self.sent is not None:
+            self._unpack_in_place(prescale * postscale, sparse_as_dense)
+            return
+        if self.work is not None and self.work is self.onebit:
+            total, had_grad = self.onebit.result()
+            total = total.to(self.params[0].device)
+            self._write(total.split([p.numel() for p in self.params]), had_grad, postscale,
+                        sparse_as_dense)
+            return
+        flat = compression.decompress(self.wire, self.ctx)
+        views = self.views if flat is self.buffer else flat[:self.numel].split(
+            [p.numel() for p in self.params])
+        self._write(views, flat[self.numel:].tolist(), postscale, sparse_as_dense)
+
+    def _write(self, values, had_grad: list, postscale: float, sparse_as_dense: bool) -> None:
+        """Each parameter's averaged gradient from ``values`` (one flat piece per parameter),
+        where some rank had a gradient."""
+        grads, sources, sparse = [], [], []
+        for p, value, had in zip(self.params, values, had_grad):
+            if had > 0:
+                if p.grad is None or p.grad.is_sparse:
+                    if p.grad is not None and not sparse_as_dense:
+                        sparse.append(p)
+                    p.grad = value.view_as(p).to(p.dtype, copy=True)
+                else:
+                    grads.append(p.grad)
+                    sources.append(value.view_as(p))
+        if grads:
+            torch._foreach_copy_(grads, sources)  # one dispatch for the whole bucket
+        if postscale != 1.0:
+            torch._foreach_mul_(
+                [p.grad for p, had in zip(self.params, had_grad) if had > 0], postscale)
+        for p in sparse:  # back to the layout it came in: its rows
+            p.grad = p.grad.to_sparse(1)
+        self.abandon()
+
+    def _unpack_in_place(self, scale: float, sparse_as_dense: bool) -> None:
+        p, sent = self.params[0], self.sent
+        if self.flag.item() > 0:  # some rank had a gradient
+            was_sparse = p.grad is not None and p.grad.is_sparse
+            if p.grad is None or was_sparse:
+                p.grad = sent
+            elif sent is not p.grad:
+                p.grad.copy_(sent)
+            if scale != 1.0:
+                p.grad.mul_(scale)
+            if was_sparse and not sparse_as_dense:
+                p.grad = p.grad.to_sparse(1)
+        self.abandon()
+
+    def abandon(self) -> None:
+        """Forget what is in flight (done, or void after a release) and the gradients seen."""
+        if self.onebit is not None:
+            self.onebit.abandon()
+        self.work = self.wire = self.ctx = self.sent = self.flag = None
+        self.ready.clear()
+
+
+def _dense(grad: torch.Tensor | None) -> torch.Tensor | None:
+    """A gradient as it travels: sparse ones (``nn.Embedding(sparse=True)``) as dense, as
+    Horovod's ``sparse_as_dense`` sends them."""
+    return grad.to_dense() if grad is not None and grad.is_sparse else grad
+
+
+def plan(params, cap_bytes: float, groups=()) -> list[Bucket]:
+    """Fused buckets of one dtype and device, in reverse order of the parameters.
+
+    As in DDP, a bucket closes once it holds at least its cap, and the first bucket's cap is
+    small (FIRST_BUCKET_MB), so that the first allreduce starts early in backward and overlaps
+    the rest of it. A parameter of OWN_BUCKET_BYTES or more is a bucket of its own. Each of
+    ``groups`` (Horovod's explicit groups: lists of parameters) is fused apart from the rest,
+    one bucket per dtype and device, where its last parameter would open one.
+    """
+    group_of = {id(p): i for i, g in enumerate(groups) for p in g}
+    buckets: list[Bucket] = []
+    open_by_kind: dict[tuple, tuple[Bucket, float]] = {}
+    for p in reversed(params):
+        explicit = group_of.get(id(p))
+        if explicit is None and p.numel() * p.element_size() >= OWN_BUCKET_BYTES:
+            buckets.append(Bucket([p], p.numel(), own=True))
+            continue
+        kind = (p.dtype, p.device, explicit)
+        if kind not in open_by_kind:
+            limit = min(cap_bytes, FIRST_BUCKET_MB * 2**20) if not buckets else cap_bytes
+            open_by_kind[kind] = (Bucket([], 0), float("inf") if explicit is not None
+                                  else limit)
+            buckets.append(open_by_kind[kind][0])
+        bucket, limit = open_by_kind[kind]
+        bucket.params.append(p)
+        bucket.numel += p.numel()
+        if bucket.numel * p.element_size() >= limit:
+            del open_by_kind[kind]
+    return buckets

@@ -1,0 +1,384 @@
+"""``DistributedOptimizer``: any torch optimizer, with gradients averaged over ranks.
+
+Algorithm (data-parallel SGD, as in Horovod, Sergeev & Del Balso 2018, and PyTorch DDP, Li et
+al. 2020): parameters are packed into fused buckets, in reverse order of registration (roughly
+the order backward produces their gradients). When every gradient of a bucket has been
+accumulated, a hook starts an asynchronous allreduce of the whole bucket, so communication
+overlaps the rest of backward; ``step()`` waits for what is still in flight, writes the averaged
+gradients back, and runs the wrapped optimizer. Buckets are always launched in index order, so
+every rank issues the same collectives in the same order. A model whose gradients fit in one
+bucket gets no hooks at all: its single allreduce runs in ``step()``. How a bucket is packed,
+sent (over MPI or the process group) and unpacked is :mod:`ipydist.torch.training.buckets`; a
+parameter that got no gradient on some ranks never blocks the others (its bucket is sent with zeros
+by ``step()``), and one that got no gradient anywhere keeps ``grad = None``, as in one process.
+
+Before the first bucket of each step leaves, the ranks check that they all send the same
+buckets (:mod:`ipydist.torch._wire.call_check`): a rank with a different model raises, with the
+others, instead of aborting on gloo's "message sizes differ". One check per step, not per
+bucket: a blocking check before each bucket would cost the overlap with backward. Over MPI the
+check is sent at ``zero_grad()`` and only collected when the first bucket leaves, by when it
+has finished: waiting for it there made short steps 10 % slower. What that cannot catch: a
+rank that makes an extra ipydist collective between ``zero_grad()`` and ``step()`` meets the
+others' gradients in a stall (a stall warning names both calls), not in a mismatch error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+import weakref
+
+import numpy as np
+import torch
+
+from ipydist.torch._core import events, process_group, resync, waiting
+from ipydist.torch._core.marks import waits_for_peers
+from ipydist.torch._wire import call_check, signature
+from ipydist.torch._wire.compression import Compression, Compressor
+from ipydist.torch._wire.reduce_ops import Average, ReduceOp, Sum
+from ipydist.torch.horovod import join
+from ipydist.torch.horovod.basics import size
+from ipydist.torch.horovod.process_sets import ProcessSet, comms_for, global_process_set
+from ipydist.torch.training import buckets, checkpoint, momentum_correction
+from ipydist.torch.training import optimizer_options as options
+from ipydist.torch.training.wrapping import wrap
+
+#: Default bucket size, DDP's; benchmarks/train_step.py sweeps it (see the README).
+DEFAULT_BUCKET_CAP_MB = 25.0
+#: Attribute on each parameter holding the hook of the DistributedOptimizer that owns it. A
+#: notebook re-runs cells, so a second DistributedOptimizer over the same model must take the
+#: hooks over, or the first one's hooks would start collectives nobody waits for.
+_HOOK_ATTR = "_ipydist_grad_hook"
+class _DistributedMixin:
+    """Methods mixed into a subclass of the wrapped optimizer's own class."""
+
+    wrapper_name = "DistributedOptimizer"
+
+    def _ipydist_setup(
+        self, named_parameters, compression, backward_passes_per_step, op,
+        gradient_predivide_factor, bucket_cap_mb, distributed_after,
+        process_set=global_process_set, sparse_as_dense: bool = False, num_groups: int = 0,
+        groups=None,
+    ) -> None:
+        self._process_set = process_set
+        self._sparse_as_dense = bool(sparse_as_dense)
+        group = comms_for(process_set)  # raises here if this rank cannot use the set
+        options.check(op, backward_passes_per_step, compression, distributed_after, group)
+        params = [
+            p for group in self.param_groups for p in group["params"] if p.requires_grad
+        ]
+        if group is None:  # kept in step after an interrupt, as every rank has it (a
+            resync.track_optimizer(self)  # process set's is on its ranks only)
+        join.serve_steps_of(self)  # so that a rank in hvd.join() can serve its steps
+        self._names = options.names_for(params, named_parameters)
+        self._compression = compression
+        self._distributed_after = distributed_after
+        # Steps completed: the same on every rank, and put back in step by the recovery
+        # (tracked), since it decides when the compression starts.
+        self._steps = torch.zeros((), dtype=torch.int64)
+        if distributed_after and group is None:
+            resync.track_tensors([self._steps])
+        self._passes = backward_passes_per_step
+        self._op = op
+        # Average divides by the world size before the sum (fewer overflows in 16 bits), or
+        # with gradient_predivide_factor f, by f before and by size/f after, as Horovod does.
+        f = float(gradient_predivide_factor)
+        ranks = size() if group is None else group.size
+        self._prescale = 1.0 if op is Sum else (1.0 / f if f != 1.0 else 1.0 / ranks)
+        self._postscale = f / ranks if op is Average and f != 1.0 else 1.0
+        self._buckets = buckets.plan(params,
+                                     options.cap_bytes(params, bucket_cap_mb, num_groups),
+                                     options.explicit_groups(groups, params))
+        if compression.summed_by_ranks and momentum_correction.applies(self):
+            for bucket in self._buckets:  # 1-bit with SGD's momentum: kept before the quantizer
+                bucket.correction = momentum_correction.MomentumCorrection(
+                    bucket.params, self, 1.0 / (ranks * self._postscale))
+        self._corrected = any(b.correction is not None for b in self._buckets)
+        self._stepped_with: type[Compressor] = Compression.none  # the last synchronize's
+        self._slot = {id(p): (b, i) for b, bucket in enumerate(self._buckets)
+                      for i, p in enumerate(bucket.params)}
+        self._passes_left = {id(p): self._passes for p in params}
+        self._next_launch = 0
+        self._step_agreed = False  # this step's buckets were checked against the other ranks'
+        self._announced: call_check.Announced | None = None  # this step's check, sent ahead
+        self._headers: dict[type, np.ndarray] = {}  # what it sends, per compression
+        self._plan = [(b.numel, str(b.params[0].dtype), b.params[0].device.type)
+                      for b in self._buckets]
+        self._grad_marks: list | None = None  # gradients as the last synchronize() left them
+        #: Bytes this rank has sent averaging gradients (``transport.bytes_sent``'s model of
+        #: the collectives): compressions compared by what they put on the network.
+        self.bytes_sent = 0
+        self._skip_sync = False
+        self._synchronized = False  # synchronize() was called since the last step()
+        hook = self._make_hook() if len(self._buckets) > 1 else None
+        for p in params:
+            old = getattr(p, _HOOK_ATTR, None)
+            if old is not None:
+                old.remove()
+            setattr(p, _HOOK_ATTR, hook and p.register_post_accumulate_grad_hook(hook))
+
+    def _make_hook(self):
+        me = weakref.ref(self)
+
+        def hook(p: torch.Tensor) -> None:
+            opt = me()
+            if opt is not None:
+                opt._gradient_ready(p)
+
+        return hook
+
+    # --- during backward ----------------------------------------------------------------------
+
+    def _gradient_ready(self, p: torch.Tensor) -> None:
+        key = id(p)
+        self._passes_left[key] -= 1
+        if self._passes_left[key] > 0:
+            return
+        b, i = self._slot[key]
+        bucket = self._buckets[b]
+        if i in bucket.ready or bucket.work is not None:
+            raise RuntimeError(
+                f"the gradient of {self._names[key]} was computed again before step(): call "
+                "optimizer.step() (or synchronize()) after each backward, or pass "
+                "backward_passes_per_step=k to accumulate k backward passes."
+            )
+        bucket.ready.add(i)
+        while (
+            self._next_launch < len(self._buckets)
+            and len(self._buckets[self._next_launch].ready)
+            == len(self._buckets[self._next_launch].params)
+        ):
+            self._launch(self._buckets[self._next_launch])
+            self._next_launch += 1
+        for bucket in self._buckets[:self._next_launch]:  # each hook is a chance to move MPI on
+            if not bucket.progress():
+                break  # later ones wait behind it
+
+    def _launch(self, bucket: buckets.Bucket) -> None:
+        if not self._step_agreed:
+            self._agree_on_step()
+        bucket.launch(self._compression_now(), self._prescale, comms_for(self._process_set))
+        self.bytes_sent += bucket.sent_bytes
+
+    @waits_for_peers("allreduce of gradients (DistributedOptimizer)")
+    def _agree_on_step(self) -> None:
+        """Check that every rank sends the same buckets this step. A mismatch leaves nothing
+        in flight, so the optimizer works again once the ranks agree."""
+        announced, self._announced = self._announced, None
+        try:
+            if call_check.usable(announced):
+                call_check.settle(upto=announced)  # raises on a mismatch
+            else:  # none sent (zero_grad not called, a process set's), or the recovery dropped it
+                call_check.check("optimizer step", group=comms_for(self._process_set),
+                                **self._signature())
+        except BaseException:
+            self._abandon_pending()
+            raise
+        self._step_agreed = True
+
+    def _signature(self) -> dict:
+        """What the other ranks' steps must match: bucket sizes, dtype, device, op, scaling."""
+        first = self._buckets[0].params[0]  # only called when there are buckets
+        return dict(dtype=first.dtype, device=first.device,
+                    shape=[b.numel for b in self._buckets], op=self._op,
+                    prescale=self._prescale, postscale=self._postscale,
+                    extra=signature.plan_hash(self._plan + [self._compression_now().__name__]))
+
+    def _compression_now(self) -> type[Compressor]:
+        """The compression of this step: none during the warm start (``distributed_after``)."""
+        if self._distributed_after and int(self._steps) < self._distributed_after:
+            return Compression.none
+        return self._compression
+
+    # --- at step ------------------------------------------------------------------------------
+
+    @waits_for_peers("allreduce of gradients (DistributedOptimizer)")
+    def synchronize(self) -> None:
+        """Finish averaging every gradient over the ranks (collective: every rank calls it).
+
+        A second call with no backward in between does nothing, so ``synchronize()`` followed
+        by ``step()`` averages once.
+        """
+        self._synchronized = True
+        if self._grad_marks == self._current_marks():
+            return
+        process_group.ensure()
+        while self._next_launch < len(self._buckets):
+            self._launch(self._buckets[self._next_launch])
+            self._next_launch += 1
+        self._stepped_with = self._compression_now()
+        for bucket in self._buckets:
+            t0 = time.perf_counter()
+            bucket.finish()
+            waiting.note_wait(time.perf_counter() - t0)  # for the live view's straggler strip
+            if events.recording:
+                events.record("ALLREDUCE", bucket.launched, time.perf_counter(),
+                              bucket=self._names.get(id(bucket.params[0])),
+                              parameters=len(bucket.params), bytes=bucket.sent_bytes)
+            bucket.unpack(self._compression_now(), self._prescale, self._postscale,
+                          self._sparse_as_dense)
+        self._next_launch = 0
+        self._step_agreed = False
+        self._passes_left = dict.fromkeys(self._passes_left, self._passes)
+        self._grad_marks = self._current_marks()
+        self._steps += 1
+
+    def _abandon_pending(self) -> None:
+        """Forget a gradient averaging that a failed or interrupted cell left half done (its
+        collectives are void: the group is rebuilt where they broke it), so the next cell can
+        call ``zero_grad()`` and train on."""
+        for bucket in self._buckets:
+            bucket.abandon()
+        self._next_launch = 0
+        self._step_agreed = False
+        self._announced = None  # the recovery replaces the communicator it was sent on
+        self._passes_left = dict.fromkeys(self._passes_left, self._passes)
+        self._grad_marks = None
+
+    def _current_marks(self) -> list:
+        """Identity and version of every gradient: they change whenever backward writes one."""
+        return [
+            None if p.grad is None else (id(p.grad), p.grad._version)
+            for bucket in self._buckets for p in bucket.params
+        ]
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """``step()`` inside this block does not synchronize (you called synchronize())."""
+        self._skip_sync = True
+        try:
+            yield
+        finally:
+            self._skip_sync = False
+
+    def step(self, closure=None):
+        if not self._skip_sync:
+            if self._synchronized:
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() context after "
+                    "optimizer.synchronize(): it checks the gradients again for nothing. Step "
+                    "inside `with optimizer.skip_synchronize():` after synchronizing yourself.",
+                    stacklevel=2)
+            self.synchronize()
+        self._synchronized = False
+        corrected = self._corrected and self._stepped_with.summed_by_ranks
+        with momentum_correction.plain_step(self) if corrected else contextlib.nullcontext():
+            return super().step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if any(b.work is not None for b in self._buckets):
+            raise RuntimeError(
+                "optimizer.zero_grad() was called after loss.backward() but before "
+                "optimizer.step() or optimizer.synchronize(); call zero_grad() before backward."
+            )
+        super().zero_grad(set_to_none=set_to_none)
+        if (self._announced is None and self._buckets and not self._step_agreed
+                and self._process_set is global_process_set):
+            compression = self._compression_now()
+            if compression not in self._headers:
+                self._headers[compression] = np.asarray(
+                    signature.header("optimizer step", **self._signature()), dtype=np.int64)
+            self._announced = call_check.announce(self._headers[compression])
+
+    # --- for hvd.join() (its StepServer protocol) ---------------------------------------------
+
+    def serves_step(self, words: list[int]) -> bool:
+        """Whether the step the other ranks announced (``words``, their header) is one of
+        this optimizer's."""
+        return bool(self._buckets) and words == signature.header(
+            "optimizer step", **self._signature())
+
+    def serve_joined_step(self) -> None:
+        """Take part in the other ranks' step with no gradients (zeros, as Horovod's joined
+        ranks send), its check already made."""
+        for bucket in self._buckets:
+            for p in bucket.params:
+                p.grad = None
+        self._grad_marks, self._announced, self._step_agreed = None, None, True
+        self.synchronize()
+        self._synchronized = False
+
+    # --- checkpoints --------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The wrapped optimizer's state, plus the steps taken (for ``distributed_after``)."""
+        state = super().state_dict()
+        state[_STATE_KEY] = {"steps": int(self._steps)}
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load what :meth:`state_dict` returned; from a checkpoint written by
+        ``hvd.save_checkpoint``, also this rank's own 1-bit residuals."""
+        state_dict = dict(state_dict)
+        ours = state_dict.pop(_STATE_KEY, None) or {}
+        per_rank = state_dict.pop(checkpoint.RANK_STATE_KEY, None)
+        super().load_state_dict(state_dict)
+        self._steps.fill_(int(ours.get("steps", 0)))
+        mine = checkpoint.this_ranks(per_rank, "DistributedOptimizer's 1-bit residuals")
+        saved = (mine or {}).get("onebit") or [None] * len(self._buckets)
+        for bucket, state in zip(self._buckets, saved):  # none saved: start afresh
+            bucket.onebit = None
+            if bucket.correction is not None:
+                bucket.correction.load(None)
+            if state is not None:
+                bucket.onebit_exchange().load(state)
+
+    def _ipydist_rank_state(self) -> dict | None:
+        """What differs between ranks and a checkpoint must keep per rank: 1-bit residuals
+        (and the velocity of a momentum correction)."""
+        states = [None if b.onebit is None else b.onebit.state() for b in self._buckets]
+        return None if all(s is None for s in states) else {"onebit": states}
+
+
+#: Key of ipydist's own entries in the optimizer's state dict.
+_STATE_KEY = "ipydist"
+
+
+def DistributedOptimizer(  # noqa: N802 - Horovod's name, a factory like Horovod's
+    optimizer: torch.optim.Optimizer,
+    named_parameters=None,
+    compression: type[Compressor] = Compression.none,
+    backward_passes_per_step: int = 1,
+    op: ReduceOp = Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups=None,
+    sparse_as_dense: bool = False,
+    process_set: ProcessSet = global_process_set,
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+    distributed_after: int = 0,
+) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that ``step()`` uses gradients averaged over all ranks.
+
+    The result is an instance of the optimizer's own class (LR schedulers accept it) sharing the
+    original's state. ``backward_passes_per_step=k`` sums k local backward passes before one
+    allreduce (scale the loss by 1/k for the mean, as with any gradient accumulation).
+    Call ``synchronize()`` then step inside ``skip_synchronize()`` to clip averaged gradients.
+
+    ``distributed_after=n`` (CNTK's name) warm-starts a compression: the first n steps average
+    gradients in full precision, the later ones use ``compression``. CNTK counts samples and
+    trains as one worker before; here it counts optimizer steps (a torch optimizer never sees
+    the batch) and every rank trains on its own data from the first step.
+
+    Horovod's arguments: ``process_set`` averages among a process set's ranks (only they step
+    it); ``num_groups=n`` fuses the gradients into about n buckets, ``groups`` (lists of
+    parameters) fuses each list into buckets of its own, where the default is buckets of
+    ``bucket_cap_mb``; sparse gradients (``nn.Embedding(sparse=True)``) are averaged densely,
+    and come back sparse unless ``sparse_as_dense``.
+    """
+    if is_distributed(optimizer):
+        raise ValueError("this optimizer is already a DistributedOptimizer")
+    wrapped = wrap(optimizer, _DistributedMixin)
+    wrapped._ipydist_setup(
+        named_parameters, compression, backward_passes_per_step, op,
+        gradient_predivide_factor, bucket_cap_mb, distributed_after,
+        process_set, sparse_as_dense, num_groups, groups,
+    )
+    return wrapped
+
+
+def is_distributed(optimizer) -> bool:
+    """Whether ``optimizer`` is already a DistributedOptimizer (wrapping it again would
+    average every gradient twice)."""
+    return isinstance(optimizer, _DistributedMixin)

@@ -1,0 +1,74 @@
+"""DistributedOptimizer's arguments, checked and read: Horovod's names for its parameters,
+its fusion groups and bucket sizes, and what it refuses, with a message that says why."""
+
+from __future__ import annotations
+
+from ipydist.torch._wire.compression import Compressor
+from ipydist.torch._wire.reduce_ops import Average, Sum
+
+
+def check(op, backward_passes_per_step: int, compression, distributed_after: int,
+          group) -> None:
+    """Raise on arguments DistributedOptimizer cannot take (``group``: a process set's
+    communicators, or None for every rank)."""
+    if op not in (Average, Sum):
+        raise ValueError(f"DistributedOptimizer op must be Average or Sum, not {op} (Adasum: "
+                         "allreduce(t, op=hvd.Adasum) combines tensors; Horovod's Adasum "
+                         "optimizer, which combines each step's update, is not built here)")
+    if backward_passes_per_step < 1:
+        raise ValueError("backward_passes_per_step must be at least 1")
+    if not (isinstance(compression, type) and issubclass(compression, Compressor)):
+        raise TypeError("compression must be Compression.none, .fp16, .bf16 or .onebit")
+    if group is not None and compression.summed_by_ranks:
+        raise ValueError("Compression.onebit averages over every rank: it takes no "
+                         "process_set")
+    if not isinstance(distributed_after, int) or distributed_after < 0:
+        raise ValueError("distributed_after must be a number of steps, 0 or more")
+
+
+def cap_bytes(params, bucket_cap_mb: float, num_groups: int) -> float:
+    """Bytes per bucket: ``bucket_cap_mb``, or the share of ``num_groups`` (Horovod's)."""
+    if not isinstance(num_groups, int) or num_groups < 0:
+        raise ValueError(f"num_groups must be a number of groups, 0 or more, not {num_groups!r}")
+    if num_groups:
+        total = sum(p.numel() * p.element_size() for p in params)
+        return max(total / num_groups, 1.0)
+    return bucket_cap_mb * 2**20
+
+
+def explicit_groups(groups, params) -> list[list]:
+    """Horovod's ``groups``: lists of parameters fused together, checked."""
+    if groups is None:
+        return []
+    if isinstance(groups, int) or not all(isinstance(g, list | tuple) for g in groups):
+        raise ValueError("groups must be lists of parameters (use num_groups=n for n groups)")
+    known, seen = {id(p) for p in params}, set()
+    for group in groups:
+        for p in group:
+            if id(p) not in known:
+                raise ValueError("groups hold a tensor that is not a parameter of this "
+                                 "optimizer that requires a gradient")
+            if id(p) in seen:
+                raise ValueError("a parameter is in two of the groups")
+            seen.add(id(p))
+    return [list(g) for g in groups]
+
+
+def names_for(params, named_parameters) -> dict[int, str]:
+    if named_parameters is None:
+        return {id(p): f"parameter {i}" for i, p in enumerate(params)}
+    pairs = list(named_parameters)
+    if any(not isinstance(x, tuple) or len(x) != 2 for x in pairs):
+        raise ValueError("named_parameters should be model.named_parameters(): (name, param) pairs")
+    names = [n for n, _ in pairs]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"named_parameters has duplicate names: {', '.join(duplicates)}")
+    by_id = {id(p): n for n, p in pairs}
+    unnamed = [i for i, p in enumerate(params) if id(p) not in by_id]
+    if unnamed:
+        raise ValueError(
+            f"{len(unnamed)} of the optimizer's parameters are not in named_parameters; "
+            "pass the named_parameters() of the model the optimizer was built on."
+        )
+    return {id(p): by_id[id(p)] for p in params}
