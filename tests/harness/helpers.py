@@ -136,3 +136,18 @@ def run_cell_killing_a_rank(shell, capsys, session, rank: int, after: float = 1.
     elapsed = time.monotonic() - t0 - after
     killer.join()
     return result, elapsed, victim
+
+
+def run_ok(shell, capsys, code):
+    """Run a cell that must succeed; its stdout."""
+    result, out, err = run_cell(shell, capsys, code)
+    if result.error_in_exec is not None:
+        raise AssertionError(f"{result.error_in_exec!r}\n{out}\n{err}")
+    return out
+
+
+def pulled(shell, name):
+    """``%dist_pull name``: one value per rank of the NP-rank test cluster."""
+    values = shell.run_line_magic("dist_pull", name)
+    assert len(values) == NP
+    return values

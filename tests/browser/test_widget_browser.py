@@ -21,8 +21,8 @@ from helpers import CHROMIUM, CHROMIUM_ARGS
 from ipydist.notebook.live.layout import chart_layout
 from ipydist.notebook.live.widget import FRONT_END, front_end_source
 
-LIVE = Path(__file__).resolve().parents[1] / "src" / "ipydist" / "notebook" / "live"
-CASES = json.loads((Path(__file__).parent / "data" / "numbers.json").read_text())
+LIVE = Path(__file__).resolve().parents[2] / "src" / "ipydist" / "notebook" / "live"
+CASES = json.loads((Path(__file__).resolve().parents[1] / "data" / "numbers.json").read_text())
 
 pytestmark = pytest.mark.skipif(
     not Path(CHROMIUM).exists(),

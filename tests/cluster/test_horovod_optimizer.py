@@ -3,7 +3,7 @@ before the first step, and the warning for a step that synchronizes again."""
 
 from __future__ import annotations
 
-from test_horovod_api import pulled, run_ok
+from helpers import pulled, run_ok
 
 
 def test_broadcast_optimizer_state_before_any_step_creates_the_state(shell, capsys, cluster):

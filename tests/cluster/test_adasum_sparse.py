@@ -4,8 +4,7 @@ vectors (pure logic), then on a real 4-rank cluster over both wires of CPU tenso
 from __future__ import annotations
 
 import torch
-from helpers import NP
-from test_horovod_api import pulled, run_ok
+from helpers import NP, pulled, run_ok
 
 from ipydist.torch._wire import adasum
 

@@ -8,6 +8,8 @@ import gc
 import psutil
 from helpers import run_cell
 
+from ipydist.errors import RankError
+
 CELLS = 500
 LIMIT_MB = 20
 
@@ -30,9 +32,12 @@ def test_500_cells_keep_kernel_and_controller_memory_flat(shell, capsys, cluster
 
     def soak(n):
         for i in range(n):
-            code = "%everyrank 1 / 0" if i % 50 == 49 else CELL
-            result, out, err = run_cell(shell, capsys, code)
-            if code is CELL:
+            failing = i % 50 == 49
+            result, out, err = run_cell(shell, capsys, "%everyrank 1 / 0" if failing else CELL)
+            if failing:  # the error reaches the notebook, and the next cell runs on
+                assert isinstance(result.error_in_exec, RankError), (result.error_in_exec, err)
+                assert "ZeroDivisionError" in str(result.error_in_exec)
+            else:
                 assert result.error_in_exec is None, err
         gc.collect()
 

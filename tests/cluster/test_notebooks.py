@@ -18,7 +18,7 @@ from helpers import MARK_VAR, cluster_processes
 
 from ipydist import cli
 
-QUICKSTART = Path(__file__).resolve().parents[1] / "notebooks" / "01-quickstart.ipynb"
+QUICKSTART = Path(__file__).resolve().parents[2] / "notebooks" / "01-quickstart.ipynb"
 def _run_marked(notebook: Path, tmp_path_factory, *options: str):
     """Run ``notebook`` through ``ipydist run`` with this run's mark in the environment;
     return (executed notebook, seconds taken, its engines still running 10 s later)."""

@@ -37,7 +37,7 @@ import pytest
 from helpers import CHROMIUM as CHROMIUM_PATH
 from helpers import CHROMIUM_ARGS, MARK_VAR, cluster_processes, wait_gone
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "notebooks" / "01-quickstart.ipynb"
 ARTIFACTS = REPO / "test-artifacts"
 SCREENSHOT = ARTIFACTS / "browser-quickstart.png"

@@ -1,6 +1,6 @@
 """``--launcher slurm``'s rules, without Slurm: the srun and salloc command lines, what is refused
 and how it is said, salloc's job lines, srun's report of a rank that died (issue 14). The real
-launch, against slurmctld and slurmds, is in tests/test_slurm_launch.py."""
+launch, against slurmctld and slurmds, is in tests/hosts/test_slurm_launch.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """``%dist_start --launcher slurm`` against a real slurmctld and two slurmds
-(tests/slurm_cluster.py). From a login host, ``salloc`` asks for a new allocation and ``srun``
-starts the ranks in it; inside an allocation, ``srun`` starts them in that one. A cell runs and
-trains on ranks on both node hosts; a rank killed on a node is named with its host, and a
+(tests/harness/slurm_cluster.py). From a login host, ``salloc`` asks for a new allocation and
+``srun`` starts the ranks in it; inside an allocation, ``srun`` starts them in that one. A cell runs
+and trains on ranks on both node hosts; a rank killed on a node is named with its host, and a
 restart asks for a new job; the job and every process go when the cluster stops, or when the
 notebook side is killed; a job that waits in the queue past ``--timeout`` is cancelled, with
 Slurm's reason (issue 14).

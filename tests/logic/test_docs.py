@@ -14,7 +14,7 @@ import pytest
 from ipydist import cli
 from ipydist.magics import DistMagics
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 MAGICS = ["dist_start", "everyrank", "dist_mode", "dist_status", "dist_pull", "dist_push",
           "dist_stop", "dist_restart", "dist_timeline"]
 

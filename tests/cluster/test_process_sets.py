@@ -5,8 +5,7 @@ works after a failed cell left one of its operations behind."""
 
 from __future__ import annotations
 
-from helpers import NP, run_cell
-from test_horovod_api import pulled, run_ok
+from helpers import NP, pulled, run_cell, run_ok
 
 EVEN, ODD = list(range(0, NP, 2)), list(range(1, NP, 2))
 

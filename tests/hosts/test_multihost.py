@@ -1,5 +1,5 @@
 """ipydist across hosts (issue 14): a notebook side on a login host starts 2 ranks on each of two
-other hosts (network namespaces with their own sshd: tests/netns_hosts.py), through the
+other hosts (network namespaces with their own sshd: tests/harness/netns_hosts.py), through the
 wheel's mpiexec and its ssh launch, as on a small cluster.
 
 Each test runs a short Python program on the login host -- the notebook's side, a

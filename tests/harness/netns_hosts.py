@@ -447,7 +447,8 @@ class HostCluster:
 
 
 _SSH_CONFIG = """\
-# The test hosts' ssh client config (tests/netns_hosts.py, cluster {tag}): `ssh -F THIS HOST`.
+# The test hosts' ssh client config (tests/harness/netns_hosts.py, cluster {tag}):
+# `ssh -F THIS HOST`.
 Host *
     User root
     IdentityFile {state}/id_ed25519
@@ -462,7 +463,7 @@ Host *
 """
 
 _SSHD_CONFIG = """\
-# sshd of one test host (tests/netns_hosts.py, cluster {tag})
+# sshd of one test host (tests/harness/netns_hosts.py, cluster {tag})
 ListenAddress {address}
 Port 22
 HostKey {state}/host_key
@@ -652,7 +653,7 @@ def _tail(path: Path, lines: int = 20) -> str:
 
 
 def _repo_root() -> Path:
-    return Path(__file__).resolve().parent.parent
+    return Path(__file__).resolve().parents[2]
 
 
 def _under_tmp(paths: list[Path]) -> list[Path]:

@@ -4,7 +4,7 @@ input and parameter gradients and running statistics match one process's
 
 from __future__ import annotations
 
-from test_horovod_api import pulled, run_ok
+from helpers import pulled, run_ok
 
 
 def test_matches_one_batch_norm_on_the_union_of_the_batches(shell, capsys, cluster,

@@ -14,7 +14,7 @@ import pytest
 from ipydist.notebook.live import layout, numbers
 from ipydist.notebook.live.static import chart_svg, fallback_bundle, nice_ticks, summary_line
 
-CASES = json.loads((Path(__file__).parent / "data" / "numbers.json").read_text())
+CASES = json.loads((Path(__file__).resolve().parents[1] / "data" / "numbers.json").read_text())
 
 
 def _value(v):

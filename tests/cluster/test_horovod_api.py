@@ -5,22 +5,9 @@ gloo lacks."""
 
 from __future__ import annotations
 
-from helpers import NP, run_cell
+from helpers import NP, pulled, run_cell, run_ok
 
 from ipydist.errors import RankError
-
-
-def run_ok(shell, capsys, code):
-    result, out, err = run_cell(shell, capsys, code)
-    if result.error_in_exec is not None:
-        raise AssertionError(f"{result.error_in_exec!r}\n{out}\n{err}")
-    return out
-
-
-def pulled(shell, name):
-    values = shell.run_line_magic("dist_pull", name)
-    assert len(values) == NP
-    return values
 
 
 def test_build_and_runtime_queries(shell, capsys, cluster, transport):

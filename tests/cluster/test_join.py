@@ -5,8 +5,7 @@ the last rank to join, the same everywhere."""
 
 from __future__ import annotations
 
-from helpers import NP, run_cell
-from test_horovod_api import pulled, run_ok
+from helpers import NP, pulled, run_cell, run_ok
 
 
 def test_joined_ranks_serve_allreduces_with_neutral_values(shell, capsys, cluster, transport):

