@@ -22,11 +22,13 @@ import weakref
 
 from ipydist import protocol
 from ipydist.errors import ClusterError, RankDied, RankError
-from ipydist.notebook import display, mpiexec, recovery, slurm, timeline, words
+from ipydist.notebook import recovery, timeline, words
 from ipydist.notebook.cell import CellRun, RunResult
 from ipydist.notebook.cluster import Cluster
-from ipydist.notebook.hosts import choose as choose_hosts
+from ipydist.notebook.launch import mpiexec, slurm
+from ipydist.notebook.launch.hosts import choose as choose_hosts
 from ipydist.notebook.live.history import MetricHistory
+from ipydist.notebook.output import display
 from ipydist.notebook.stall import STALL_WARNING_SECONDS
 from ipydist.specs import (
     SpecError,

@@ -11,7 +11,7 @@ from helpers import cluster_processes, run_cell, wait_gone
 from IPython.core.error import UsageError
 
 from ipydist import protocol
-from ipydist.notebook import mpiexec
+from ipydist.notebook.launch import mpiexec
 
 
 def expect_usage_error(shell, capsys, code: str, *fragments: str):

@@ -9,8 +9,8 @@ from helpers import plain
 
 from ipydist import protocol
 from ipydist.network import Route
-from ipydist.notebook import hosts as host_names
-from ipydist.notebook import mpiexec
+from ipydist.notebook.launch import hosts as host_names
+from ipydist.notebook.launch import mpiexec
 from ipydist.session import grouped_by_host
 from ipydist.specs import SpecError, format_hosts, parse_hostfile, parse_hosts
 

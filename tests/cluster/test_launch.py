@@ -8,7 +8,7 @@ import stat
 import pytest
 
 from ipydist.errors import LaunchError
-from ipydist.notebook import mpiexec
+from ipydist.notebook.launch import mpiexec
 from ipydist.rank import device
 from ipydist.specs import SpecError, parse_gpus
 

@@ -166,7 +166,7 @@ def test_batches_that_arrive_before_the_notebook_hooks_in_are_kept(
     until the ranks have sent several batches; none of them may be lost."""
     import time
 
-    from ipydist.notebook import iopub
+    from ipydist.notebook.output import iopub
 
     attach = iopub.IOPubCollector.__init__
 

@@ -22,7 +22,8 @@ import pytest
 from helpers import CHECK_NEXT_CELL, NP, assert_collectives_work, run_cell
 
 from ipydist.errors import CellTimeout, ReplyLost
-from ipydist.notebook import cell, mpiexec, recovery
+from ipydist.notebook import cell, recovery
+from ipydist.notebook.launch import mpiexec
 
 
 @pytest.fixture

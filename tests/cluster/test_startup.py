@@ -14,7 +14,7 @@ from helpers import run_cell
 from jupyter_client.manager import start_new_kernel
 
 from ipydist import protocol
-from ipydist.notebook.startup import StartWatch, without_markers
+from ipydist.notebook.launch.startup import StartWatch, without_markers
 
 T0 = 100.0  # the fake perf_counter() at which the start began
 LINE = re.compile(r"^Starting 2 ranks with [\w ]+ · (\d+\.\d) s: (.+)$")

@@ -1,6 +1,6 @@
 """Pure logic of merging the ranks' output lines."""
 
-from ipydist.notebook.lines import ALL, LineMerger
+from ipydist.notebook.output.lines import ALL, LineMerger
 
 
 def test_identical_lines_are_shown_once():

@@ -1,8 +1,8 @@
 """Pure logic of the ranks' rich output: which displays are shown, tagged how, in which order
 among the printed lines, and what is said of widgets."""
 
-from ipydist.notebook.lines import ALL, LineMerger
-from ipydist.notebook.rich import WIDGET_MIME, Display, DisplayBook
+from ipydist.notebook.output.lines import ALL, LineMerger
+from ipydist.notebook.output.rich import WIDGET_MIME, Display, DisplayBook
 
 
 def html(text: str) -> dict:

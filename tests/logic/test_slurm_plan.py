@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from ipydist.notebook import mpiexec, slurm
-from ipydist.notebook.startup import StartWatch
+from ipydist.notebook.launch import mpiexec, slurm
+from ipydist.notebook.launch.startup import StartWatch
 from ipydist.specs import SpecError, parse_launcher
 
 ALLOCATION = {"SLURM_JOB_ID": "12", "SLURM_JOB_NODELIST": "node[1-2]",

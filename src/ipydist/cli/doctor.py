@@ -20,7 +20,7 @@ from ipydist.cli import kernelspec
 from ipydist.cli.checks import FAIL, NOTE, OK, Check
 from ipydist.cli.hostcheck import check_hosts
 from ipydist.errors import LaunchError
-from ipydist.notebook import mpiexec
+from ipydist.notebook.launch import mpiexec
 from ipydist.session import Session
 
 MIN_PYTHON = (3, 10)

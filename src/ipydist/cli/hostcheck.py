@@ -20,7 +20,7 @@ import time
 
 from ipydist.cli.checks import FAIL, NOTE, OK, Check
 from ipydist.errors import LaunchError
-from ipydist.notebook.hosts import choose
+from ipydist.notebook.launch.hosts import choose
 from ipydist.specs import SpecError
 
 #: Seconds for one host to answer all its checks.

@@ -1,6 +1,8 @@
 """The notebook side: everything here runs in the Jupyter kernel, and none of it imports torch.
 
-``cluster`` starts and owns the controller and mpiexec's ranks; ``cell`` runs one
-``%%everyrank`` cell (with ``iopub``, ``lines``, ``stall`` and ``recovery``); ``live/`` shows the
-ranks' metrics. What crosses to the ranks is in :mod:`ipydist.protocol`.
+``cluster`` starts and owns the controller and mpiexec's ranks, with ``launch/`` (hosts, the
+mpiexec or Slurm plan, following a start, the processes) and ``watchdog``; ``cell`` runs one
+``%%everyrank`` cell (with ``output/`` for what the ranks send and what the cell shows, ``stall``
+and ``recovery``); ``live/`` shows the ranks' metrics. What crosses to the ranks is in
+:mod:`ipydist.protocol`.
 """

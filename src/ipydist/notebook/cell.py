@@ -1,10 +1,11 @@
 """One ``%%everyrank`` cell in flight: waiting for the ranks while showing what they send.
 
 The wait loop runs in the notebook's main thread and wakes every 50 ms: it shows the ranks'
-output, printed and rich (merged by :class:`LineMerger`, tagged as :mod:`~ipydist.notebook.rich`
-says), feeds their metrics to the history and the live view, warns of a stall (some ranks
-waiting in a collective the others never entered: see :mod:`ipydist.notebook.stall`), and
-enforces ``--timeout``. Ctrl-C (the stop button) lands here too, and interrupts the ranks.
+output, printed and rich (merged by :class:`LineMerger`, tagged as
+:mod:`~ipydist.notebook.output.rich` says), feeds their metrics to the history and the live view,
+warns of a stall (some ranks waiting in a collective the others never entered: see
+:mod:`ipydist.notebook.stall`), and enforces ``--timeout``. Ctrl-C (the stop button) lands here
+too, and interrupts the ranks.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from ipydist.errors import (
     RankError,
     ReplyLost,
 )
-from ipydist.notebook import display, ipp, recovery, rich
-from ipydist.notebook.iopub import IOPubCollector
-from ipydist.notebook.lines import LineMerger
+from ipydist.notebook import ipp, recovery
 from ipydist.notebook.live.view import LiveView
+from ipydist.notebook.output import display, rich
+from ipydist.notebook.output.iopub import IOPubCollector
+from ipydist.notebook.output.lines import LineMerger
 from ipydist.notebook.stall import StallWatch
 from ipydist.specs import describe_ranks
 
@@ -281,7 +283,8 @@ class CellRun:
 
     def _emit(self, released) -> None:
         """Show what the merger released: printed lines with their tags, and displays (see
-        :mod:`ipydist.notebook.rich`: each bundle once, tagged unless it is the first rank's)."""
+        :mod:`ipydist.notebook.output.rich`: each bundle once, tagged unless it is the first
+        rank's)."""
         for tag, stream, item in released:
             if isinstance(item, str):
                 print(f"[{tag}] {item}", end="",

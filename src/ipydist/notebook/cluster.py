@@ -4,7 +4,7 @@
 ranks import torch and build the process group while the controller comes up), then waits for
 every rank to register while watching mpiexec, so that a launch that fails ends the wait at once
 with MPI's own message instead of running into ``--timeout``; meanwhile a status line shows how
-far the ranks got (:mod:`~ipydist.notebook.startup`). It keeps the client, the
+far the ranks got (:mod:`~ipydist.notebook.launch.startup`). It keeps the client, the
 controller and mpiexec launchers, the ranks' pids, the watchdog and the profile folder, and
 :meth:`Cluster.stop` ends all of them, as ipyparallel's own ``Cluster`` does for what it starts.
 """
@@ -21,7 +21,9 @@ import time
 
 from ipydist import protocol
 from ipydist.errors import ClusterError
-from ipydist.notebook import display, ipp, mpiexec, processes, slurm, startup, watchdog
+from ipydist.notebook import ipp, watchdog
+from ipydist.notebook.launch import mpiexec, processes, slurm, startup
+from ipydist.notebook.output import display
 from ipydist.specs import describe_ranks, parse_ranks
 
 #: Controller heartbeat: a rank is declared gone after HEARTBEAT_MS * HEARTBEAT_MISSES ms.

@@ -18,7 +18,7 @@ import select
 import subprocess
 import sys
 
-from ipydist.notebook import processes
+from ipydist.notebook.launch import processes
 
 REFRESH_SECONDS = 1.0
 GRACE_SECONDS = 3.0

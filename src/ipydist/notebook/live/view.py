@@ -19,11 +19,11 @@ import math
 import time
 import uuid
 
-from ipydist.notebook.display import in_kernel
 from ipydist.notebook.live.history import Columns, MetricHistory, downsample_indices
 from ipydist.notebook.live.layout import EPOCH, chart_layout, epoch_starts
 from ipydist.notebook.live.static import fallback_bundle, summary_line
 from ipydist.notebook.live.summary import summarize
+from ipydist.notebook.output.display import in_kernel
 
 #: At most this many points per metric in one update message (min/max decimated beyond).
 APPEND_MAX_POINTS = 500

@@ -23,7 +23,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
-from ipydist.notebook.lines import ALL
+from ipydist.notebook.output.lines import ALL
 from ipydist.specs import describe_ranks
 
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
@@ -34,7 +34,8 @@ WIDGETS_NAMED = 3
 
 class Display:
     """One display_data bundle from one rank. Equal (and hashed) by its data alone, so that
-    :class:`~ipydist.notebook.lines.LineMerger` merges a bundle every rank displayed alike."""
+    :class:`~ipydist.notebook.output.lines.LineMerger` merges a bundle every rank displayed
+    alike."""
 
     __slots__ = ("rank", "data", "metadata", "key")
 

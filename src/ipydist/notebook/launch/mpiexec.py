@@ -23,7 +23,7 @@ from pathlib import Path
 from ipydist import protocol
 from ipydist.errors import LaunchError
 from ipydist.network import Route
-from ipydist.notebook.hosts import Hosts, mpiexec_host_args
+from ipydist.notebook.launch.hosts import Hosts, mpiexec_host_args
 from ipydist.specs import describe_ranks, format_gpus
 
 #: Directories searched for ``mpiexec`` before ``$PATH``: the one holding this Python, which
@@ -162,7 +162,7 @@ class Plan:
     #: The hosts, when named (``--hosts``, ``--hostfile``, Slurm): for the start table.
     hosts: Hosts | None = None
     #: What ipyparallel runs before ``-n N ARGS program``: mpiexec, or Slurm's ``srun`` (or
-    #: ``salloc ... srun``: :mod:`ipydist.notebook.slurm`).
+    #: ``salloc ... srun``: :mod:`ipydist.notebook.launch.slurm`).
     command: list[str] = field(default_factory=list)
     #: How the start line names the launch (``Open MPI``, ``Slurm (srun in job 12)``...).
     title: str = ""

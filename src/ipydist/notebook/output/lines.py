@@ -2,9 +2,9 @@
 
 :class:`LineMerger` is pure logic: it buffers each rank's lines for a moment so that a line
 every rank prints (``epoch 3 done``) is shown once as ``[all ranks]`` instead of N times. A
-rank's displays (:class:`~ipydist.notebook.rich.Display`) pass through it too, so that each comes
-out between what its rank printed before and after it, and so that one every rank made alike
-merges the same way.
+rank's displays (:class:`~ipydist.notebook.output.rich.Display`) pass through it too, so that
+each comes out between what its rank printed before and after it, and so that one every rank
+made alike merges the same way.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class LineMerger:
     display never keeps the other ranks' lines from merging, with two rules of order per rank:
     a display waits for the lines its rank printed before it, and a line printed after it sends
     it out at once (a display a line waits on goes out without merging; the display book
-    recognises a later copy: see :mod:`ipydist.notebook.rich`).
+    recognises a later copy: see :mod:`ipydist.notebook.output.rich`).
     """
 
     def __init__(self, ranks: list[int], hold: float = 0.25):

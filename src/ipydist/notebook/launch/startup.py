@@ -15,7 +15,7 @@ import math
 import time
 
 from ipydist import protocol
-from ipydist.notebook.slurm import allocation_in
+from ipydist.notebook.launch.slurm import allocation_in
 from ipydist.specs import describe_ranks
 
 #: Seconds between two looks at mpiexec's output (and so between two redraws of the line).
