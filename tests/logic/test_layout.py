@@ -202,6 +202,17 @@ def test_torch_never_imports_the_rank_side(name):
     assert others == [], f"{name} imports {others}: torch/ uses only itself and {sorted(SHARED)}"
 
 
+FOLDER_LIMIT = 15
+
+
+@pytest.mark.parametrize("folder", sorted({p.parent for p in PACKAGE.rglob("*.py")}),
+                         ids=lambda p: str(p.relative_to(SRC)))
+def test_no_folder_holds_more_than_15_modules(folder):
+    modules = [p for p in folder.glob("*.py") if p.name not in ("__init__.py", "__main__.py")]
+    assert len(modules) <= FOLDER_LIMIT, (
+        f"{folder.relative_to(SRC)} holds {len(modules)} modules: give its concerns rooms")
+
+
 def private_reach_ins(name: str) -> list[str]:
     """``from ipydist.x import _private`` and ``module._private`` where ``module`` is an
     imported ipydist module: a module's underscore names are its own."""
