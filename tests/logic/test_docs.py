@@ -1,12 +1,26 @@
-"""The README documents what the code does (issue 6, item 6): every magic's ``--help`` text
-(its description and each option's help) appears in the README word for word, and every
-``ipydist`` subcommand and option is listed there. Change one, and this says which to update.
+"""The docs say what the code does (issue 6, item 6; issue 28, item 3). Change one, and a test
+here says which page to update:
+
+- every magic is in the README's table with its own ``--help`` sentence, and on
+  ``docs/magics.md`` with each option's ``--help`` text word for word;
+- every ``ipydist`` subcommand and option is in the README's command table;
+- every name of ``ipydist.torch.__all__`` is documented on a page of ``docs/`` and has its entry
+  in the API reference (``docs/api.md``);
+- every module of ``src/ipydist`` is on ``docs/architecture.md``, and every module that page
+  names exists;
+- the README stays short (the rest is in ``docs/``), and every relative link of the README and
+  of ``docs/`` leads to a file that exists (and, for a Markdown file, to a heading on it).
+
+Pure logic: nothing here starts ranks or imports torch. ``ipydist.torch``'s names and the module
+tree are read from this checkout's ``src/``, next to the docs they are held against.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import re
+import unicodedata
 from pathlib import Path
 
 import pytest
@@ -14,9 +28,26 @@ import pytest
 from ipydist import cli
 from ipydist.magics import DistMagics
 
-README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+
+def repo_root() -> Path:
+    """The checkout this file is in (the folder with pyproject.toml), wherever tests/ puts it."""
+    here = Path(__file__).resolve()
+    return next(p for p in here.parents if (p / "pyproject.toml").is_file())
+
+
+ROOT = repo_root()
+DOCS = ROOT / "docs"
+PACKAGE = ROOT / "src" / "ipydist"
+README = (ROOT / "README.md").read_text()
+MAGICS_PAGE = (DOCS / "magics.md").read_text()
+ARCHITECTURE = (DOCS / "architecture.md").read_text()
+API_PAGE = (DOCS / "api.md").read_text()
+#: The pages written by hand: the API reference is generated from the docstrings, so a name
+#: counts as documented only where a page says something of it.
+PAGES = {p.name: p.read_text() for p in sorted(DOCS.glob("*.md")) if p.name != "api.md"}
 MAGICS = ["dist_start", "everyrank", "dist_mode", "dist_status", "dist_pull", "dist_push",
           "dist_stop", "dist_restart", "dist_timeline"]
+README_MAX_LINES = 300
 
 
 def flat(text: str) -> str:
@@ -24,7 +55,18 @@ def flat(text: str) -> str:
     return re.sub(r"\s+", " ", text.replace("``", "`")).strip()
 
 
-FLAT_README = flat(README.replace("\\|", "|"))
+def flat_markdown(text: str) -> str:
+    """A Markdown page flattened, with table cells' escaped bars as plain ones."""
+    return flat(text.replace("\\|", "|"))
+
+
+def without_fences(markdown: str) -> str:
+    """The page without its fenced code blocks."""
+    return re.sub(r"^(```|~~~).*?^\1", "", markdown, flags=re.MULTILINE | re.DOTALL)
+
+
+FLAT_README = flat_markdown(README)
+FLAT_MAGICS_PAGE = flat_markdown(MAGICS_PAGE)
 
 
 def description(magic: str) -> str:
@@ -50,6 +92,16 @@ def option_helps(magic: str) -> list[tuple[str, str]]:
     return out
 
 
+# --- magics and the ipydist command ----------------------------------------------------------
+
+
+def test_every_magic_of_the_extension_is_in_the_list_these_tests_check():
+    registered = {name for kind in DistMagics.magics.values() for name in kind}
+    assert registered == set(MAGICS), (
+        f"magics not in test_docs.MAGICS (and so maybe not documented): "
+        f"{sorted(registered - set(MAGICS))}; listed but gone: {sorted(set(MAGICS) - registered)}")
+
+
 @pytest.mark.parametrize("magic", MAGICS)
 def test_each_magic_is_in_the_readme_with_its_own_description(magic):
     name = "%%everyrank" if magic == "everyrank" else f"%{magic}"
@@ -58,10 +110,18 @@ def test_each_magic_is_in_the_readme_with_its_own_description(magic):
         f"the README should describe {name} as its --help does: {description(magic)!r}")
 
 
+@pytest.mark.parametrize("magic", MAGICS)
+def test_each_magic_is_on_the_magics_page_with_its_own_description(magic):
+    name = "%%everyrank" if magic == "everyrank" else f"%{magic}"
+    assert f"`{name}" in MAGICS_PAGE, f"{name} is missing from docs/magics.md"
+    assert description(magic) in FLAT_MAGICS_PAGE, (
+        f"docs/magics.md should describe {name} as its --help does: {description(magic)!r}")
+
+
 @pytest.mark.parametrize("magic", [m for m in MAGICS if option_helps(m)])
-def test_each_magic_option_has_its_help_text_in_the_readme(magic):
+def test_each_magic_option_has_its_help_text_on_the_magics_page(magic):
     for name, text in option_helps(magic):
-        assert text in FLAT_README, f"%{magic} {name}: README should say {text!r}"
+        assert text in FLAT_MAGICS_PAGE, f"%{magic} {name}: docs/magics.md should say {text!r}"
 
 
 def subcommands() -> dict[str, argparse.ArgumentParser]:
@@ -82,3 +142,143 @@ def test_each_ipydist_command_and_option_is_in_the_readme():
             for option in action.option_strings:
                 if option not in ("-h", "--help"):
                     assert option in row, f"ipydist {command} {option} is not in the README"
+
+
+# --- ipydist.torch's names --------------------------------------------------------------------
+
+
+def torch_all() -> list[str]:
+    """``ipydist.torch.__all__``, read from the source (importing it would import torch)."""
+    tree = ast.parse((PACKAGE / "torch" / "__init__.py").read_text())
+    for node in tree.body:
+        if (isinstance(node, ast.Assign)
+                and any(getattr(t, "id", None) == "__all__" for t in node.targets)):
+            return list(ast.literal_eval(node.value))
+    raise AssertionError("ipydist/torch/__init__.py has no __all__")
+
+
+def code_spans(markdown: str) -> list[str]:
+    """The text of every inline code span of a Markdown page (code blocks are examples, and
+    do not count)."""
+    spans = re.findall(r"(`+)(.+?)\1", without_fences(markdown), flags=re.DOTALL)
+    return [re.sub(r"\s+", " ", text).strip() for _, text in spans]
+
+
+def documents(span: str, name: str) -> bool:
+    """Whether a code span documents ``name``: it is ``NAME`` or ``hvd.NAME``, alone or
+    followed by what is not part of a name (``NAME(...)``, ``NAME.fp16``, ``NAME, ...``).
+    ``allreduce_async_`` documents ``allreduce_async_`` only, not ``allreduce_async``."""
+    return re.match(rf"(?:hvd\.)?{re.escape(name)}(?!\w)", span) is not None
+
+
+@pytest.mark.parametrize("name", torch_all())
+def test_each_name_of_ipydist_torch_is_documented_on_a_page(name):
+    pages = [page for page, text in PAGES.items()
+             if any(documents(span, name) for span in code_spans(text))]
+    assert pages, (
+        f"hvd.{name} is in ipydist.torch.__all__ but no page of docs/ (api.md aside) says what "
+        f"it does: add it, as `{name}` or `hvd.{name}`, where it belongs (inside-cells.md lists "
+        f"every name)")
+
+
+@pytest.mark.parametrize("name", torch_all())
+def test_each_name_of_ipydist_torch_is_in_the_api_reference(name):
+    assert re.search(rf"^::: ipydist\.torch\.{re.escape(name)}\s*$", API_PAGE, re.MULTILINE), (
+        f"docs/api.md has no `::: ipydist.torch.{name}` entry")
+
+
+def test_the_api_reference_names_only_what_ipydist_torch_exports():
+    listed = re.findall(r"^::: ipydist\.torch\.(\w+)\s*$", API_PAGE, re.MULTILINE)
+    assert sorted(set(listed) - set(torch_all())) == [], "docs/api.md lists names gone from __all__"
+    assert len(listed) == len(set(listed)), "docs/api.md lists a name twice"
+
+
+# --- modules and the architecture page ---------------------------------------------------------
+
+
+def module_paths(package: Path) -> list[str]:
+    """Every module of the package, as the architecture page writes it: its path relative to
+    ``src/`` (``ipydist/torch/_core/topology.py``). A package's ``__init__.py`` counts as named
+    when the page names the file or the package's folder (``ipydist/torch/_core/``)."""
+    return sorted(str(p.relative_to(package.parent)) for p in package.rglob("*.py")
+                  if "__pycache__" not in p.parts)
+
+
+def named_paths(page: str) -> set[str]:
+    """Every ``ipydist/...`` path the page writes in backquotes."""
+    return {span for span in code_spans(page) if re.fullmatch(r"ipydist(/[\w.]+)*/?", span)}
+
+
+def missing_from(page: str, modules: list[str]) -> list[str]:
+    named = named_paths(page)
+    return [m for m in modules
+            if m not in named
+            and not (m.endswith("/__init__.py") and m.removesuffix("__init__.py") in named)]
+
+
+def test_every_module_is_on_the_architecture_page():
+    missing = missing_from(ARCHITECTURE, module_paths(PACKAGE))
+    assert missing == [], (
+        f"docs/architecture.md does not name {missing}: add a line for each (its path relative "
+        f"to src/ in backquotes, the process it runs in, what it does)")
+
+
+def test_every_module_the_architecture_page_names_exists():
+    src = PACKAGE.parent
+    gone = sorted(p for p in named_paths(ARCHITECTURE)
+                  if not (src / p).exists() or (p.endswith(".py") and not (src / p).is_file()))
+    assert gone == [], f"docs/architecture.md names modules that do not exist: {gone}"
+
+
+# --- the README's length and every link -------------------------------------------------------
+
+
+def test_the_readme_is_short():
+    lines = len(README.splitlines())
+    assert lines <= README_MAX_LINES, (
+        f"README.md has {lines} lines (at most {README_MAX_LINES}): move the detail to a page of "
+        f"docs/ and link to it")
+
+
+def without_code(markdown: str) -> str:
+    """The page without code blocks and code spans, where ``[x](y)`` is no link."""
+    return re.sub(r"(`+).+?\1", "", without_fences(markdown), flags=re.DOTALL)
+
+
+def links(markdown: str) -> list[str]:
+    """Targets of the page's inline links and images: ``[text](target)``, ``![alt](target)``."""
+    return re.findall(r"!?\[(?:[^\]\[]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)",
+                      without_code(markdown))
+
+
+def slug(heading: str) -> str:
+    """A heading's anchor as Python-Markdown's toc extension makes it (MkDocs' default)."""
+    text = re.sub(r"`|\*\*|\*|\[([^\]]*)\]\([^)]*\)", r"\1", heading)
+    text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode()
+    text = re.sub(r"[^\w\s-]", "", text).strip().lower()
+    return re.sub(r"[-\s]+", "-", text)
+
+
+def anchors(markdown: str) -> set[str]:
+    headings = re.findall(r"^#{1,6}\s+(.+?)\s*#*\s*$", without_fences(markdown), re.MULTILINE)
+    return {slug(h) for h in headings}
+
+
+def broken_links(page: Path) -> list[str]:
+    broken = []
+    for target in links(page.read_text()):
+        if re.match(r"[a-z][a-z0-9+.-]*:", target, re.IGNORECASE):  # http:, https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        if not file.exists():
+            broken.append(f"{target} (no such file)")
+        elif anchor and file.suffix == ".md" and anchor not in anchors(file.read_text()):
+            broken.append(f"{target} (no heading #{anchor} in {file.name})")
+    return broken
+
+
+@pytest.mark.parametrize("page", [ROOT / "README.md", *sorted(DOCS.glob("*.md"))],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_leads_to_a_file_that_exists(page):
+    assert broken_links(page) == [], f"{page.relative_to(ROOT)}: broken links"

@@ -15,6 +15,7 @@ data, metrics). The rank side (:mod:`ipydist.rank`) imports torch/, never the ot
 """
 
 from ipydist.torch._mpi.backend import register as _register_mpi_backend
+from ipydist.torch._wire import call_check as call_check  # .set_enabled(False): check off
 from ipydist.torch._wire.compression import Compression
 from ipydist.torch._wire.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from ipydist.torch.horovod.async_ops import (

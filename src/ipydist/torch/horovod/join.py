@@ -67,7 +67,7 @@ def join(device: int = -1) -> int:
     if not call_check.enabled():
         raise RuntimeError(
             "hvd.join() learns what the other ranks call from the collective check, which is "
-            "off: turn it on on every rank (ipydist.torch._wire.call_check.set_enabled(True), or "
+            "off: turn it on on every rank (ipydist.torch.call_check.set_enabled(True), or "
             "leave IPYDIST_CHECK_COLLECTIVES unset)")
     first = True
     while True:
