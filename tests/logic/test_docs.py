@@ -102,20 +102,20 @@ def test_every_magic_of_the_extension_is_in_the_list_these_tests_check():
         f"{sorted(registered - set(MAGICS))}; listed but gone: {sorted(set(MAGICS) - registered)}")
 
 
-@pytest.mark.parametrize("magic", MAGICS)
-def test_each_magic_is_in_the_readme_with_its_own_description(magic):
-    name = "%%everyrank" if magic == "everyrank" else f"%{magic}"
-    assert f"| `{name}" in README, f"{name} is missing from the README's table of magics"
-    assert description(magic) in FLAT_README, (
-        f"the README should describe {name} as its --help does: {description(magic)!r}")
+#: Where each magic is described with its own --help sentence: (page, how its entry starts,
+#: the page, the page flattened). The README has the one-line table; docs/magics.md the entries.
+MAGIC_PAGES = {"README.md": ("| `", README, FLAT_README),
+               "docs/magics.md": ("`", MAGICS_PAGE, FLAT_MAGICS_PAGE)}
 
 
+@pytest.mark.parametrize("page", MAGIC_PAGES)
 @pytest.mark.parametrize("magic", MAGICS)
-def test_each_magic_is_on_the_magics_page_with_its_own_description(magic):
+def test_each_magic_is_described_as_its_help_does(magic, page):
     name = "%%everyrank" if magic == "everyrank" else f"%{magic}"
-    assert f"`{name}" in MAGICS_PAGE, f"{name} is missing from docs/magics.md"
-    assert description(magic) in FLAT_MAGICS_PAGE, (
-        f"docs/magics.md should describe {name} as its --help does: {description(magic)!r}")
+    entry, text, flat_text = MAGIC_PAGES[page]
+    assert f"{entry}{name}" in text, f"{name} is missing from {page}"
+    assert description(magic) in flat_text, (
+        f"{page} should describe {name} as its --help does: {description(magic)!r}")
 
 
 @pytest.mark.parametrize("magic", [m for m in MAGICS if option_helps(m)])
