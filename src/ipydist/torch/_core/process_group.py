@@ -29,8 +29,7 @@ RELEASED_MESSAGE = ("this rank was released (a peer failed, or the cell was inte
 original_init_process_group = dist.init_process_group
 
 
-def make(rt: Runtime, backend: str | None = None,
-                       timeout_s: float | None = None) -> None:
+def make(rt: Runtime, backend: str | None = None, timeout_s: float | None = None) -> None:
     """Create the default process group for ``rt`` (collective: every rank calls it).
 
     The first group makes the rendezvous store; later ones (a rebuild after a release, user

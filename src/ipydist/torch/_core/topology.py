@@ -47,8 +47,9 @@ class Runtime:
     master_port: int = 0
     timeout_s: float = protocol.DEFAULT_PG_TIMEOUT
     comm: Any = None  # mpi4py communicator, when launched by mpiexec
-    #: The rendezvous store (a TCPStore served by rank 0), made once: every group after the
-    #: first meets under a prefix of its own (see :func:`init_process_group`).
+    #: The rendezvous store (a FileStore on one host, a TCPStore served by rank 0 across
+    #: hosts), made once: every group after the first meets under a prefix of its own (see
+    #: :func:`ipydist.torch._core.process_group.make`).
     base_store: Any = None
     #: How many groups this rank has made (the prefix of the next one's rendezvous keys).
     generation: int = 0

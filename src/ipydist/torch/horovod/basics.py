@@ -2,8 +2,8 @@
 local_size() cross_rank() cross_size() device()``), whether ``init()`` has run, ``shutdown()``,
 and the questions about the build and the running job: what is built in, what is in use.
 
-Each question makes sure the default process group exists first (user code may have destroyed
-it in an earlier cell), so they work in any cell.
+``init()`` and the questions about this rank make sure the default process group exists first
+(user code may have destroyed it in an earlier cell), so they work in any cell.
 
 "Built" answers for this torch and mpi4py (Horovod answers for how it was compiled): MPI is
 built when mpi4py imports, NCCL when torch has it (as Horovod's version code, e.g. 21803 for
