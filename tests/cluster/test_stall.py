@@ -11,9 +11,9 @@ import threading
 import time
 
 import pytest
-from helpers import NP, run_cell
+from helpers import NP, assert_collectives_work, run_cell
 
-from ipydist.errors import CellTimeout
+from ipydist.errors import CellTimeout, RankError
 from ipydist.notebook.stall import StallWatch
 from ipydist.rank.stack_sampler import CollectiveSampler, collective_frame
 
@@ -202,3 +202,43 @@ print("done", steps > 100)
     assert result.error_in_exec is None, err
     assert "[all ranks] done True" in out, out
     assert "stall" not in err, err
+
+
+def test_ranks_whose_gradient_hook_waits_on_another_thread_are_released_at_once(
+        shell, capsys, cluster):
+    """On a GPU a parameter's hook runs on autograd's thread for the device while the main
+    thread waits in backward() (issue 29); here backward runs on a thread of the cell's, and
+    its first hook waits in the step's check for a rank that failed. The waiting ranks are
+    seen there, so they are released at once (not after the 10 s grace), by the first
+    release, which breaks the group rather than interrupting Python code; the error reaches
+    backward()'s caller."""
+    assert cluster.failure_grace >= 10
+    run_cell(shell, capsys, "%everyrank import threading, torch, ipydist.torch as hvd")
+    t0 = time.monotonic()
+    result, _, err = run_cell(shell, capsys, f"""%%everyrank
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                               bucket_cap_mb=1e-6)  # a bucket per parameter: hooks
+if hvd.rank() == {NP - 1}:
+    raise ValueError("bad batch on the last rank")
+opt.zero_grad()
+raised = []
+def backward():
+    try:
+        model(torch.ones(2, 4)).sum().backward()
+    except RuntimeError as e:
+        raised.append(e)
+thread = threading.Thread(target=backward)
+thread.start()
+thread.join()
+raise raised[0] if raised else AssertionError("backward() was not released")
+""")
+    elapsed = time.monotonic() - t0
+    error = result.error_in_exec
+    assert isinstance(error, RankError), err
+    assert elapsed < 6, f"the cell took {elapsed:.1f} s: released after the grace?"
+    message = str(error)
+    assert message.startswith(f"rank {NP - 1} raised in the cell: ValueError"), message
+    assert "allreduce of gradients (DistributedOptimizer)" in message, message
+    assert "running Python code" not in message, message
+    assert_collectives_work(shell, capsys)

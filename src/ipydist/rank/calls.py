@@ -85,7 +85,7 @@ def recover(number: int, resync_tensors: bool) -> dict:
         return out  # not started by mpiexec: a world of one, nothing to agree on
     comm = rt.control_comm
     broken = bool(rt.broken)
-    seq = _collective_count(rt)
+    seq = process_group.collective_count(rt)
     votes = consensus.decide(comm, number, 0, [int(broken), seq, int(rt.checks_unfinished)],
                             start + ARRIVE_SECONDS)
     if votes is None:
@@ -130,16 +130,6 @@ def _together(comm, number: int, step: int, deadline: float, what: str, action) 
     if votes is not None and all(ok for (ok,) in votes):
         return None
     return failure or f"{what} failed on {_who(votes, 'another rank')}"
-
-
-def _collective_count(rt) -> int:
-    """How many collectives the group has run (-1 when unknown or broken)."""
-    if rt.group is None or rt.broken:
-        return -1
-    try:
-        return int(rt.group._get_sequence_number_for_group())
-    except Exception:
-        return -1
 
 
 def _who(votes, fallback: str) -> str:

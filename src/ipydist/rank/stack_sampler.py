@@ -1,4 +1,4 @@
-"""What the main thread waits in: the rank half of stall warnings and of release.
+"""What a rank waits in: the rank half of stall warnings and of release.
 
 The watcher thread (:mod:`ipydist.rank.watcher`) feeds :class:`CollectiveSampler` the main
 thread's stack every SAMPLE_SECONDS. When the same collective call has run for
@@ -7,12 +7,17 @@ when it returns. Sampling rather than hooking sees collectives called from any c
 training loop pays nothing.
 
 A collective is a public function of ``torch.distributed``, or a function of ipydist's marked
-with :func:`ipydist.torch._core.marks.waits_for_peers` (the optimizer's gradient wait).
+with :func:`ipydist.torch._core.marks.waits_for_peers` (the optimizer's gradient wait). When the
+main thread is in none, the other threads' stacks are looked at too: a GPU parameter's gradient
+hook runs on autograd's thread for that device while the main thread waits in ``backward()``,
+and the optimizer's check of the step waits there. A release that finds it breaks the group,
+the wait raises in that thread, and autograd raises it again in ``backward()``.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 
 #: Where ipydist's marked waits are (:mod:`ipydist.torch._core.marks`). Read from
 #: ``sys.modules``, not imported: the watcher starts before torch is imported (and before
@@ -33,8 +38,22 @@ def marked_wait(code) -> str | None:
 
 
 def collective_frame(frame) -> tuple[object, str] | None:
-    """The innermost frame of a collective call on this stack and the collective's name
-    (e.g. ``"all_reduce"``), or None when the stack is not in one."""
+    """The innermost frame of a collective call on this stack (the main thread's) and the
+    collective's name (e.g. ``"all_reduce"``); when it is in none, the same on another
+    thread's stack, the caller's excepted (see the module docstring); else None."""
+    found = _on_stack(frame)
+    if found is not None or frame is None:
+        return found
+    me = threading.get_ident()
+    for ident, other in sys._current_frames().items():
+        if ident != me and other is not frame:
+            found = _on_stack(other)
+            if found is not None:
+                return found
+    return None
+
+
+def _on_stack(frame) -> tuple[object, str] | None:
     while frame is not None:
         path = frame.f_code.co_filename.replace("\\", "/")
         name = frame.f_code.co_name
@@ -62,7 +81,8 @@ class CollectiveSampler:
         self._reported = False
 
     def sample(self, stack, now: float) -> dict | None:
-        """Feed the main thread's current frame; returns a report to send, or None."""
+        """Feed the main thread's current frame (other threads are looked at through
+        :func:`collective_frame`); returns a report to send, or None."""
         found = collective_frame(stack)
         if found is not None and found[0] is self._frame:
             if not self._reported and now - self._since >= self.report_after:

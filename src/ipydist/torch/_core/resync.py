@@ -33,6 +33,8 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from ipydist.torch._core import process_group
+
 #: (storage pointer, offset, shape, dtype) -> (weak reference to the storage, stride, serial).
 #: The serial numbers tracked tensors in the order user code tracked them, which is the same
 #: on every rank: it names a tensor across ranks.
@@ -125,8 +127,9 @@ def from_root(root_rank: int = 0, timeout_s: float | None = None) -> int:
 
     if not dist.is_initialized():
         return 0
+    cpu = process_group.cpu_group()  # the checksums and names are CPU tensors
     items = _tracked_items()
-    if not _same_everywhere([name for name, _ in items], wait):
+    if not _same_everywhere([name for name, _ in items], wait, cpu):
         # A model or optimizer the user replaced may still sit in a reference cycle (optimizer
         # hooks refer back to it), waiting for the cycle collector, which runs at a different
         # moment on each rank, or be held by the frames of the last exception a rank raised:
@@ -137,17 +140,18 @@ def from_root(root_rank: int = 0, timeout_s: float | None = None) -> int:
         _forget_last_exception()
         gc.collect()
         items = _tracked_items()
-        common = _common(items, wait)
+        common = _common(items, wait, cpu)
         items = [(name, t) for name, t in items if name in common]
     if not items:
         return 0
     sums = torch.stack([_checksum(t) for _, t in items])
     lo, hi = sums.clone(), sums.clone()
-    wait(dist.all_reduce(lo, op=dist.ReduceOp.MIN, async_op=True))
-    wait(dist.all_reduce(hi, op=dist.ReduceOp.MAX, async_op=True))
+    wait(dist.all_reduce(lo, op=dist.ReduceOp.MIN, async_op=True, group=cpu))
+    wait(dist.all_reduce(hi, op=dist.ReduceOp.MAX, async_op=True, group=cpu))
     differ = [t for (_, t), a, b in zip(items, lo.unbind(), hi.unbind()) if not torch.equal(a, b)]
-    for t in differ:
-        wait(dist.broadcast(t, src=root_rank, async_op=True))
+    for t in differ:  # each over the group that serves its device
+        wait(dist.broadcast(t, src=root_rank, async_op=True,
+                            group=cpu if t.device.type == "cpu" else None))
     return len(differ)
 
 
@@ -167,25 +171,25 @@ def _forget_last_exception() -> None:
         formatter.tb = None
 
 
-def _same_everywhere(names: list[int], wait) -> bool:
+def _same_everywhere(names: list[int], wait, cpu) -> bool:
     """Whether every rank tracks the same names (collective): their count and a digest of
     them, largest and negated smallest."""
     digest = int.from_bytes(hashlib.blake2b(repr(names).encode(), digest_size=7).digest(),
                             "little")
     words = torch.tensor([len(names), digest, -len(names), -digest], dtype=torch.int64)
-    wait(dist.all_reduce(words, op=dist.ReduceOp.MAX, async_op=True))
+    wait(dist.all_reduce(words, op=dist.ReduceOp.MAX, async_op=True, group=cpu))
     return int(words[0]) == -int(words[2]) and int(words[1]) == -int(words[3])
 
 
-def _common(items: list[tuple[int, torch.Tensor]], wait) -> set[int]:
+def _common(items: list[tuple[int, torch.Tensor]], wait, cpu) -> set[int]:
     """The names every rank tracks (collective: an all-gather of each rank's names)."""
     names = torch.tensor([name for name, _ in items], dtype=torch.int64)
     longest = torch.tensor([len(names)], dtype=torch.int64)
-    wait(dist.all_reduce(longest, op=dist.ReduceOp.MAX, async_op=True))
+    wait(dist.all_reduce(longest, op=dist.ReduceOp.MAX, async_op=True, group=cpu))
     padded = torch.full((int(longest),), -1, dtype=torch.int64)
     padded[:len(names)] = names
     gathered = [torch.empty_like(padded) for _ in range(dist.get_world_size())]
-    wait(dist.all_gather(gathered, padded, async_op=True))
+    wait(dist.all_gather(gathered, padded, async_op=True, group=cpu))
     sets = [set(g.tolist()) - {-1} for g in gathered]
     return set.intersection(*sets)
 

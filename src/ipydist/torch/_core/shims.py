@@ -28,20 +28,22 @@ def _reusing_init_process_group(*args, **kwargs):
     after an earlier ``destroy_process_group()``. When the call asks for what ipydist provides
     (its rank and world size, any backend, no ``init_method`` or ``store`` of its own), it keeps
     the group ``%dist_start`` made, or makes a new one through ipydist's own rendezvous, so no
-    fixed port is needed. Anything else goes to torch as asked.
+    fixed port is needed. A call with a rendezvous of its own goes to torch as asked; when it
+    is for ipydist's world, ipydist then takes the group over (``process_group.adopt``), so
+    that a release breaks it and the recovery rebuilds it like its own.
     """
     global _reuse_announced
     rt = topology.get()
     original = inspect.signature(process_group.original_init_process_group)
     asked = original.bind_partial(*args, **kwargs).arguments
-    ours = rt is not None and (
+    same_world = rt is not None and (
         int(asked.get("world_size", -1)) in (-1, rt.size)
         and int(asked.get("rank", -1)) in (-1, rt.rank)
-        and asked.get("init_method") in (None, "env://")
-        and asked.get("store") is None
     )
-    backend = _plain_backend(asked.get("backend"), rt)
-    if ours and backend is not None:
+    ours = same_world and asked.get("init_method") in (None, "env://") and (
+        asked.get("store") is None)
+    if ours:
+        backend = plain_backend(asked.get("backend"), rt)
         if process_group.owns_default(rt) and backend == rt.backend:
             if not _reuse_announced and rt.rank == 0:
                 print(
@@ -57,26 +59,32 @@ def _reusing_init_process_group(*args, **kwargs):
         return None
     if process_group.owns_default(rt):
         dist.destroy_process_group()
+    before = process_group.connections()
     result = process_group.original_init_process_group(*args, **kwargs)
-    retired.keep(dist.group.WORLD)
+    if same_world:
+        process_group.adopt(rt, before)
+    else:
+        retired.keep(dist.group.WORLD)
     return result
 
 
-def _plain_backend(asked, rt: topology.Runtime | None) -> str | None:
-    """"gloo", "nccl" or "mpi4py" for a backend ipydist can make itself; None for anything
-    else."""
-    if rt is None:
-        return None
+def plain_backend(asked, rt: topology.Runtime) -> str:
+    """The backend ipydist makes for a call of ``init_process_group(backend=asked)``.
+
+    ``None``: the cluster's own. ``mpi`` (torch's, not built into its wheels): ipydist's
+    backend over mpi4py stands in. ``cpu:gloo,cuda:nccl``, PyTorch's form for mixed work: what
+    ipydist's ``nccl`` is on a rank with a GPU, gloo on one without (NCCL could not be made
+    there). Any other name or ``device:backend`` list is given to torch as it is, through
+    ipydist's rendezvous.
+    """
     if asked is None:
         return rt.backend
-    name = str(asked).lower()
-    if name in ("gloo", "nccl", MPI_BACKEND):
-        return name
-    if name == "mpi" and not dist.is_mpi_available():  # torch's own: ipydist's stands in
+    name = str(asked).strip().lower()
+    if name == "mpi" and not dist.is_mpi_available():
         return MPI_BACKEND
-    if name == "cpu:gloo,cuda:nccl" and rt.device_index is not None:
-        return "nccl"
-    return None
+    if name.replace(" ", "") == process_group.NCCL_WITH_CPU:
+        return "nccl" if rt.device_index is not None else "gloo"
+    return name
 
 
 #: Every DistributedDataParallel model made on this rank (see :func:`track_ddp_models`).

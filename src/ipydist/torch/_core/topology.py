@@ -79,6 +79,10 @@ class Runtime:
     announced: collections.deque = field(default_factory=collections.deque)
     store: Any = None
     group: Any = None
+    #: A gloo group of every rank beside a default group that serves CUDA tensors only (NCCL
+    #: alone, or a user's ``cuda:...`` backend): what ipydist's collectives on CPU tensors
+    #: use then (``process_group.cpu_group``). None when the default group serves CPU.
+    cpu_group: Any = None
     #: The group's gloo connections (what a release shuts down), as (fd, inode): gloo closes
     #: a connection it finds broken, and its fd number may then name another file.
     comm_sockets: list[tuple[int, int]] = field(default_factory=list)

@@ -12,6 +12,8 @@ import datetime
 import os
 import time
 
+import torch
+
 from ipydist.torch._core import process_group, topology
 
 #: Seconds this rank spent blocked in ipydist's collectives since :func:`take_waited` last ran.
@@ -45,11 +47,13 @@ def check_usable() -> None:
         raise RuntimeError(process_group.RELEASED_MESSAGE)
 
 
-def wait_for(work) -> None:
+def wait_for(work, on_device: bool = False) -> None:
     """Wait for a collective started with ``async_op=True``, raising at once if a release
-    breaks the group meanwhile (see :func:`check_usable`; NCCL's abort ends the wait itself)."""
-    rt = topology.get()
-    if rt is None or rt.backend == "nccl":
+    breaks the group meanwhile (see :func:`check_usable`). ``on_device``: its tensors are on
+    a GPU (NCCL), whose wait only orders the device's stream and returns; the rank blocks
+    later, reading the result, where NCCL's abort ends the wait and the reader must check
+    the group (:func:`check_usable`) before using what it read."""
+    if on_device or topology.get() is None:
         work.wait()
         return
     while True:
@@ -60,6 +64,39 @@ def wait_for(work) -> None:
             if "timed out" not in str(e).lower():
                 raise
             check_usable()
+
+
+def read_from_device(values: torch.Tensor) -> list:
+    """``values`` (1-D) as a list, read once their device has run everything queued before,
+    then the group checked (:func:`check_usable`). On a GPU a wait for a collective only
+    orders the stream (:func:`wait_for`) and NCCL's abort ends its kernels early without an
+    error: a read is where the host waits, and a released rank must not use what it read, nor
+    anything the stream computed before. There the copy goes to pinned memory and the host
+    waits on an event recorded after it (also for no values: a wait for the device alone),
+    not a stream synchronization, which torch's sync debug mode reports: a training step runs
+    under ``torch.cuda.set_sync_debug_mode("error")``."""
+    if values.device.type != "cuda":
+        read = values.tolist()
+    else:
+        host = values.to("cpu", non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(values.device))
+        t0 = time.perf_counter()
+        done.synchronize()  # the GIL is released: a release's watcher thread runs meanwhile
+        note_wait(time.perf_counter() - t0)
+        read = host.tolist()
+    check_usable()
+    return read
+
+
+def device_settled() -> None:
+    """Wait until this rank's GPU has run what was queued on its current stream, then raise
+    if a release broke the group meanwhile: what reads a collective's result on the device
+    must look here first (see :func:`read_from_device`, whose event wait this is too)."""
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream())
+    done.synchronize()
+    check_usable()
 
 
 #: Polling an MPI request. MPI moves a nonblocking operation only inside MPI calls, so where

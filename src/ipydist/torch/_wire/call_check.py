@@ -196,14 +196,16 @@ def _exchange(group, words: np.ndarray) -> list[list[int]]:
     """
     if group.check_comm is not None:
         return _exchange_over_mpi(group, words)
-    rt = topology.get()
-    device = rt.device if rt.backend == "nccl" else _CPU
-    pg = getattr(group, "torch_group", None)
+    # on the CPU, over a group that serves it: the header is a few numbers, and on a GPU its
+    # reading would sync the device
+    device = _CPU
+    pg = (group.cpu_group or group.torch_group) if hasattr(group, "torch_group") else (
+        process_group.cpu_group())
     every, rows = _buffers.get((device, group.size, pg)) or _allocate(device, group.size, pg)
     mine = torch.tensor(words, dtype=torch.int64, device=device)
     t0 = time.perf_counter()
     waiting.wait_for(dist.all_gather(rows, mine, group=pg, async_op=True))
-    found = every.tolist()  # with NCCL this is where the rank waits
+    found = every.tolist()
     waiting.note_wait(time.perf_counter() - t0)  # the straggler strip counts it as waiting
     return found
 

@@ -36,6 +36,8 @@ class Pending:
     #: data was posted.
     label: str = ""
     posted: float = field(default_factory=time.perf_counter)
+    #: Its data is on a GPU (NCCL), whose wait returns before the data is there.
+    on_device: bool = False
 
     def poll(self) -> bool:
         """Whether the data has arrived (moves an MPI operation on; never waits)."""
@@ -50,7 +52,9 @@ class Pending:
             if self.mpi:
                 transport.finish(self.work)
             else:
-                waiting.wait_for(self.work)
+                waiting.wait_for(self.work, self.on_device)
+            if self.on_device:  # an NCCL abort ends its kernel early, without an error: wait
+                waiting.device_settled()  # for the device, then look, before any result
             waiting.note_wait(time.perf_counter() - t0)
             if events.recording and self.label:
                 events.record(self.label, self.posted, time.perf_counter(), op_name=self.name,

@@ -28,6 +28,10 @@ def _for_group(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.is_contiguous() else tensor.contiguous()
 
 
+def _on_device(tensor: torch.Tensor) -> bool:
+    return tensor.device.type != "cpu"
+
+
 def check_root(root_rank: int, group=None) -> None:
     world = process_group.ensure().size
     if not 0 <= int(root_rank) < world:
@@ -42,9 +46,14 @@ def members(group=None):
     return process_group.ensure() if group is None else group
 
 
-def torch_group_of(group):
-    """The torch.distributed group for ``group`` (None: the default one)."""
-    return None if group is None else group.torch_group
+def torch_group_of(group, tensor: torch.Tensor | None = None):
+    """The torch.distributed group that carries ``tensor`` among ``group``'s ranks (None: the
+    default group): a CPU tensor goes over a group that serves CPU tensors, which the default
+    group of an NCCL cluster may not (``process_group.cpu_group``)."""
+    on_cpu = tensor is None or tensor.device.type == "cpu"
+    if group is None:
+        return process_group.cpu_group() if on_cpu else None
+    return (group.cpu_group or group.torch_group) if on_cpu else group.torch_group
 
 
 def start_allreduce(tensor: torch.Tensor, op: ReduceOp, prescale: float = 1.0,
@@ -66,7 +75,8 @@ def start_allreduce(tensor: torch.Tensor, op: ReduceOp, prescale: float = 1.0,
         work, mpi = transport.start_allreduce(buf, MPI_OPS[op], group=group), True
     else:
         buf = _for_group(tensor)
-        work = dist.all_reduce(buf, op=TORCH_OPS[op], group=torch_group_of(group), async_op=True)
+        work = dist.all_reduce(buf, op=TORCH_OPS[op], group=torch_group_of(group, buf),
+                               async_op=True)
         mpi = False
     size = members(group).size
 
@@ -76,7 +86,7 @@ def start_allreduce(tensor: torch.Tensor, op: ReduceOp, prescale: float = 1.0,
         return _averaged(tensor, op, postscale, size)
 
     return Pending(work, mpi, finish, f"allreduce.{name}" if name else None,
-                   "ALLREDUCE")
+                   "ALLREDUCE", on_device=_on_device(buf))
 
 
 def _start_adasum(tensor: torch.Tensor, prescale: float, postscale: float, name: str | None,
@@ -224,7 +234,7 @@ def start_reducescatter(tensor: torch.Tensor, op: ReduceOp, prescale: float = 1.
             block[:len(part)] = part
         out = send.new_empty((most, *rest))
         work = dist.reduce_scatter_tensor(out, blocks.reshape(-1, *rest), op=TORCH_OPS[op],
-                                          group=torch_group_of(group), async_op=True)
+                                          group=torch_group_of(group, blocks), async_op=True)
         mpi = False
 
     def finish() -> torch.Tensor:
@@ -233,7 +243,7 @@ def start_reducescatter(tensor: torch.Tensor, op: ReduceOp, prescale: float = 1.
                          postscale, rt.size)
 
     return Pending(work, mpi, finish, f"reducescatter.{name}" if name else None,
-                   "REDUCESCATTER")
+                   "REDUCESCATTER", on_device=_on_device(source))
 
 
 def start_allgather(tensor: torch.Tensor, name: str | None = None,
@@ -258,7 +268,8 @@ def start_allgather(tensor: torch.Tensor, name: str | None = None,
     else:
         send = _for_group(padded)
         parts = [torch.empty_like(send) for _ in range(world)]
-        work, mpi = dist.all_gather(parts, send, group=torch_group_of(group), async_op=True), False
+        work, mpi = dist.all_gather(parts, send, group=torch_group_of(group, send),
+                                    async_op=True), False
 
     def finish() -> torch.Tensor:
         if parts is None:
@@ -268,7 +279,7 @@ def start_allgather(tensor: torch.Tensor, name: str | None = None,
         return torch.cat([g[:n] for g, n in zip(parts, counts)]).to(tensor.dtype)
 
     return Pending(work, mpi, finish, f"allgather.{name}" if name else None,
-                   "ALLGATHER"), counts
+                   "ALLGATHER", on_device=_on_device(send)), counts
 
 
 def start_broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -284,7 +295,8 @@ def start_broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = Non
         work, mpi = transport.start_broadcast(buf, root, group), True
     else:
         buf = _for_group(tensor)
-        work = dist.broadcast(buf, src=root_rank, group=torch_group_of(group), async_op=True)
+        work = dist.broadcast(buf, src=root_rank, group=torch_group_of(group, buf),
+                              async_op=True)
         mpi = False
 
     def finish() -> torch.Tensor:
@@ -293,7 +305,7 @@ def start_broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = Non
         return tensor
 
     return Pending(work, mpi, finish, f"broadcast.{name}" if name else None,
-                   "BROADCAST")
+                   "BROADCAST", on_device=_on_device(buf))
 
 
 def start_alltoall(tensor: torch.Tensor, splits=None, name: str | None = None,
@@ -316,23 +328,23 @@ def start_alltoall(tensor: torch.Tensor, splits=None, name: str | None = None,
                                          [n * row for n in recv_rows], group)
         mpi = True
     else:
-        mine = torch.tensor(send_rows, dtype=torch.int64, device=tensor.device)
+        mine = torch.tensor(send_rows, dtype=torch.int64)  # counts on the CPU: no device sync
         theirs = torch.empty_like(mine)
-        waiting.wait_for(dist.all_to_all_single(theirs, mine, group=torch_group_of(group),
+        waiting.wait_for(dist.all_to_all_single(theirs, mine, group=torch_group_of(group, mine),
                                                 async_op=True))
         recv_rows = theirs.tolist()
         send = _for_group(tensor.reshape(rows, *tensor.shape[1:])[:sum(send_rows)])
         out = send.new_empty((sum(recv_rows), *send.shape[1:]))
         work = dist.all_to_all_single(out, send, output_split_sizes=recv_rows,
-                                      input_split_sizes=send_rows, group=torch_group_of(group),
-                                      async_op=True)
+                                      input_split_sizes=send_rows,
+                                      group=torch_group_of(group, send), async_op=True)
         mpi = False
 
     def finish() -> torch.Tensor:
         return out.to(tensor.dtype)
 
     return Pending(work, mpi, finish, f"alltoall.{name}" if name else None,
-                   "ALLTOALL"), recv_rows
+                   "ALLTOALL", on_device=_on_device(send)), recv_rows
 
 
 def _splits(splits, rows: int, world: int) -> list[int]:

@@ -30,12 +30,11 @@ from ipydist.torch.horovod.process_sets import ProcessSet, comms_for, global_pro
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Wait until every rank (of ``process_set``) gets here (the check that every rank called
     it is the wait)."""
-    rt, group = process_group.ensure(), comms_for(process_set)
+    process_group.ensure()
+    group = comms_for(process_set)
     if call_check.enabled():
         call_check.check("barrier", group=group)
-    elif rt.backend == "nccl" and rt.device_index is not None:
-        dist.barrier(group=starts.torch_group_of(group), device_ids=[rt.device_index])
-    else:
+    else:  # over a group that serves CPU tensors (torch picks the device it is bound to)
         dist.barrier(group=starts.torch_group_of(group))
 
 

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ipydist.torch._core import process_group, resync, waiting
+from ipydist.torch._core import resync, waiting
 from ipydist.torch._core.marks import waits_for_peers
-from ipydist.torch._wire import call_check, signature, transport
+from ipydist.torch._wire import call_check, signature, starts, transport
 from ipydist.torch._wire.starts import check_root
 from ipydist.torch.horovod.basics import rank, size
 from ipydist.torch.horovod.process_sets import ProcessSet, comms_for, global_process_set
@@ -30,8 +30,9 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     check_root(root_rank, group)
     call_check.check("broadcast_object", root=root_rank, group=group)
     box = [obj if rank() == root_rank else None]
-    dist.broadcast_object_list(box, src=root_rank, group=None if group is None else
-                               group.torch_group, device=_object_device())
+    # pickled bytes travel on the CPU (over a group that serves it): no copy to a GPU and
+    # back, and no device sync
+    dist.broadcast_object_list(box, src=root_rank, group=starts.torch_group_of(group))
     return box[0]
 
 
@@ -42,13 +43,8 @@ def allgather_object(obj: Any, name: str | None = None,
     group = comms_for(process_set)
     call_check.check("allgather_object", group=group)
     out: list[Any] = [None] * (size() if group is None else group.size)
-    dist.all_gather_object(out, obj, group=None if group is None else group.torch_group)
+    dist.all_gather_object(out, obj, group=starts.torch_group_of(group))
     return out
-
-
-def _object_device() -> torch.device | None:
-    rt = process_group.ensure()
-    return rt.device if rt.backend == "nccl" else None
 
 
 def _named_tensors(params) -> list[tuple[str, torch.Tensor]]:
@@ -95,7 +91,13 @@ def broadcast_parameters(params, root_rank: int = 0) -> None:
         if transport.uses_mpi(flat):
             transport.broadcast_(flat, root_rank)
         else:
-            waiting.wait_for(dist.broadcast(flat, src=root_rank, async_op=True))
+            on_device = flat.device.type != "cpu"
+            waiting.wait_for(dist.broadcast(flat, src=root_rank, async_op=True,
+                                            group=starts.torch_group_of(None, flat)),
+                             on_device)
+            if on_device:  # an NCCL abort ends the kernel early, without an error: look
+                torch.cuda.current_stream(flat.device).synchronize()  # before writing
+                waiting.check_usable()
         offset = 0
         for t in tensors:
             n = t.numel()

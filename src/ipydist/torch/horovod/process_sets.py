@@ -62,9 +62,12 @@ class SetComms:
     :class:`~ipydist.torch._core.topology.Runtime` that the collectives read (size, this rank's
     index, communicators, queue of MPI operations, torch group)."""
 
-    def __init__(self, ranks: list[int], rank: int, check_comm, data_comm, torch_group) -> None:
+    def __init__(self, ranks: list[int], rank: int, check_comm, data_comm, torch_group,
+                 cpu_group=None) -> None:
         self.ranks, self.rank, self.size = ranks, rank, len(ranks)
         self.check_comm, self.data_comm, self.torch_group = check_comm, data_comm, torch_group
+        #: A gloo group of the set for CPU tensors, when ``torch_group`` serves CUDA only.
+        self.cpu_group = cpu_group
         self.data_queue: collections.deque = collections.deque()
         self.announced: collections.deque = collections.deque()  # never any: world only
         self.check_pending = False
@@ -177,8 +180,10 @@ def _connect(process_set: ProcessSet, rt: topology.Runtime) -> None:
         check_comm = rt.control_comm.Split(color, rt.rank)
         data_comm = rt.control_comm.Split(color, rt.rank)
     group = dist.new_group(ranks)  # collective over the world too
+    # like the world's: gloo for CPU tensors beside a group that serves CUDA only
+    cpu = None if process_group.cpu_group() is None else dist.new_group(ranks, backend="gloo")
     process_set._comms = SetComms(ranks, ranks.index(rt.rank), check_comm, data_comm,
-                                  group) if member else None
+                                  group, cpu) if member else None
 
 
 def _disconnect(process_set: ProcessSet, free: bool = False) -> None:
@@ -191,8 +196,9 @@ def _disconnect(process_set: ProcessSet, free: bool = False) -> None:
     for comm in (comms.check_comm, comms.data_comm):
         if comm is not None:
             comm.Free()
-    if comms.torch_group is not None:
-        dist.destroy_process_group(comms.torch_group)
+    for group in (comms.torch_group, comms.cpu_group):
+        if group is not None:
+            dist.destroy_process_group(group)
 
 
 __all__ = ["ProcessSet", "add_process_set", "global_process_set", "remove_process_set"]

@@ -4,9 +4,15 @@ A bucket is a set of parameters whose gradients travel in one allreduce. Packed 
 their gradients (scaled, for Average) into one buffer followed by one "this rank had a
 gradient" flag per parameter, summed with the gradients, so that a parameter without a gradient
 on some ranks is averaged with zeros there and one without a gradient anywhere keeps ``None``.
-A parameter of OWN_BUCKET_BYTES or more is a bucket of its own: over MPI and uncompressed, its
+Over MPI and uncompressed, a parameter of OWN_BUCKET_BYTES or more is a bucket of its own: its
 gradient is reduced where it lies, followed by its flag, with no pack and no unpack. The wire
 is MPI or the process group (:mod:`ipydist.torch._wire.transport`); the optimizer decides when.
+
+Nothing is written into a gradient until every bucket of the step has finished and the group is
+known usable (:func:`unpack`): an NCCL abort (a release) ends its kernels early without an
+error, so what a released rank received may be half reduced. On a GPU the step reads from the
+device once, and nothing else waits for it: flags are written where they lie, and only those
+of parameters this rank had no gradient for are read (one it had, some rank had).
 """
 
 from __future__ import annotations
@@ -20,14 +26,16 @@ import torch.distributed as dist
 from ipydist.torch._core import topology, waiting
 from ipydist.torch._wire import transport
 from ipydist.torch._wire.compression import Compression, Compressor
+from ipydist.torch._wire.starts import torch_group_of
 from ipydist.torch.training.momentum_correction import MomentumCorrection
 from ipydist.torch.training.onebit_exchange import OneBitExchange
 
 #: Cap of the first bucket (DDP's too): small, so communication starts early in backward.
 FIRST_BUCKET_MB = 1.0
-#: A parameter at least this large is a bucket of its own, which MPI reduces in the gradient's
-#: own memory: packing it into a bucket and unpacking it again cost two passes over it, a
-#: third of DistributedOptimizer's overhead on benchmarks/train_step.py's large model.
+#: A parameter at least this large is a bucket of its own where MPI reduces it in the
+#: gradient's own memory: packing it into a bucket and unpacking it again cost two passes over
+#: it, a third of DistributedOptimizer's overhead on benchmarks/train_step.py's large model.
+#: Anywhere else (NCCL, gloo, compressed) it is fused like any other (see :func:`alone_rule`).
 OWN_BUCKET_BYTES = 1 << 20
 
 
@@ -50,6 +58,11 @@ class Bucket:
     ctx: object = None
     buffer: torch.Tensor | None = None  # gradients, then one had-gradient flag per parameter
     views: list[torch.Tensor] = field(default_factory=list)
+    #: Whether this rank had a gradient for each parameter, as the last launch found.
+    had: list[bool] = field(default_factory=list)
+    #: What ``receive`` took for ``write``: one flat piece per parameter, and whether some
+    #: rank had a gradient for it (True, a summed flag, or None: to read).
+    staged: tuple[list, list] | None = None
     #: Compression.onebit: the bucket's exchange and the residuals it keeps between steps.
     onebit: OneBitExchange | None = None
     #: Compression.onebit with SGD's momentum: the momentum kept on this rank, before the
@@ -81,6 +94,7 @@ class Bucket:
             self.allocate()
         flat = self.buffer
         grads = [_dense(p.grad) for p in self.params]
+        self.had = [g is not None for g in grads]
         if len(grads) > 8 and self.numel < 65536 * len(grads):
             # many small tensors: one cat and one scale beat a dispatch per tensor
             torch.cat(
@@ -99,7 +113,7 @@ class Bucket:
                     torch.mul(g, prescale, out=view)
                 else:
                     view.copy_(g)
-        flat[self.numel:].copy_(torch.tensor([g is not None for g in grads]))
+        _mark(flat[self.numel:], self.had)
         if compression.summed_by_ranks:
             self._launch_onebit(flat)
             return
@@ -110,7 +124,7 @@ class Bucket:
             self.work = transport.start_allreduce(self.wire, group=group)
         else:
             self.work = dist.all_reduce(self.wire, op=dist.ReduceOp.SUM, async_op=True,
-                                        group=None if group is None else group.torch_group)
+                                        group=torch_group_of(group, self.wire))
 
     def travels_in_place(self, compression: type[Compressor], group=None) -> bool:
         """Whether the bucket's one gradient travels in its own memory (the same answer on
@@ -121,6 +135,7 @@ class Bucket:
     def _launch_in_place(self, group=None) -> None:
         p = self.params[0]
         grad = _dense(p.grad)
+        self.had = [grad is not None]
         self.sent = torch.zeros_like(p) if grad is None else (
             grad if grad.is_contiguous() else grad.contiguous())
         self.flag = torch.tensor([float(grad is not None)], dtype=p.dtype)
@@ -137,9 +152,9 @@ class Bucket:
         return self.onebit
 
     def _launch_onebit(self, flat: torch.Tensor) -> None:
-        """1-bit: quantize gradients plus residual, and exchange the messages by stripes (on
-        the CPU: a GPU bucket is copied there, and its result copied back in ``unpack``)."""
-        self.sent_bytes = self.onebit_exchange().start(flat.cpu())
+        """1-bit: quantize gradients plus residual, and exchange the messages by stripes,
+        where the bucket lies (a GPU bucket on the GPU: see ``onebit_exchange``)."""
+        self.sent_bytes = self.onebit_exchange().start(flat)
         self.work, self.mpi = self.onebit, self.onebit.mpi
 
     def _count(self, collective: str, group, *tensors: torch.Tensor) -> None:
@@ -157,38 +172,65 @@ class Bucket:
     # --- receiving ----------------------------------------------------------------------------
 
     def finish(self) -> None:
-        """Wait for the allreduce (a release ends the wait)."""
+        """Wait for the allreduce (a release ends the wait). On a GPU the wait only orders the
+        device's stream after it: :func:`unpack` is where the host waits for the device."""
         if self.work is self.onebit:
             self.onebit.finish()
         elif self.mpi:
             transport.finish(self.work)
         else:
-            waiting.wait_for(self.work)
+            waiting.wait_for(self.work, on_device=self.wire.device.type != "cpu")
 
-    def unpack(self, compression: type[Compressor], prescale: float, postscale: float,
-               sparse_as_dense: bool = False) -> None:
-        """Write the averaged gradients into the parameters' ``grad``: a sparse one (it was
-        sent dense) comes back sparse, unless ``sparse_as_dense``."""
+    def receive(self, compression: type[Compressor]) -> list[torch.Tensor]:
+        """Take the finished allreduce's result for :meth:`write`, decompressed where it lies
+        (on a GPU only queued: nothing is read here), and return the summed had-gradient
+        flags this rank must read: those of the parameters it had no gradient for (where it
+        had one, some rank had)."""
         if self.sent is not None:
-            self._unpack_in_place(prescale * postscale, sparse_as_dense)
-            return
+            self.staged = [self.sent], [True if self.had[0] else None]
+            return [] if self.had[0] else [self.flag[0]]
         if self.work is not None and self.work is self.onebit:
-            total, had_grad = self.onebit.result()
-            total = total.to(self.params[0].device)
-            self._write(total.split([p.numel() for p in self.params]), had_grad, postscale,
-                        sparse_as_dense)
-            return
-        flat = compression.decompress(self.wire, self.ctx)
+            total, had_grad = self.onebit.result()  # on the bucket's device
+            self.staged = total.split([p.numel() for p in self.params]), list(had_grad)
+            return []
+        flat = self._decompressed(compression)
         views = self.views if flat is self.buffer else flat[:self.numel].split(
             [p.numel() for p in self.params])
-        self._write(views, flat[self.numel:].tolist(), postscale, sparse_as_dense)
+        flags = flat[self.numel:]
+        self.staged = views, [True if had else None for had in self.had]
+        return [flags[i] for i, had in enumerate(self.had) if not had]
 
-    def _write(self, values, had_grad: list, postscale: float, sparse_as_dense: bool) -> None:
+    def _decompressed(self, compression: type[Compressor]) -> torch.Tensor:
+        """The received buffer in the gradients' dtype. A cast back (fp16, bf16) goes into the
+        bucket's own buffer, free since the cast out: a new tensor would stay alive, with
+        every other bucket's, until the step's last bucket is in (:func:`unpack`)."""
+        if self.wire is self.buffer:
+            return self.buffer
+        if compression.decompress is Compressor.decompress and self.ctx == self.buffer.dtype:
+            return self.buffer.copy_(self.wire)
+        return compression.decompress(self.wire, self.ctx)
+
+    def write(self, flags: list, prescale: float, postscale: float,
+              sparse_as_dense: bool = False) -> None:
+        """Write the averaged gradients into the parameters' ``grad`` where some rank had one
+        (``flags``: the values of what :meth:`receive` asked to read, in its order); a sparse
+        one (it was sent dense) comes back sparse, unless ``sparse_as_dense``. Only once the
+        group is known usable (:func:`unpack`)."""
+        values, had = self.staged
+        read = iter(flags)
+        had = [(next(read) if h is None else h) > 0 for h in had]
+        if self.sent is not None:
+            self._write_in_place(had[0], prescale * postscale, sparse_as_dense)
+        else:
+            self._write(values, had, postscale, sparse_as_dense)
+
+    def _write(self, values, had_grad: list[bool], postscale: float,
+               sparse_as_dense: bool) -> None:
         """Each parameter's averaged gradient from ``values`` (one flat piece per parameter),
         where some rank had a gradient."""
         grads, sources, sparse = [], [], []
         for p, value, had in zip(self.params, values, had_grad):
-            if had > 0:
+            if had:
                 if p.grad is None or p.grad.is_sparse:
                     if p.grad is not None and not sparse_as_dense:
                         sparse.append(p)
@@ -200,14 +242,14 @@ class Bucket:
             torch._foreach_copy_(grads, sources)  # one dispatch for the whole bucket
         if postscale != 1.0:
             torch._foreach_mul_(
-                [p.grad for p, had in zip(self.params, had_grad) if had > 0], postscale)
+                [p.grad for p, had in zip(self.params, had_grad) if had], postscale)
         for p in sparse:  # back to the layout it came in: its rows
             p.grad = p.grad.to_sparse(1)
         self.abandon()
 
-    def _unpack_in_place(self, scale: float, sparse_as_dense: bool) -> None:
+    def _write_in_place(self, had: bool, scale: float, sparse_as_dense: bool) -> None:
         p, sent = self.params[0], self.sent
-        if self.flag.item() > 0:  # some rank had a gradient
+        if had:  # some rank had a gradient
             was_sparse = p.grad is not None and p.grad.is_sparse
             if p.grad is None or was_sparse:
                 p.grad = sent
@@ -223,8 +265,58 @@ class Bucket:
         """Forget what is in flight (done, or void after a release) and the gradients seen."""
         if self.onebit is not None:
             self.onebit.abandon()
-        self.work = self.wire = self.ctx = self.sent = self.flag = None
+        self.work = self.wire = self.ctx = self.sent = self.flag = self.staged = None
         self.ready.clear()
+
+
+def unpack(buckets: list[Bucket], compression: type[Compressor], prescale: float,
+           postscale: float, sparse_as_dense: bool = False) -> None:
+    """Write the averaged gradients of every finished bucket, once the group is known usable.
+
+    The flags this rank must read are read at once, one read per device; on a GPU that read
+    (an empty one when nothing is to be read there) is where the host waits for the step's
+    allreduces. Then the group is checked, before anything is written: NCCL's abort ends its
+    kernels early without an error, so a released rank would otherwise write, and step with,
+    gradients half reduced, and the resync would spread rank 0's. A release after the check
+    finds the step's data complete.
+    """
+    wanted = [bucket.receive(compression) for bucket in buckets]
+    read = _read([f for flags in wanted for f in flags],
+                 {bucket.params[0].device for bucket in buckets})
+    waiting.check_usable()  # after the last read, before the first write
+    start = 0
+    for bucket, flags in zip(buckets, wanted):
+        bucket.write(read[start:start + len(flags)], prescale, postscale, sparse_as_dense)
+        start += len(flags)
+
+
+def _read(flags: list[torch.Tensor], devices) -> list:
+    """The values of ``flags`` (0-d, each on one of ``devices``), in order: one read per
+    device, and on each device other than the CPU a wait even with nothing to read there (see
+    :func:`unpack`; a CPU bucket's wait was the host's own)."""
+    values: dict[int, float] = {}
+    for device in devices:
+        mine = [i for i, f in enumerate(flags) if f.device == device]
+        if not mine and device.type == "cpu":
+            continue
+        stacked = (torch.stack([flags[i] for i in mine]) if mine
+                   else torch.empty(0, device=device))
+        values.update(zip(mine, waiting.read_from_device(stacked)))
+    return [values[i] for i in range(len(flags))]
+
+
+def _mark(flags: torch.Tensor, had: list[bool]) -> None:
+    """Write this rank's had-gradient flags where they lie: ones, then zeros over each run of
+    parameters without a gradient. On a GPU a copy from a host tensor would wait for the
+    device, in the gradient hook, at every bucket's launch."""
+    flags.fill_(1)
+    start = None
+    for i, h in enumerate([*had, True]):
+        if not h and start is None:
+            start = i
+        elif h and start is not None:
+            flags[start:i].zero_()
+            start = None
 
 
 def _dense(grad: torch.Tensor | None) -> torch.Tensor | None:
@@ -233,21 +325,36 @@ def _dense(grad: torch.Tensor | None) -> torch.Tensor | None:
     return grad.to_dense() if grad is not None and grad.is_sparse else grad
 
 
-def plan(params, cap_bytes: float, groups=()) -> list[Bucket]:
+def alone_rule(compression: type[Compressor], distributed_after: int = 0, group=None):
+    """Which parameters :func:`plan` gives a bucket of their own (a predicate; None: none):
+    those of OWN_BUCKET_BYTES or more whose bucket may travel in place, over MPI, on the CPU,
+    uncompressed (always, or in a warm start: ``distributed_after``). Anywhere else (NCCL,
+    gloo, compressed) a bucket of its own saves no copy and costs an allreduce and a wait of
+    its own: a BERT-large-sized model had about 150 buckets where DDP has a tenth. Decided
+    from what every rank has alike (the transport, dtype, device, compression), so every rank
+    plans alike; the step's check compares the plans anyway."""
+    if compression is not Compression.none and not distributed_after:
+        return None
+    return lambda p: (p.numel() * p.element_size() >= OWN_BUCKET_BYTES
+                      and transport.uses_mpi(p, group))
+
+
+def plan(params, cap_bytes: float, groups=(), alone=None) -> list[Bucket]:
     """Fused buckets of one dtype and device, in reverse order of the parameters.
 
     As in DDP, a bucket closes once it holds at least its cap, and the first bucket's cap is
     small (FIRST_BUCKET_MB), so that the first allreduce starts early in backward and overlaps
-    the rest of it. A parameter of OWN_BUCKET_BYTES or more is a bucket of its own. Each of
-    ``groups`` (Horovod's explicit groups: lists of parameters) is fused apart from the rest,
-    one bucket per dtype and device, where its last parameter would open one.
+    the rest of it. A parameter for which ``alone`` (see :func:`alone_rule`) says so is a
+    bucket of its own. Each of ``groups`` (Horovod's explicit groups: lists of parameters) is
+    fused apart from the rest, one bucket per dtype and device, where its last parameter would
+    open one.
     """
     group_of = {id(p): i for i, g in enumerate(groups) for p in g}
     buckets: list[Bucket] = []
     open_by_kind: dict[tuple, tuple[Bucket, float]] = {}
     for p in reversed(params):
         explicit = group_of.get(id(p))
-        if explicit is None and p.numel() * p.element_size() >= OWN_BUCKET_BYTES:
+        if explicit is None and alone is not None and alone(p):
             buckets.append(Bucket([p], p.numel(), own=True))
             continue
         kind = (p.dtype, p.device, explicit)

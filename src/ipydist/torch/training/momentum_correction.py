@@ -72,14 +72,22 @@ class MomentumCorrection:
         self._next: torch.Tensor | None = None
         self._adopted = False
 
+    @property
+    def device(self) -> torch.device:
+        """Where the bucket's gradients, and so the velocity, lie."""
+        return self.params[0].device
+
     def _start(self) -> None:
-        """Zero velocity, or SGD's buffers (scaled to one rank's share) after a warm start."""
-        self.velocity = torch.zeros(self.numel, dtype=torch.float32)
+        """Zero velocity, or SGD's buffers (scaled to one rank's share) after a warm start,
+        made where the bucket lies (on a GPU: inside the gradient hook, with no copy from the
+        host)."""
+        self.velocity = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
         self._next = torch.empty_like(self.velocity)
         for p, (start, stop) in zip(self.params, self._slices):
             buffer = self._optimizer.state.get(p, {}).get("momentum_buffer")
             if buffer is not None:
-                self.velocity[start:stop] = buffer.detach().reshape(-1).float().cpu() * self.scale
+                self.velocity[start:stop] = buffer.detach().reshape(-1).to(self.velocity) \
+                    * self.scale
 
     def _fold(self, values: torch.Tensor) -> None:
         """``maximize`` and weight decay into ``values`` (in place), run by run."""
@@ -111,8 +119,8 @@ class MomentumCorrection:
 
     def apply(self, values: torch.Tensor) -> torch.Tensor:
         """What this rank sends in place of ``values`` (its prescaled gradients, float32 on
-        the CPU, changed in place): the new velocity, or with Nesterov the gradients plus
-        momentum times it. The new velocity is kept until :meth:`commit`."""
+        the bucket's device, changed in place): the new velocity, or with Nesterov the
+        gradients plus momentum times it. The new velocity is kept until :meth:`commit`."""
         if self.velocity is None:
             self._start()
         self._fold(values)
@@ -145,13 +153,15 @@ class MomentumCorrection:
             self._adopted = True
 
     def state(self) -> torch.Tensor | None:
-        return None if self.velocity is None else self.velocity.clone()
+        """The velocity, on the CPU (a checkpoint is read where there may be no GPU)."""
+        return None if self.velocity is None else self.velocity.to("cpu", copy=True)
 
     def load(self, velocity: torch.Tensor | None) -> None:
+        """A checkpoint's velocity (on the CPU), moved to the bucket's device."""
         if velocity is None:
             self.velocity = self._next = None
             return
-        self.velocity = velocity.detach().float().clone()
+        self.velocity = velocity.detach().to(self.device, torch.float32, copy=True)
         self._next = torch.empty_like(self.velocity)
         self._adopted = True
 

@@ -12,7 +12,9 @@ Algorithm, for one rank's gradient ``g`` and the residual ``r`` it kept from the
    plus 32 bits per group, 1.5 bits per value with GROUP = 64, 1/21 of float32;
 4. it keeps ``r = x - reconstruct(bits, values)``: exactly what was not sent.
 
-The loops are compiled (:mod:`ipydist.torch.training.onebit_kernels`); this module is the format,
+The loops are compiled (:mod:`ipydist.torch.training.onebit_kernels`) for buckets on the CPU; a
+bucket on a GPU is quantized there by the same arithmetic in torch operations
+(:mod:`ipydist.torch.training.onebit_torch`), into the same messages. This module is the format,
 the stripes and their bookkeeping.
 
 Why groups of 64 with bfloat16 levels (measured by ``benchmarks/onebit_accuracy.py``, a

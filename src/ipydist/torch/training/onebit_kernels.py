@@ -3,7 +3,8 @@ the bits and the residual, one to decode a message. The same arithmetic in torch
 took about 17 passes over a bucket's memory (a comparison, a mask, sums, a select, a
 subtraction, each its own pass), three times the time of these loops on
 ``benchmarks/compression.py``'s model, where the step's time is bounded by memory, not
-arithmetic.
+arithmetic. That is on a CPU: on a GPU the torch operations are the path
+(:mod:`ipydist.torch.training.onebit_torch`, the same messages), as they run in GPU memory.
 
 The format is :mod:`ipydist.torch.training.onebit`'s: value ``i`` of a message is bit ``i % 8`` of
 byte ``i // 8`` (set where the value is >= 0), and group ``k`` of ``group`` values has two levels,

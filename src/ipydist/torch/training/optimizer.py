@@ -25,6 +25,7 @@ others' gradients in a stall (a stall warning names both calls), not in a mismat
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import warnings
 import weakref
@@ -89,7 +90,8 @@ class _DistributedMixin:
         self._postscale = f / ranks if op is Average and f != 1.0 else 1.0
         self._buckets = buckets.plan(params,
                                      options.cap_bytes(params, bucket_cap_mb, num_groups),
-                                     options.explicit_groups(groups, params))
+                                     options.explicit_groups(groups, params),
+                                     buckets.alone_rule(compression, distributed_after, group))
         if compression.summed_by_ranks and momentum_correction.applies(self):
             for bucket in self._buckets:  # 1-bit with SGD's momentum: kept before the quantizer
                 bucket.correction = momentum_correction.MomentumCorrection(
@@ -100,6 +102,9 @@ class _DistributedMixin:
                       for i, p in enumerate(bucket.params)}
         self._passes_left = {id(p): self._passes for p in params}
         self._next_launch = 0
+        # Hooks run on autograd's thread for the parameters' device (the caller's for the
+        # CPU): with parameters on the CPU and a GPU, two at once.
+        self._launching = threading.Lock()
         self._step_agreed = False  # this step's buckets were checked against the other ranks'
         self._announced: call_check.Announced | None = None  # this step's check, sent ahead
         self._headers: dict[type, np.ndarray] = {}  # what it sends, per compression
@@ -131,29 +136,30 @@ class _DistributedMixin:
     # --- during backward ----------------------------------------------------------------------
 
     def _gradient_ready(self, p: torch.Tensor) -> None:
-        key = id(p)
-        self._passes_left[key] -= 1
-        if self._passes_left[key] > 0:
-            return
-        b, i = self._slot[key]
-        bucket = self._buckets[b]
-        if i in bucket.ready or bucket.work is not None:
-            raise RuntimeError(
-                f"the gradient of {self._names[key]} was computed again before step(): call "
-                "optimizer.step() (or synchronize()) after each backward, or pass "
-                "backward_passes_per_step=k to accumulate k backward passes."
-            )
-        bucket.ready.add(i)
-        while (
-            self._next_launch < len(self._buckets)
-            and len(self._buckets[self._next_launch].ready)
-            == len(self._buckets[self._next_launch].params)
-        ):
-            self._launch(self._buckets[self._next_launch])
-            self._next_launch += 1
-        for bucket in self._buckets[:self._next_launch]:  # each hook is a chance to move MPI on
-            if not bucket.progress():
-                break  # later ones wait behind it
+        with self._launching:
+            key = id(p)
+            self._passes_left[key] -= 1
+            if self._passes_left[key] > 0:
+                return
+            b, i = self._slot[key]
+            bucket = self._buckets[b]
+            if i in bucket.ready or bucket.work is not None:
+                raise RuntimeError(
+                    f"the gradient of {self._names[key]} was computed again before step(): "
+                    "call optimizer.step() (or synchronize()) after each backward, or pass "
+                    "backward_passes_per_step=k to accumulate k backward passes."
+                )
+            bucket.ready.add(i)
+            while (
+                self._next_launch < len(self._buckets)
+                and len(self._buckets[self._next_launch].ready)
+                == len(self._buckets[self._next_launch].params)
+            ):
+                self._launch(self._buckets[self._next_launch])
+                self._next_launch += 1
+            for bucket in self._buckets[:self._next_launch]:  # a chance to move MPI on
+                if not bucket.progress():
+                    break  # later ones wait behind it
 
     def _launch(self, bucket: buckets.Bucket) -> None:
         if not self._step_agreed:
@@ -204,9 +210,10 @@ class _DistributedMixin:
         if self._grad_marks == self._current_marks():
             return
         process_group.ensure()
-        while self._next_launch < len(self._buckets):
-            self._launch(self._buckets[self._next_launch])
-            self._next_launch += 1
+        with self._launching:
+            while self._next_launch < len(self._buckets):
+                self._launch(self._buckets[self._next_launch])
+                self._next_launch += 1
         self._stepped_with = self._compression_now()
         for bucket in self._buckets:
             t0 = time.perf_counter()
@@ -216,8 +223,9 @@ class _DistributedMixin:
                 events.record("ALLREDUCE", bucket.launched, time.perf_counter(),
                               bucket=self._names.get(id(bucket.params[0])),
                               parameters=len(bucket.params), bytes=bucket.sent_bytes)
-            bucket.unpack(self._compression_now(), self._prescale, self._postscale,
-                          self._sparse_as_dense)
+        # written only once every bucket is in and the group is known usable (see unpack)
+        buckets.unpack(self._buckets, self._stepped_with, self._prescale, self._postscale,
+                       self._sparse_as_dense)
         self._next_launch = 0
         self._step_agreed = False
         self._passes_left = dict.fromkeys(self._passes_left, self._passes)
@@ -235,6 +243,7 @@ class _DistributedMixin:
         self._announced = None  # the recovery replaces the communicator it was sent on
         self._passes_left = dict.fromkeys(self._passes_left, self._passes)
         self._grad_marks = None
+        self._synchronized = False  # a synchronize() a release ended is not one to warn of
 
     def _current_marks(self) -> list:
         """Identity and version of every gradient: they change whenever backward writes one."""
@@ -262,6 +271,7 @@ class _DistributedMixin:
                     stacklevel=2)
             self.synchronize()
         self._synchronized = False
+        waiting.check_usable()  # a released rank does not step (see buckets.unpack)
         corrected = self._corrected and self._stepped_with.summed_by_ranks
         with momentum_correction.plain_step(self) if corrected else contextlib.nullcontext():
             return super().step(closure)

@@ -1,0 +1,187 @@
+"""NCCL clusters on real GPUs (issue 29): CPU tensors beside NCCL, failures that leave no
+half-applied step and no rank killed by NCCL's watchdog, and the collectives on CUDA tensors.
+
+They need every GPU of the host (one rank per GPU, at least 2) and skip without. Run with
+``pytest -m gpu``.
+"""
+
+from __future__ import annotations
+
+import _thread
+import threading
+
+import pytest
+import torch
+from helpers import run_cell, run_ok
+
+from ipydist.errors import CellTimeout, RankError
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                       reason="needs 2 or more CUDA GPUs"),
+]
+
+MODEL = """%%everyrank
+import os, time, torch, torch.distributed as dist, ipydist.torch as hvd
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.ReLU(),
+                            torch.nn.Linear(2048, 2048), torch.nn.ReLU(),
+                            torch.nn.Linear(2048, 10)).to(hvd.device())
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+                               named_parameters=model.named_parameters(), bucket_cap_mb=4)
+
+def weights():
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double().cpu()
+
+def same_everywhere():
+    w = weights().to(hvd.device())
+    return bool(hvd.allreduce(w, op=hvd.Max).equal(hvd.allreduce(w, op=hvd.Min)))
+
+def batch(step):
+    g = torch.Generator().manual_seed(1000 * hvd.rank() + step)
+    return torch.randn(32, 512, generator=g).to(hvd.device())
+
+before_step = weights()
+
+def train(steps, raise_on=None, when=None, sleep_on=None):
+    global before_step
+    for step in range(steps):
+        opt.zero_grad()
+        if hvd.rank() == raise_on and when == "before backward":
+            raise ValueError("fails before backward")
+        model(batch(step)).square().mean().backward()
+        if hvd.rank() == raise_on and when == "after backward":
+            raise ValueError("fails after backward")
+        if hvd.rank() == sleep_on:
+            time.sleep(60)
+        before_step = weights()
+        opt.step()
+"""
+
+
+@pytest.fixture
+def nccl(shell, magics, capsys):
+    """Every GPU of the host, one rank each (NCCL), the tests' short failure grace."""
+    n = torch.cuda.device_count()
+    s = magics.session
+    if s is None or not s.running or s.size != n or s.gpus != "auto":
+        if s is not None and s.running:
+            s.stop(quiet=True)
+        run_ok(shell, capsys, f"%dist_start --np {n} --gpus auto")
+    magics.session.failure_grace = 1.0
+    run_ok(shell, capsys, MODEL)
+    return magics.session
+
+
+def _pids(session) -> list[int]:
+    return [r["pid"] for r in session.ranks]
+
+
+def _same_ranks_train_on(shell, capsys, session, pids) -> None:
+    """No rank was killed (by NCCL's watchdog or anything), and the next cell trains, with
+    every rank's model identical."""
+    assert _pids(session) == pids
+    out = run_ok(shell, capsys, """%%everyrank
+train(3)
+print("same:", same_everywhere(), os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"))
+""")
+    assert "[all ranks] same: True 2" in out, out
+
+
+def test_the_group_serves_cuda_with_nccl_and_cpu_with_gloo(shell, capsys, nccl):
+    out = run_ok(shell, capsys, """%%everyrank
+print(dist.get_backend_config())
+ok = []
+for device in ("cpu", hvd.device()):
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool,
+                  torch.complex64, torch.uint8):
+        t = torch.ones(5, device=device).to(dtype)
+        ok.append(bool(hvd.allreduce(t, op=hvd.Sum).to(torch.float64).eq(hvd.size()).all()))
+        ok.append(hvd.allgather(t).shape[0] == 5 * hvd.size())
+        ok.append(bool(hvd.broadcast(t, root_rank=0).to(torch.float64).eq(1).all()))
+c = torch.ones(3)
+dist.all_reduce(c)  # a CPU tensor on the default group: its gloo part
+ok.append(c.eq(hvd.size()).all().item())
+ok.append(hvd.allgather_object(hvd.rank()) == list(range(hvd.size())))
+print("all right:", all(ok))
+""")
+    assert "[all ranks] cpu:gloo,cuda:nccl" in out, out
+    assert "[all ranks] all right: True" in out, out
+
+
+@pytest.mark.parametrize("when", ["before backward", "after backward"])
+def test_a_rank_that_raises_leaves_no_step_half_applied(shell, capsys, nccl, when):
+    pids = _pids(nccl)
+    run_ok(shell, capsys, "%everyrank train(2); start = weights()")
+    result, _, err = run_cell(shell, capsys, f"%everyrank train(5, raise_on=1, when={when!r})")
+    assert isinstance(result.error_in_exec, RankError), err
+    out = run_ok(shell, capsys, "%everyrank print('unchanged:', bool(weights().equal(start)), "
+                                "bool(weights().isfinite().all()))")
+    # the first step of the cell never completed on any rank: nothing of it was applied
+    assert "[all ranks] unchanged: True True" in out, out
+    _same_ranks_train_on(shell, capsys, nccl, pids)
+
+
+def test_the_stop_button_during_step_applies_nothing_of_it(shell, capsys, nccl):
+    pids = _pids(nccl)
+    timer = threading.Timer(3.0, _thread.interrupt_main)
+    timer.start()
+    try:
+        result, _, err = run_cell(shell, capsys, "%everyrank train(10**6, sleep_on=0)")
+    finally:
+        timer.cancel()
+    assert isinstance(result.error_in_exec, KeyboardInterrupt), err
+    out = run_ok(shell, capsys, "%everyrank print('as before the step:', "
+                                "bool(weights().equal(before_step)))")
+    assert "[all ranks] as before the step: True" in out, out
+    _same_ranks_train_on(shell, capsys, nccl, pids)
+
+
+def test_a_hung_process_set_collective_is_released(shell, capsys, nccl):
+    pids = _pids(nccl)
+    run_ok(shell, capsys, "%everyrank pair = hvd.add_process_set([0, 1])")
+    result, _, err = run_cell(shell, capsys, """%%everyrank --timeout 5
+if hvd.rank() == 0:
+    t = hvd.allreduce(torch.ones(4, device=hvd.device()), process_set=pair)
+    torch.cuda.synchronize()  # waits on the device for rank 1, which never comes
+time.sleep(60)
+""")
+    assert isinstance(result.error_in_exec, CellTimeout), err
+    out = run_ok(shell, capsys, """%%everyrank
+s = hvd.allreduce(torch.ones(4, device=hvd.device()), op=hvd.Sum)
+p = hvd.allreduce(torch.ones(4, device=hvd.device()), op=hvd.Sum, process_set=pair) \\
+    if hvd.rank() in (0, 1) else torch.full((4,), 2.0)
+print("sums:", s[0].item() == hvd.size(), p[0].item() == 2.0)
+""")
+    assert "[all ranks] sums: True True" in out, out
+    _same_ranks_train_on(shell, capsys, nccl, pids)
+
+
+def test_collectives_on_cuda_tensors(shell, capsys, nccl):
+    out = run_ok(shell, capsys, """%%everyrank
+n, r, dev = hvd.size(), hvd.rank(), hvd.device()
+ok = {}
+a = hvd.alltoall(torch.arange(n, device=dev) + 100 * r)
+ok["alltoall"] = a.tolist() == [100 * j + r for j in range(n)] and a.is_cuda
+rs = hvd.reducescatter(torch.ones(2 * n, device=dev), op=hvd.Sum)
+ok["reducescatter"] = rs.tolist() == [float(n)] * 2 and rs.is_cuda
+g = hvd.grouped_allreduce([torch.ones(3, device=dev), torch.full((2,), float(r), device=dev)],
+                          op=hvd.Sum)
+ok["grouped"] = g[0].tolist() == [float(n)] * 3 and g[1].tolist() == [float(sum(range(n)))] * 2
+ad = hvd.allreduce(torch.ones(8, device=dev), op=hvd.Adasum)
+ok["adasum"] = bool(torch.allclose(ad.cpu(), torch.ones(8)))  # Adasum of equal vectors: them
+evens = hvd.add_process_set(list(range(0, n, 2)))
+if r % 2 == 0:
+    e = hvd.allreduce(torch.ones(2, device=dev), op=hvd.Sum, process_set=evens)
+    ok["set"] = e.tolist() == [float(len(range(0, n, 2)))] * 2
+hvd.remove_process_set(evens)
+w = torch.zeros(4, device=dev)
+for step in range(r + 1):  # rank r has r + 1 batches
+    w += hvd.allreduce(torch.ones(4, device=dev), op=hvd.Sum)
+last = hvd.join()
+ok["join"] = last in range(n)
+print("bad:", sorted(k for k, v in ok.items() if not v))
+""")
+    assert "[all ranks] bad: []" in out, out
