@@ -1,6 +1,6 @@
 """Which of this host's addresses and interfaces leads to another host: the one answer both
 sides need across hosts. The notebook binds the controller there (never every interface when
-one serves); a rank sets ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` to it, and rank 0 gives
+one serves); a rank sets ``GLOO_SOCKET_IFNAME`` to it, and rank 0 gives
 its address there as the rendezvous address. Stdlib and psutil only; imported by both sides.
 
 The kernel's routing table answers, without a packet sent: a UDP socket "connected" to the

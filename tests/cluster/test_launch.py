@@ -170,3 +170,13 @@ def test_gpus_are_checked_in_the_notebook_before_a_one_host_launch(
         return
     with pytest.raises(LaunchError, match=re.escape(fragment)):
         mpiexec.check_gpus_here(gpus, backend)
+
+
+def test_gpus_none_hides_the_gpus_and_ranks_number_them_by_pci_bus():
+    """``--gpus none``: user code on a rank cannot take a GPU the cluster was not given."""
+    import ipydist
+
+    with ipydist.Session(np=2, gpus="none") as s:
+        s.run("import os; seen = (os.environ.get('CUDA_VISIBLE_DEVICES'), "
+              "os.environ.get('CUDA_DEVICE_ORDER'))")
+        assert s.pull("seen") == [("", "PCI_BUS_ID")] * 2

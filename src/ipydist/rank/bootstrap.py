@@ -17,7 +17,7 @@ import sys
 from ipydist import protocol
 from ipydist.errors import LaunchError
 from ipydist.rank import channel, device, watcher
-from ipydist.specs import SpecError, format_gpus, parse_gpus
+from ipydist.specs import SpecError, parse_gpus
 
 
 def bootstrap(env: dict[str, str] | None = None):
@@ -32,8 +32,15 @@ def bootstrap(env: dict[str, str] | None = None):
         gpus = parse_gpus(config.gpus)
     except SpecError as e:
         gpus, problem = "none", str(e)
-    if isinstance(gpus, list):  # before torch touches CUDA
-        os.environ["CUDA_VISIBLE_DEVICES"] = format_gpus(gpus)
+    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+    own_gpus = _own_gpus(comm, MPI, inherited)
+    os.environ.setdefault("CUDA_DEVICE_ORDER", device.DEVICE_ORDER)
+    try:  # before torch touches CUDA
+        visible = device.visible_devices(gpus, inherited)
+    except LaunchError as e:
+        visible, problem = "", problem or str(e)
+    if visible is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible
 
     import torch  # after the watcher and CUDA_VISIBLE_DEVICES
 
@@ -53,7 +60,7 @@ def bootstrap(env: dict[str, str] | None = None):
         try:
             count = torch.cuda.device_count() if gpus != "none" else 0
             rt.device_index = device.plan_device(
-                gpus, rt.local_rank, rt.local_size, count, config.backend)
+                gpus, rt.local_rank, rt.local_size, count, config.backend, own_gpus)
             if rt.device_index is not None:
                 torch.cuda.set_device(rt.device_index)
         except (LaunchError, RuntimeError) as e:
@@ -85,10 +92,22 @@ def bootstrap(env: dict[str, str] | None = None):
     return rt
 
 
+def _own_gpus(comm, mpi, inherited: str | None) -> bool:
+    """Whether each rank on this host was given GPUs of its own (collective: the host's
+    ranks compare what ``CUDA_VISIBLE_DEVICES`` they inherited)."""
+    local = comm.Split_type(mpi.COMM_TYPE_SHARED, key=comm.Get_rank())
+    try:
+        return device.own_gpus(local.allgather(inherited))
+    finally:
+        local.Free()
+
+
 def _use_route_to(notebook_addr: str) -> str | None:
-    """Across hosts: gloo and NCCL use this host's interface that reaches the notebook host
-    (unless the user set theirs), and this rank's address there is what it offers as the
-    rendezvous address. On one host (no address given): None."""
+    """Across hosts: gloo uses this host's interface that reaches the notebook host (unless
+    the user set theirs), and this rank's address there is what it offers as the rendezvous
+    address. On one host (no address given): None. NCCL is left to choose its own: that
+    route may be a management network, where NCCL prefers InfiniBand or the fastest NIC
+    (``NCCL_SOCKET_IFNAME`` still sets one)."""
     if not notebook_addr:
         return None
     from ipydist import network
@@ -97,8 +116,7 @@ def _use_route_to(notebook_addr: str) -> str | None:
         route = network.route_to(notebook_addr)
     except OSError:
         return None  # the rendezvous falls back to the host's name
-    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        os.environ.setdefault(name, route.interface)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", route.interface)
     return route.address
 
 

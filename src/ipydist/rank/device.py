@@ -8,14 +8,58 @@ from ipydist.protocol import MPI_BACKEND
 from ipydist.specs import format_gpus
 
 
+def entries(visible: str | None) -> list[str] | None:
+    """The devices a ``CUDA_VISIBLE_DEVICES`` value names (indices, UUIDs or MIG names, kept
+    as written); None when it is not set."""
+    if visible is None:
+        return None
+    return [e.strip() for e in visible.split(",") if e.strip()]
+
+
+def visible_devices(gpus: str | list[int], inherited: str | None) -> str | None:
+    """What to set ``CUDA_VISIBLE_DEVICES`` to before torch touches CUDA (None: leave it).
+
+    ``--gpus none`` hides every GPU (an empty value), so that user code cannot take one the
+    cluster was not given. A ``--gpus`` list counts within what the rank inherited (a Slurm
+    allocation, a scheduler's or a user's ``CUDA_VISIBLE_DEVICES``): ``--gpus 1,3`` under
+    ``4,5,6,7`` is ``5,7``; absolute indices would escape the allocation. Without one, the
+    list is the host's GPUs (in PCI bus order: see :data:`DEVICE_ORDER`).
+    """
+    if gpus == "none":
+        return ""
+    if gpus == "auto":
+        return None
+    given = entries(inherited)
+    if given is None:
+        return format_gpus(gpus)
+    outside = [i for i in gpus if i >= len(given)]
+    if outside:
+        have = (f"GPUs 0-{len(given) - 1} ({inherited})" if given
+                else "no GPU (CUDA_VISIBLE_DEVICES is empty)")
+        raise LaunchError(
+            f"--gpus {format_gpus(gpus)} names GPU {','.join(map(str, outside))}, but this "
+            f"rank was given {have}: --gpus counts within CUDA_VISIBLE_DEVICES. Use --gpus auto "
+            "to use what was given.")
+    return ",".join(given[i] for i in gpus)
+
+
+#: ``CUDA_DEVICE_ORDER`` on the ranks (unless set): CUDA's own order is fastest first, while
+#: ``nvidia-smi``, Slurm and ``--gpus`` number GPUs by PCI bus.
+DEVICE_ORDER = "PCI_BUS_ID"
+
+
 def plan_device(
-    gpus: str | list[int], local_rank: int, local_size: int, device_count: int, backend: str
+    gpus: str | list[int], local_rank: int, local_size: int, device_count: int, backend: str,
+    own_gpus: bool = False,
 ) -> int | None:
     """The CUDA device index this rank uses (None: CPU), or a LaunchError saying what to fix.
 
-    ``device_count`` counts the devices visible after ``CUDA_VISIBLE_DEVICES`` was set to the
-    ``--gpus`` list, so with a list the index is simply the local rank: that keeps
+    ``device_count`` counts the devices visible after ``CUDA_VISIBLE_DEVICES`` was set (see
+    :func:`visible_devices`), so with a list the index is simply the local rank: that keeps
     ``torch.cuda.set_device(hvd.local_rank())`` in Horovod code pointing at the same GPU.
+    ``own_gpus``: each rank on this host was given GPUs of its own (Slurm's
+    ``--gpus-per-task``, a ``CUDA_VISIBLE_DEVICES`` per rank): the rank then uses its first,
+    and one visible GPU per rank is what NCCL needs, not too few.
     """
     if gpus == "none":
         if backend == "nccl":
@@ -37,12 +81,24 @@ def plan_device(
                 "present) or --gpus none (CPU)."
             )
         wanted = len(gpus)
+    if own_gpus:
+        return 0
     if local_size > wanted and backend in ("nccl", "auto"):
         raise LaunchError(
             f"{local_size} ranks on this host but only {wanted} GPU(s): NCCL needs one GPU per "
             "rank. Use --np with at most one rank per GPU, or --backend gloo to share GPUs."
         )
     return local_rank % wanted
+
+
+def own_gpus(visible_on_host: list[str | None]) -> bool:
+    """Whether the ranks of one host (their inherited ``CUDA_VISIBLE_DEVICES``, in order)
+    were each given GPUs of their own: set on every rank, none empty, no device named by two."""
+    lists = [entries(v) for v in visible_on_host]
+    if len(lists) < 2 or any(not devices for devices in lists):
+        return False
+    named = [d for devices in lists for d in devices]
+    return len(named) == len(set(named))
 
 
 def resolve_backend(backend: str, device_index: int | None) -> str:

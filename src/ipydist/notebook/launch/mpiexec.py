@@ -108,11 +108,17 @@ def check_gpus_here(gpus: str | list[int], backend: str) -> None:
     (``nvidia-smi``, else the ``/dev/nvidiaN`` devices); with ROCm's driver the ranks judge."""
     if os.path.exists("/dev/kfd"):
         return
-    if shutil.which("nvidia-smi"):
-        count = len(list_gpus())
+    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if inherited is not None:  # the ranks inherit it, and --gpus counts within it
+        count = len([e for e in inherited.split(",") if e.strip()])
+        found = (f"{count} GPU(s) in CUDA_VISIBLE_DEVICES ({inherited})" if count
+                 else "no GPU (CUDA_VISIBLE_DEVICES is empty)")
     else:
-        count = sum(1 for n in os.listdir("/dev") if re.fullmatch(r"nvidia\d+", n))
-    found = f"{count} NVIDIA GPU(s)" if count else "no NVIDIA GPU"
+        if shutil.which("nvidia-smi"):
+            count = len(list_gpus())
+        else:
+            count = sum(1 for n in os.listdir("/dev") if re.fullmatch(r"nvidia\d+", n))
+        found = f"{count} NVIDIA GPU(s)" if count else "no NVIDIA GPU"
     if isinstance(gpus, list) and max(gpus) >= count:
         missing = ",".join(str(i) for i in gpus if i >= count)
         raise LaunchError(

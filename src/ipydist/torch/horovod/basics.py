@@ -138,9 +138,10 @@ def mpi_enabled() -> bool:
 
 
 def gloo_enabled() -> bool:
-    """Whether the process group (which carries what MPI does not) is gloo."""
+    """Whether gloo serves the process group's CPU tensors (which carry what MPI does not):
+    a gloo cluster's, and an NCCL cluster's (``cpu:gloo,cuda:nccl``)."""
     rt = topology.get()
-    return rt is not None and rt.backend == "gloo"
+    return rt is not None and "gloo" in process_group.torch_backend(rt.backend)
 
 
 def mpi_threads_supported() -> bool:
