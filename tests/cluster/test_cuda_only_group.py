@@ -128,10 +128,15 @@ state = hvd.load_checkpoint({str(path)!r})
 model.load_state_dict(state["model"])
 opt.load_state_dict(state["optimizer"])
 bmuf.load_state_dict(state["bmuf"])
+from ipydist.torch.training import checkpoint as _checkpoint
+gathered = _checkpoint._rank_states(dict(optimizer=opt, bmuf=bmuf))  # to rank 0 alone
+print("gathered:", sorted((k, len(v)) for k, v in gathered.items()))
 print("one-bit ranks equal:", same_everywhere(model))
 print("local model back:", all(torch.equal(a, b) for a, b in
                                zip(local, bmuf_model.parameters())))
 """)
+    assert "[rank 0] gathered: [('bmuf', 2), ('optimizer', 2)]" in out, out
+    assert "[rank 1] gathered: []" in out, out
     assert "[all ranks] one-bit ranks equal: True" in out, out
     assert "[all ranks] local model back: True" in out, out
 

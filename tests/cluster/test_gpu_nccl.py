@@ -185,3 +185,30 @@ ok["join"] = last in range(n)
 print("bad:", sorted(k for k, v in ok.items() if not v))
 """)
     assert "[all ranks] bad: []" in out, out
+
+
+def test_checkpoints_with_block_momentum_mid_block_on_cuda(shell, capsys, nccl, tmp_path):
+    """Each rank's local model travels to rank 0 alone, on the CPU, and comes back to its own
+    GPU: no rank puts anything on another's GPU."""
+    path = tmp_path / "bmuf.pt"
+    out = run_ok(shell, capsys, f"""%%everyrank
+torch.manual_seed(0)
+net = torch.nn.Linear(64, 8).to(hvd.device())
+hvd.broadcast_parameters(net.state_dict(), root_rank=0)
+bmuf = hvd.BlockMomentum(torch.optim.SGD(net.parameters(), lr=0.05), block_steps=3)
+for step in range(2):  # mid-block: the local models differ between ranks
+    bmuf.zero_grad()
+    net(batch(step)[:, :64]).square().mean().backward()
+    bmuf.step()
+hvd.save_checkpoint({str(path)!r}, bmuf=bmuf)
+local = [p.detach().clone() for p in net.parameters()]
+with torch.no_grad():
+    for p in net.parameters():
+        p.zero_()
+bmuf.load_state_dict(hvd.load_checkpoint({str(path)!r})["bmuf"])
+others = [torch.cuda.memory_allocated(i) for i in range(torch.cuda.device_count())
+          if i != torch.cuda.current_device()]
+print("back:", all(torch.equal(a, b) for a, b in zip(local, net.parameters())),
+      "others' GPUs untouched:", not any(others))
+""")
+    assert "[all ranks] back: True others' GPUs untouched: True" in out, out

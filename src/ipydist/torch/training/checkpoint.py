@@ -21,7 +21,9 @@ import warnings
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from ipydist.torch._wire.starts import torch_group_of
 from ipydist.torch.horovod.basics import device, rank, size
 from ipydist.torch.horovod.functions import allgather_object, broadcast_object
 
@@ -60,7 +62,8 @@ def save_checkpoint(path: str | os.PathLike, /, **state: Any) -> None:
 
 
 def load_checkpoint(path: str | os.PathLike, *, weights_only: bool = True) -> dict[str, Any]:
-    """The dict :func:`save_checkpoint` wrote, with its tensors on this rank's ``device()``.
+    """The dict :func:`save_checkpoint` wrote, with its tensors on this rank's ``device()``
+    (the ranks' own states, which each loader takes its entry of, on the CPU).
 
     Every rank reads the file itself. ``weights_only=True`` (the default) lets the file hold
     only tensors, numbers, strings and containers of them: unpickling anything else could run
@@ -73,7 +76,9 @@ def load_checkpoint(path: str | os.PathLike, *, weights_only: bool = True) -> di
             f"no checkpoint file at {where}: check the path, or write one with save_checkpoint"
         )
     try:
-        return torch.load(path, map_location=device(), weights_only=weights_only)
+        if not weights_only:  # objects of any kind: torch moves every storage
+            return torch.load(path, map_location=device(), weights_only=False)
+        return _to_device(torch.load(path, map_location="cpu"), device())
     except pickle.UnpicklingError as e:
         if not weights_only:
             raise
@@ -108,14 +113,44 @@ def this_ranks(per_rank: list | None, what: str) -> Any:
 
 def _rank_states(state: dict[str, Any]) -> dict[str, list]:
     """Every rank's own state of each value that has one (collective: every rank calls
-    ``save_checkpoint``), gathered to every rank; empty when no value has one."""
+    ``save_checkpoint``), gathered to rank 0, which writes; empty elsewhere, and when no value
+    has one. The states travel as CPU tensors, to rank 0 alone: pickled CUDA tensors would be
+    unpickled onto the receiver's GPU of the same index (a CUDA context on another rank's GPU,
+    "invalid device ordinal" where hosts differ), and every rank would hold every rank's."""
     mine = {k: v._ipydist_rank_state() for k, v in state.items()
             if callable(getattr(v, "_ipydist_rank_state", None))}
-    mine = {k: v for k, v in mine.items() if v is not None}
+    mine = {k: _on_cpu(v) for k, v in mine.items() if v is not None}
     if not any(allgather_object(bool(mine))):
         return {}
-    everyone = allgather_object(mine)
+    everyone: list | None = [None] * size() if rank() == 0 else None
+    dist.gather_object(mine, everyone, dst=0, group=torch_group_of(None))
+    if everyone is None:
+        return {}
     return {k: [states.get(k) for states in everyone] for k in set().union(*everyone)}
+
+
+def _on_cpu(value: Any) -> Any:
+    """``value`` with every tensor in it (through dicts, lists and tuples) on the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _on_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_cpu(v) for v in value)
+    return value
+
+
+def _to_device(value: Any, where: torch.device) -> Any:
+    """``value`` with its tensors on ``where``, except the per-rank states (RANK_STATE_KEY),
+    which stay on the CPU: each rank takes its own from them, and the loaders put it where
+    the tensor it replaces lives."""
+    if isinstance(value, torch.Tensor):
+        return value.to(where)
+    if isinstance(value, dict):
+        return {k: v if k == RANK_STATE_KEY else _to_device(v, where) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(v, where) for v in value)
+    return value
 
 
 def _saved_form(value: Any) -> Any:
