@@ -212,3 +212,48 @@ print("back:", all(torch.equal(a, b) for a, b in zip(local, net.parameters())),
       "others' GPUs untouched:", not any(others))
 """)
     assert "[all ranks] back: True others' GPUs untouched: True" in out, out
+
+
+def test_sync_batch_norm_on_cuda_against_one_batch_norm(shell, capsys, nccl):
+    """Forward, gradients and running statistics against torch's BatchNorm on the whole batch,
+    with no wait for the device (sync debug mode), under autocast, and memory within 1.5x of
+    BatchNorm's for forward and backward."""
+    out = run_ok(shell, capsys, """%%everyrank
+r, n, dev = hvd.rank(), hvd.size(), hvd.device()
+torch.manual_seed(2)
+batches = [torch.randn(4 + k, 8, 16, 16, device=dev) * 3 + 1 for k in range(n)]
+sync, plain = hvd.SyncBatchNorm(8).to(dev), torch.nn.BatchNorm2d(8).to(dev)
+mine = batches[r].clone().requires_grad_()
+union = torch.cat(batches).requires_grad_()
+start = sum(len(b) for b in batches[:r])
+rows = slice(start, start + len(batches[r]))
+torch.cuda.synchronize()
+torch.cuda.set_sync_debug_mode("error")
+try:
+    out = sync(mine)
+    out.square().sum().backward()
+finally:
+    torch.cuda.set_sync_debug_mode("default")
+expected = plain(union)
+expected.square().sum().backward()
+errors = dict(
+    out=(out - expected[rows]).abs().max().item(),
+    grad=(mine.grad - union.grad[rows]).abs().max().item(),
+    weight=(hvd.allreduce(sync.weight.grad, op=hvd.Sum) - plain.weight.grad).abs().max().item(),
+    running=(sync.running_var - plain.running_var).abs().max().item())
+with torch.autocast("cuda", dtype=torch.float16):
+    auto_dtype = str(sync(mine.half()).dtype) == str(plain(mine.half()).dtype)
+
+def peak(bn, x):
+    torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    bn(x).sum().backward()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+big = torch.randn(32, 64, 56, 56, device=dev, requires_grad=True)
+ratio = peak(hvd.SyncBatchNorm(64).to(dev), big) / peak(torch.nn.BatchNorm2d(64).to(dev), big)
+print("ok:", max(errors.values()) < 1e-3, auto_dtype, ratio <= 1.5, errors, round(ratio, 2))
+""")
+    assert "[all ranks] ok: True True True" in out or out.count("ok: True True True") == \
+        torch.cuda.device_count(), out

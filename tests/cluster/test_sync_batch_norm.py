@@ -58,3 +58,46 @@ except ValueError as e:
             for what, error in found.items():
                 assert error < 1e-10, (momentum, what, error)
         assert bad and "2 or more dimensions" in bad
+
+
+def test_half_inputs_an_empty_rank_and_what_backward_keeps(shell, capsys, cluster):
+    """bfloat16 and float16 inputs (statistics in float32, no float32 copy kept), a rank with
+    no samples, and a backward that keeps the input and a few numbers per channel only
+    (autograd through the merge kept several activation-sized tensors)."""
+    run_ok(shell, capsys, """%%everyrank
+import torch, ipydist.torch as hvd
+r, n = hvd.rank(), hvd.size()
+torch.manual_seed(1)
+batches = [torch.randn(3 * k, 4, 6, 6, dtype=torch.float64) * 2 + 1 for k in range(n)]  # rank 0: none
+half_checks = {}
+for dtype in (torch.bfloat16, torch.float16):
+    sync = hvd.SyncBatchNorm(4)
+    plain = torch.nn.BatchNorm2d(4).double()
+    mine = batches[r].to(dtype).requires_grad_()
+    union = torch.cat(batches).to(dtype).double().requires_grad_()
+    saved = []
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = sync(mine)
+    out.double().sum().backward()
+    expected = plain(union)
+    expected.sum().backward()
+    start = sum(len(b) for b in batches[:r])
+    rows = slice(start, start + len(batches[r]))
+    half_checks[str(dtype)] = dict(
+        dtype=str(out.dtype),
+        out=(out.double() - expected[rows]).abs().max().item() if len(mine) else 0.0,
+        grad=(mine.grad.double() - union.grad[rows]).abs().max().item() if len(mine) else 0.0,
+        running=(sync.running_mean.double() - plain.running_mean).abs().max().item(),
+        saved=sum(saved), input_bytes=mine.numel() * mine.element_size())
+""")
+    for checks in pulled(shell, "half_checks"):
+        for dtype, found in checks.items():
+            assert found["dtype"] == dtype, found
+            assert found["out"] < 0.05 and found["grad"] < 0.05, (dtype, found)
+            assert found["running"] < 1e-3, (dtype, found)
+            # the input, its weight, and a few numbers per channel (4 channels, 4 ranks)
+            assert found["input_bytes"] <= found["saved"] <= found["input_bytes"] + 512, (
+                dtype, found)
