@@ -176,15 +176,19 @@ train(model, opt, 100, sleep_on=0)
 
 def test_a_failed_cell_recovers_and_the_next_one_trains(shell, capsys, cuda_only):
     _train_stepped(shell, capsys)
-    result, _, err = run_cell(shell, capsys, """%%everyrank
-train(model, opt, 2)
-if hvd.rank() == 1:
+    _rank_1_fails_and_the_ranks_recover(shell, capsys, "train(model, opt, 2)\n")
+    _trains_after(shell, capsys)
+
+
+def _rank_1_fails_and_the_ranks_recover(shell, capsys, before: str = "") -> None:
+    """A cell in which rank 1 raises while rank 0 waits for it in a collective."""
+    result, _, err = run_cell(shell, capsys, f"""%%everyrank
+{before}if hvd.rank() == 1:
     raise ValueError("rank 1 fails")
 hvd.allreduce(torch.ones(3))
 """)
     assert isinstance(result.error_in_exec, RankError), err
     assert "gave up" not in str(result.error_in_exec), result.error_in_exec
-    _trains_after(shell, capsys)
 
 
 def test_cpu_gloo_cuda_nccl_on_cpu_ranks_makes_a_gloo_group_at_once(shell, capsys, cuda_only):
@@ -210,11 +214,5 @@ dist.init_process_group("cuda:gloo", init_method="file://{rendezvous}",
                         rank=hvd.rank(), world_size=hvd.size())
 """)
     _train_stepped(shell, capsys)
-    result, _, err = run_cell(shell, capsys, """%%everyrank
-if hvd.rank() == 1:
-    raise ValueError("rank 1 fails")
-hvd.allreduce(torch.ones(3))
-""")
-    assert isinstance(result.error_in_exec, RankError), err
-    assert "gave up" not in str(result.error_in_exec), result.error_in_exec
+    _rank_1_fails_and_the_ranks_recover(shell, capsys)
     _trains_after(shell, capsys)

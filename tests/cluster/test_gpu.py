@@ -60,8 +60,8 @@ def test_horovod_style_set_device_matches(gpu_session):
 
 
 def test_onebit_and_block_momentum_train_cuda_models(gpu_session):
-    """1-bit SGD quantizes on the CPU (a copy of each bucket) and writes the averaged gradients
-    back to the GPU; block momentum averages the models with NCCL. Both keep ranks identical."""
+    """1-bit SGD quantizes and exchanges each bucket on the GPU (over NCCL); block momentum
+    averages the models with NCCL. Both keep ranks identical."""
     gpu_session.run(
         "torch.manual_seed(0)\n"
         "def check(wrap, steps=6):\n"

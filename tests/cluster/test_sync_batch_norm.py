@@ -68,7 +68,8 @@ def test_half_inputs_an_empty_rank_and_what_backward_keeps(shell, capsys, cluste
 import torch, ipydist.torch as hvd
 r, n = hvd.rank(), hvd.size()
 torch.manual_seed(1)
-batches = [torch.randn(3 * k, 4, 6, 6, dtype=torch.float64) * 2 + 1 for k in range(n)]  # rank 0: none
+# rank 0 has no samples
+batches = [torch.randn(3 * k, 4, 6, 6, dtype=torch.float64) * 2 + 1 for k in range(n)]
 half_checks = {}
 for dtype in (torch.bfloat16, torch.float16):
     sync = hvd.SyncBatchNorm(4)
