@@ -113,3 +113,14 @@ def test_nccl_error_handling_leaves_the_process_alive(monkeypatch):
     monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     process_group.keep_nccl_errors_in_the_rank()
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+
+
+@pytest.mark.parametrize(("version", "code"), [
+    ((2, 21, 5), 22105),
+    ((2, 27, 3, "+cuda12.8"), 22703),  # torch adds NCCL's suffix when it has one
+    (("2", "18", "1"), 21801),
+])
+def test_nccl_version_as_horovod_numbers_it(version, code):
+    from ipydist.torch.horovod.basics import nccl_code
+
+    assert nccl_code(version) == code

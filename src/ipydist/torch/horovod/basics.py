@@ -111,7 +111,13 @@ def nccl_built() -> int:
     """NCCL's version as Horovod's code (major * 10000 + minor * 100 + patch), or 0."""
     if not (dist.is_available() and dist.is_nccl_available()):
         return 0
-    major, minor, patch = torch.cuda.nccl.version()
+    return nccl_code(torch.cuda.nccl.version())
+
+
+def nccl_code(version) -> int:
+    """Horovod's number for an NCCL version as torch gives it: ``(2, 21, 5)``, or with a
+    suffix, ``(2, 21, 5, "+cuda12.4")`` (the suffix is not part of the number)."""
+    major, minor, patch = (int(str(part).split("+")[0] or 0) for part in tuple(version)[:3])
     return major * 10000 + minor * 100 + patch
 
 
