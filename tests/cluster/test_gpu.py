@@ -209,3 +209,22 @@ def test_distributed_optimizer_matches_ddp_and_one_process_with_no_device_sync(g
         # one wait for the device per step, reading the flags of the parameters missing
         # here: never's two, and side's two except on rank 1
         assert found["reads"] == [2 if rank == 1 else 4] * 3, found
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 or more CUDA GPUs")
+def test_a_gpu_list_pins_those_gpus():
+    with ipydist.Session(np=2, gpus="1,3") as s:
+        s.run("import os, torch\n"
+              "seen = (os.environ['CUDA_VISIBLE_DEVICES'], torch.cuda.device_count(),\n"
+              "        torch.cuda.current_device())")
+        assert s.pull("seen") == [("1,3", 2, 0), ("1,3", 2, 1)]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 or more CUDA GPUs")
+def test_fewer_ranks_than_gpus_and_gpus_none():
+    with ipydist.Session(np=1, gpus="auto") as s:
+        s.run("import torch; seen = torch.cuda.current_device()")
+        assert s.pull("seen") == [0]
+    with ipydist.Session(np=2, gpus="none") as s:  # hidden: a rank cannot take one
+        s.run("import torch; seen = torch.cuda.device_count()")
+        assert s.pull("seen") == [0, 0]
