@@ -38,6 +38,13 @@ def torch_backend(name: str) -> str:
     return NCCL_WITH_CPU if name == "nccl" else name
 
 
+def nccl_serves_cuda() -> bool:
+    """Whether the default group's CUDA tensors travel over NCCL (``nccl``, or a user's
+    ``cuda:nccl``/``cpu:gloo,cuda:nccl``)."""
+    rt = topology.get()
+    return rt is not None and "nccl" in rt.backend
+
+
 def keep_nccl_errors_in_the_rank() -> None:
     """Set NCCL's watchdog to abort the communicators on an error or a timeout and let the
     operations raise (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``, "CleanUpOnly"), never to end

@@ -96,8 +96,7 @@ def broadcast_parameters(params, root_rank: int = 0) -> None:
                                             group=starts.torch_group_of(None, flat)),
                              on_device)
             if on_device:  # an NCCL abort ends the kernel early, without an error: look
-                torch.cuda.current_stream(flat.device).synchronize()  # before writing
-                waiting.check_usable()
+                waiting.device_settled()  # before writing
         offset = 0
         for t in tensors:
             n = t.numel()

@@ -78,7 +78,11 @@ def load_checkpoint(path: str | os.PathLike, *, weights_only: bool = True) -> di
     try:
         if not weights_only:  # objects of any kind: torch moves every storage
             return torch.load(path, map_location=device(), weights_only=False)
-        return _to_device(torch.load(path, map_location="cpu"), device())
+        # the ranks' own states stay on the CPU: each loader takes its own entry and puts it
+        # where the tensor it replaces lives
+        here = device()
+        return _map_tensors(torch.load(path, map_location="cpu"), lambda t: t.to(here),
+                            skip=RANK_STATE_KEY)
     except pickle.UnpicklingError as e:
         if not weights_only:
             raise
@@ -119,7 +123,8 @@ def _rank_states(state: dict[str, Any]) -> dict[str, list]:
     "invalid device ordinal" where hosts differ), and every rank would hold every rank's."""
     mine = {k: v._ipydist_rank_state() for k, v in state.items()
             if callable(getattr(v, "_ipydist_rank_state", None))}
-    mine = {k: _on_cpu(v) for k, v in mine.items() if v is not None}
+    mine = {k: _map_tensors(v, lambda t: t.detach().cpu()) for k, v in mine.items()
+            if v is not None}
     if not any(allgather_object(bool(mine))):
         return {}
     everyone: list | None = [None] * size() if rank() == 0 else None
@@ -129,27 +134,15 @@ def _rank_states(state: dict[str, Any]) -> dict[str, list]:
     return {k: [states.get(k) for states in everyone] for k in set().union(*everyone)}
 
 
-def _on_cpu(value: Any) -> Any:
-    """``value`` with every tensor in it (through dicts, lists and tuples) on the CPU."""
+def _map_tensors(value: Any, fn, skip: str | None = None) -> Any:
+    """``value`` with ``fn`` applied to every tensor in it, through dicts, lists and tuples
+    (the entry of a dict under the key ``skip`` left as it is)."""
     if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
+        return fn(value)
     if isinstance(value, dict):
-        return {k: _on_cpu(v) for k, v in value.items()}
+        return {k: v if k == skip else _map_tensors(v, fn, skip) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_on_cpu(v) for v in value)
-    return value
-
-
-def _to_device(value: Any, where: torch.device) -> Any:
-    """``value`` with its tensors on ``where``, except the per-rank states (RANK_STATE_KEY),
-    which stay on the CPU: each rank takes its own from them, and the loaders put it where
-    the tensor it replaces lives."""
-    if isinstance(value, torch.Tensor):
-        return value.to(where)
-    if isinstance(value, dict):
-        return {k: v if k == RANK_STATE_KEY else _to_device(v, where) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_device(v, where) for v in value)
+        return type(value)(_map_tensors(v, fn, skip) for v in value)
     return value
 
 

@@ -29,7 +29,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from ipydist.torch._core import waiting
+from ipydist.torch._core import process_group, waiting
 from ipydist.torch._wire import transport
 from ipydist.torch._wire.starts import torch_group_of
 from ipydist.torch.training import onebit, onebit_torch
@@ -204,7 +204,7 @@ class OneBitExchange:
 def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
     """The stream a bucket's exchange is queued on, one per GPU: where NCCL serves the
     device's tensors (its collectives are ordered on streams), else None (the host waits)."""
-    if device.type != "cuda" or not _nccl_serves(device):
+    if device.type != "cuda" or not process_group.nccl_serves_cuda():
         return None
     index = torch.cuda.current_device() if device.index is None else device.index
     if index not in _streams:
@@ -213,13 +213,6 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
 
 
 _streams: dict[int, torch.cuda.Stream] = {}
-
-
-def _nccl_serves(device: torch.device) -> bool:
-    """Whether the default group's backend for ``device``'s type is NCCL (``nccl`` alone, or
-    ``cpu:gloo,cuda:nccl``)."""
-    config = dist.get_backend_config()
-    return f"{device.type}:nccl" in config.split(",")
 
 
 def _on(stream: torch.cuda.Stream | None):
