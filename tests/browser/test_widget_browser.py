@@ -4,15 +4,20 @@ part of anywidget's model a render function uses), so each behaviour is checked 
 or two. test_browser.py runs the same module in JupyterLab against a real kernel.
 
 What is checked: the JavaScript formatter on the table of cases numbers.py is tested on; train
-and validation on one chart, markers on sparse series, no smoothing on few points; the hover
-read-out; zoom by dragging and back by double-click; the log toggle and smoothing saved in the
-model's settings (the saved widget state); per-rank curves; PNG and CSV export.
+and validation on one chart, markers on sparse series, no smoothing on few points; what each
+number is (header: last values; legends: last, smoothed, min/max, in one format); axis names
+and a final tick at the last step; the ETA; the hover read-out; zoom by dragging and back by
+double-click; the log toggle and smoothing saved in the model's settings (the saved widget
+state); per-rank curves; PNG and CSV export; controls in JupyterLab's colours; the chart plan
+in the ``charts`` trait, and in ``layout`` as notebooks saved before the rename have it. Every
+test fails on an error in the page.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -61,7 +66,7 @@ def _state(n=300, **extra) -> dict:
         "epoch": [steps, [s // 50 for s in steps], [s * 0.05 for s in steps]],
     }
     state = {"key": "k1", "series": series, "rank_series": {}, "settings": {}, "done": True,
-             "layout": chart_layout(list(series)),
+             "charts": chart_layout(list(series)),
              "stats": {"points": n, "latest": {"loss": 0.01}, "steps_per_s": 190_000,
                        "progress": 1.0, "step": n - 1, "total": n, "eta": 0, "elapsed": 15,
                        "ranks": []}}
@@ -105,7 +110,7 @@ def test_javascript_formats_numbers_as_python_does(page):
     got = page.evaluate(
         """(cases) => cases.map((c) => {
             const v = typeof c.in === 'string' ? Number(c.in) : c.in;
-            return {number, count, tick_labels: tickLabels}[c.fn](v);
+            return {number, count, tick_labels: tickLabels, duration}[c.fn](v);
         })""", CASES)
     wrong = [(c["fn"], c["in"], g, c["out"]) for c, g in zip(CASES, got) if g != c["out"]]
     assert not wrong, f"(function, input, JavaScript's, the table's): {wrong}"
@@ -124,11 +129,12 @@ def test_train_and_validation_share_a_chart_with_markers_and_no_smoothing_on_few
     assert loss.locator("circle.ipydist-marker").count() == 6, "markers on val_loss's points"
     assert loss.locator("line.ipydist-epoch").count() == 5, "a line where each epoch began"
     assert loss.locator(".ipydist-best title").nth(1).text_content() == (
-        "best val_loss: 0.09 at step 299")
-    ticks = loss.locator("text.ipydist-tick").all_text_contents()
+        "min of val_loss: 0.09 at step 299")
+    ticks = loss.locator("text.ipydist-tick:not(.ipydist-legend)").all_text_contents()
     assert "50" in ticks and not any(t.endswith(".0") or t.endswith("0.500") for t in ticks)
     header = root.locator(".ipydist-header").text_content()
-    assert "190 k steps/s" in header and "300 points" in header
+    assert header.startswith("last: loss 0.01"), header
+    assert "190 k steps/s" in header and "done in 0:15" in header and "points" not in header
     assert root.locator(".ipydist-progress-text").text_content().startswith("300 of 300 steps")
     gap = page.evaluate("""() => {
         const bar = document.querySelector('.ipydist-bar').getBoundingClientRect();
@@ -205,10 +211,10 @@ def test_per_rank_curves_for_metrics_logged_with_reduce_none(page):
 
 
 def test_live_points_append_and_redraw(page):
-    state = _state(n=0, done=False, series={}, layout=chart_layout([]), stats={"points": 0})
+    state = _state(n=0, done=False, series={}, charts=chart_layout([]), stats={"points": 0})
     root = mount(page, state)
-    page.evaluate("""(layout) => {
-        window.model.set('layout', layout);
+    page.evaluate("""(plan) => {
+        window.model.set('charts', plan);
         window.model.emit('msg:custom', {type: 'append', count: 3,
             series: {loss: [[0, 1, 2], [1, 0.5, 0.25], [0, 0.1, 0.2]]}, rank_series: {}});
     }""", chart_layout(["loss"]))
@@ -232,3 +238,128 @@ def test_png_and_csv_export(page, tmp_path):
     csv.value.save_as(tmp_path / "metrics.csv")
     lines = (tmp_path / "metrics.csv").read_text().splitlines()
     assert lines[0] == "step,seconds,loss,val_loss,val_acc,epoch" and len(lines) == 301
+
+
+def _legends(root):
+    return root.locator("text.ipydist-legend").all_text_contents()
+
+
+def test_legends_say_what_each_number_is_in_one_format(page):
+    root = mount(page, _state())
+    legends = _legends(root)
+    assert re.fullmatch(r"loss: last -?[\d.]+ · smoothed -?[\d.]+ · min -?[\d.]+", legends[0]), (
+        legends)
+    assert legends[1:] == ["val_loss: last 0.09 · min 0.09", "val_acc: last 0.976 · max 0.976"]
+    # The static copy words the same series, and the header's numbers, the same way.
+    from ipydist.notebook.live.static import fallback_bundle, summary_line
+
+    state = _state()
+    series = {n: s[:2] for n, s in state["series"].items()}
+    html = fallback_bundle("k", series, state["stats"], state["charts"])["text/html"]
+    assert all(legend in html for legend in legends), (legends, html[:2000])
+    summary = root.locator(".ipydist-header").get_attribute("data-summary")
+    assert summary == summary_line(state["stats"]) == (
+        "last: loss 0.01 · 300 of 300 steps · 190 k steps/s · done in 0:15")
+    # No legend runs into the toggles over the chart's top right.
+    overlap = page.evaluate("""() => [...document.querySelectorAll('.ipydist-chart-box')]
+        .some((box) => {
+            const t = box.querySelector('.ipydist-chart-toggles').getBoundingClientRect();
+            return [...box.querySelectorAll('text.ipydist-legend')].some((l) => {
+                const r = l.getBoundingClientRect();
+                return r.right > t.left && r.left < t.right && r.bottom > t.top && r.top < t.bottom;
+            }); })""")
+    assert not overlap
+
+
+def test_a_long_legend_wraps_and_the_chart_grows(page):
+    names = [f"loss_{k}_with_a_rather_long_name" for k in range(6)]
+    steps = list(range(100))
+    series = {n: [steps, [1 / (s + 1) for s in steps], steps] for n in names}
+    plan = {**chart_layout([]), "charts": [{"title": "loss", "series": [
+        {"name": n, "color": "#000", "best": "min"} for n in names]}]}
+    root = mount(page, _state(series=series, charts=plan))
+    svg = root.locator("svg.ipydist-chart")
+    assert int(svg.get_attribute("height")) > 172
+    rows = {round(float(y)) for y in svg.locator("text.ipydist-legend").evaluate_all(
+        "ls => ls.map(l => l.getAttribute('y'))")}
+    assert len(rows) >= 2, "the legend takes a second line"
+
+
+def test_axes_are_named_and_end_with_a_tick_at_the_last_step(page):
+    root = mount(page, _state())
+    loss = root.locator("svg[data-chart=loss]")
+    assert loss.locator(".ipydist-axis-label").text_content() == "step"
+    ticks = loss.locator("text.ipydist-tick:not(.ipydist-legend):not(.ipydist-axis-label)")
+    assert ticks.all_text_contents()[-1] == "299", "a final tick at the last step"
+    root.locator(".ipydist-x-axis").select_option("time")
+    page.wait_for_timeout(100)
+    assert loss.locator(".ipydist-axis-label").text_content() == (
+        "time since the first point (m:ss)")
+    assert ticks.all_text_contents()[-1] == "0:15", "the last point's time (299 x 0.05 s)"
+    root.locator("svg[data-chart=loss] ~ .ipydist-chart-toggles input").check()
+    page.wait_for_timeout(100)
+    assert loss.locator(".ipydist-chart-title").text_content() == "loss (log scale)"
+    assert _legends(root)[1] == "val_loss: last 0.09 · min 0.09", "values, not their logs"
+
+
+def _progress(page, state) -> str:
+    mount(page, state)
+    return page.locator(".ipydist-progress-text").text_content()
+
+
+@pytest.mark.parametrize("eta, shown", [
+    (None, "150 of 300 steps · 50%"), (95.4, "150 of 300 steps · 50% · ETA 1:35"),
+    (0.3, "150 of 300 steps · 50% · ETA <0:01")])
+def test_eta_is_a_real_estimate_or_hidden(page, eta, shown):
+    stats = {**_state()["stats"], "step": 149, "progress": 0.5, "eta": eta}
+    assert _progress(page, _state(done=False, stats=stats)) == shown
+
+
+def test_no_eta_once_the_cell_ended_and_no_progress_bar_without_a_total(page):
+    assert "ETA" not in _progress(page, _state())
+    page.set_content("<div id=host style='width:900px'></div>")
+    stats = {**_state()["stats"], "total": None, "progress": None, "eta": None}
+    root = mount(page, _state(stats=stats))
+    assert not root.locator(".ipydist-progress").is_visible()
+    assert "step 299" in root.locator(".ipydist-rates").text_content(), "how far, without a total"
+
+
+def test_controls_follow_jupyterlab_colours_and_the_rank_bar_explains_itself(page):
+    stats = {**_state()["stats"], "ranks": [
+        {"rank": 0, "step_s": 0.05, "compute_s": 0.02, "max_s": 0.06, "straggler": False},
+        {"rank": 1, "step_s": 0.05, "compute_s": 0.045, "max_s": 0.07, "straggler": True}]}
+    root = mount(page, _state(stats=stats))
+    style = """(e) => { const s = getComputedStyle(e);
+        return [s.backgroundColor, s.borderTopColor, s.color, s.fontSize]; }"""
+    plain = root.locator(".ipydist-export-png").evaluate(style)
+    assert plain[:2] == ["rgb(255, 255, 255)", "rgb(189, 189, 189)"], "JupyterLab's light theme"
+    assert root.locator(".ipydist-x-axis").evaluate(style) == plain, "menu and buttons alike"
+    page.evaluate("""() => { const h = document.getElementById('host').style;
+        h.setProperty('--jp-layout-color1', 'rgb(17, 17, 17)');
+        h.setProperty('--jp-border-color1', 'rgb(80, 80, 80)');
+        h.setProperty('--jp-ui-font-color1', 'rgb(230, 230, 230)');
+        h.setProperty('--jp-ui-font-size1', '11px'); }""")
+    assert root.locator(".ipydist-export-csv").evaluate(style) == [
+        "rgb(17, 17, 17)", "rgb(80, 80, 80)", "rgb(230, 230, 230)", "11px"], "a dark theme"
+    title = root.locator(".ipydist-ranks-title")
+    assert "full bar = 50 ms" in title.text_content()
+    assert "outside ipydist's collectives" in title.get_attribute("title")
+    assert "outside collectives 45 ms" in root.locator(
+        ".ipydist-rank[data-rank='1'] .ipydist-rank-track").get_attribute("title")
+
+
+def test_a_notebook_saved_with_the_plan_in_layout_still_draws(page):
+    """Widget state saved before the trait was renamed has the plan in ``layout``; a state
+    whose ``layout`` is something else (ipywidgets' Layout model) draws nothing from it."""
+    state = _state()
+    state["layout"] = state.pop("charts")
+    root = mount(page, state)
+    assert root.locator("svg.ipydist-chart").evaluate_all(
+        "cs => cs.map(c => c.dataset.chart)") == ["loss", "acc"]
+    page.set_content("<div id=host style='width:900px'></div>")
+    state = _state()
+    state.pop("charts")
+    state["layout"] = {"width": "100%", "_model_name": "LayoutModel"}
+    root = mount(page, state)
+    assert root.locator("svg.ipydist-chart").count() == 0
+    assert root.get_attribute("data-points") == "300"

@@ -36,7 +36,7 @@ for i in range(1000):
     assert cluster.metrics.series("loss", before)[1][-1] == 1.0 / 1000
     assert cluster.metrics.total == 1000 and cluster.metrics.batch_size == 8
     assert_every_batch_arrived(cluster.metrics, steps_before, 999)
-    assert "[metrics] loss 0.001" in out and "1,000 points" in out, "summary without a kernel"
+    assert "[metrics] last: loss 0.001 · 1,000 of 1,000 steps" in out, "summary without a kernel"
     rows = ipydist.metrics()
     rows = rows.to_dict("records") if hasattr(rows, "to_dict") else rows
     assert len(rows) == len(cluster.metrics)
@@ -149,7 +149,7 @@ def test_points_survive_restarts_and_a_cell_does_not_borrow_total_or_batch_size(
         assert result.error_in_exec is None, err
         result, out, err = run_cell(shell, capsys, LOG_40.format(extra=""))
         assert result.error_in_exec is None, err
-        assert "40 points" in out, out
+        assert "step 39" in out, out
     assert len(cluster.metrics) - before == 160, "points logged after a restart were dropped"
     frame = ipydist.metrics()
     rows = frame.to_dict("records") if hasattr(frame, "to_dict") else frame
@@ -186,4 +186,4 @@ for i in range(100):
     assert result.error_in_exec is None, err
     assert list(cluster.metrics.steps[before:]) == list(range(100)), "batches sent early lost"
     assert_every_batch_arrived(cluster.metrics, steps_before, 99)
-    assert "100 points" in out, out
+    assert "step 99" in out, out

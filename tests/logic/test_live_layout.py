@@ -12,7 +12,15 @@ from pathlib import Path
 import pytest
 
 from ipydist.notebook.live import layout, numbers
-from ipydist.notebook.live.static import chart_svg, fallback_bundle, nice_ticks, summary_line
+from ipydist.notebook.live.static import (
+    HEIGHT,
+    chart_svg,
+    fallback_bundle,
+    legend_text,
+    nice_ticks,
+    summary_line,
+    x_ticks,
+)
 
 CASES = json.loads((Path(__file__).resolve().parents[1] / "data" / "numbers.json").read_text())
 
@@ -91,20 +99,59 @@ def test_static_chart_draws_train_and_validation_with_markers_and_the_best_point
     lay = layout.chart_layout(list(series))
     loss = chart_svg(lay["charts"][0], series)
     texts = _svg_texts(loss)
-    assert texts[0] == "loss" and "val_loss" in texts, "one chart, with a legend"
+    assert texts[:3] == ["loss", "loss: last 0.01 · smoothed 0.0102 · min 0.01",
+                         "val_loss: last 0.02 · min 0.02"], "one chart, with a legend"
     assert loss.count("<polyline") == 3, "loss raw + smoothed, val_loss raw only (2 points)"
     assert loss.count('r="2.5"') == 2, "markers on the sparse series' two points"
-    assert loss.count("<title>best") == 2 and "best val_loss: 0.02 at step 99" in loss
-    assert all("." not in t for t in texts[texts.index("val_loss") + 1:]
-               if t.replace(",", "").isdigit()), texts
+    assert loss.count("<title>min of") == 2 and "min of val_loss: 0.02 at step 99" in loss
+    ticks = texts[3:-1]
+    assert texts[-1] == "step", "the x axis says what it is"
+    assert "99" in ticks, "a final tick at the last step"
+    assert all("." not in t for t in ticks if t.replace(",", "").isdigit()), texts
     one = chart_svg(lay["charts"][1], series)
     assert one.count('r="2.5"') == 1, "a one-point chart draws its point"
-    assert not [t for t in _svg_texts(one) if "." in t and t not in ("0.5",)], (
+    assert _svg_texts(one)[1] == "acc: last 0.5", "one point: no min or max to speak of"
+    assert not [t for t in _svg_texts(one)[2:] if "." in t and t != "0.5"], (
         "no fractional step ticks on a one-point chart")
+
+
+def test_legend_says_what_each_number_is_in_one_format():
+    assert legend_text("loss", [0.5, 0.00655, 0.139], 0.0812, "min") == (
+        "loss: last 0.139 · smoothed 0.0812 · min 0.00655")
+    assert legend_text("val_acc", [0.9, 0.976, 0.967], None, "max") == (
+        "val_acc: last 0.967 · max 0.976")
+    assert legend_text("lr", [0.1, 0.01], None, None) == "lr: last 0.01"
+
+
+def test_static_legend_uses_the_readers_smoothing_and_wraps_onto_more_lines():
+    steps = list(range(100))
+    series = {"loss": (steps, [1.0] * 99 + [0.0])}
+    chart = layout.chart_layout(list(series))["charts"][0]
+    assert "smoothed 0.6" in chart_svg(chart, series, smoothing=0.6)
+    assert "smoothed 0.9" in chart_svg(chart, series, smoothing=0.9)
+    assert "smoothed" not in chart_svg(chart, series, smoothing=0.0)
+    names = [f"loss_{k}_with_a_long_name" for k in range(5)]
+    many = {n: (steps, [1 / (s + 1) for s in steps]) for n in names}
+    plan = {"charts": [{"title": "loss", "series": [
+        {"name": n, "color": "#000", "best": "min"} for n in names]}]}
+    svg = chart_svg(plan["charts"][0], many)
+    height = int(ET.fromstring(svg).get("height"))
+    assert height > HEIGHT, "a legend that does not fit on one line takes more lines"
+    bundle = fallback_bundle("k", many, {"points": 100}, plan)
+    assert ET.fromstring(bundle["image/svg+xml"]).get("height") == str(22 + height)
+
+
+def test_x_axis_ends_with_a_tick_at_the_last_step():
+    assert x_ticks(0, 199, 199, 5, 536 / 199, whole=True) == [0, 50, 100, 150, 199]
+    assert x_ticks(0, 160, 160, 4, 536 / 160, whole=True) == [0, 50, 100, 160], (
+        "150 is too close to 160 to label both")
+    assert x_ticks(0, 200, 200, 5, 2.5, whole=True) == [0, 50, 100, 150, 200]
+    assert x_ticks(0, 1000, 620, 5, 0.5, whole=True) == [0, 200, 400, 620, 800, 1000]
 
 
 def test_static_bundle_has_html_a_standalone_svg_and_text():
     stats = {"points": 3, "latest": {"loss": 0.25}, "steps_per_s": 190_000, "elapsed": 2.0,
+             "step": 2, "total": None,
              "ranks": [{"rank": 0, "step_s": 0.08, "compute_s": 0.05, "straggler": False},
                        {"rank": 1, "step_s": 0.08, "compute_s": 0.07, "straggler": True}]}
     series = {"loss": ([0, 1, 2], [1.0, 0.5, 0.25]), "<acc>": ([2], [0.9])}
@@ -119,8 +166,12 @@ def test_static_bundle_has_html_a_standalone_svg_and_text():
     image = ET.fromstring(bundle["image/svg+xml"])
     assert len(image.findall("{http://www.w3.org/2000/svg}g")) == 2, "both charts in one image"
     assert bundle["text/plain"] == (
-        "[metrics] loss 0.25 · 190 k steps/s · 3 points · 2 s · straggler: rank 1")
-    assert summary_line({"points": 1}) == "1 point"
+        "[metrics] last: loss 0.25 · step 2 · 190 k steps/s · done in 0:02 · straggler: rank 1")
+    assert 'title="time per step outside' in page, "the per-rank column says what it is"
+    assert summary_line({"points": 1}) == ""
+    assert summary_line({"latest": {"epoch": 19, "loss": 0.139}, "step": 199, "total": 200,
+                         "elapsed": 15}) == (
+        "last: epoch 19 · loss 0.139 · 200 of 200 steps · done in 0:15")
 
 
 def test_static_chart_of_nothing_finite_is_an_empty_frame():

@@ -45,7 +45,7 @@ def test_view_sends_only_new_points_and_saves_a_small_final_state(shell):
     steps, losses, seconds = widget.series["loss"]
     assert len(steps) <= FINAL_MAX_POINTS and steps[0] == 5000 and steps[-1] == 204_999
     assert len(seconds) == len(steps) and seconds[0] == 0.0 and seconds[-1] == 199.999
-    assert [c["title"] for c in widget.layout["charts"]] == ["loss"]
+    assert [c["title"] for c in widget.charts["charts"]] == ["loss"]
     assert widget.done and widget.stats["points"] == 200_000 and widget.stats["progress"] == 1.0
     state = json.dumps({"series": widget.series, "stats": widget.stats})
     assert len(state) < 100_000, "200,000 points keep the saved state small"
@@ -59,7 +59,7 @@ def test_without_a_kernel_the_cell_ends_with_a_summary_line(shell, capsys):
     view.update()
     view.finish()
     assert view.widget is None
-    assert capsys.readouterr().out.startswith("[metrics] loss 0.001 · ")
+    assert capsys.readouterr().out.startswith("[metrics] last: loss 0.001 · ")
 
 
 def test_csv_export_asks_the_kernel_for_every_point_of_the_cell(shell):
@@ -87,3 +87,37 @@ def test_settings_the_reader_chose_carry_over_to_the_next_cells_widget(shell):
     feed(history, 1, 1000)
     later.update()
     assert later.widget.settings == {"smoothing": 0.9, "log": {"loss": True}}
+
+
+def test_the_chart_plan_is_not_ipywidgets_layout(shell):
+    """``layout`` is every ipywidget's reference to a Layout model, for which the front end
+    builds a child view: a dict there made JupyterLab throw each time a chart appeared."""
+    import ipywidgets
+
+    from ipydist.notebook.live.widget import MetricsWidget
+
+    history = MetricHistory()
+    view = LiveView(history, world_size=1, interval=0.0, widgets=True)
+    feed(history, 0, 1000)
+    view.update()
+    view.finish()
+    widget = view.widget
+    assert isinstance(widget.layout, ipywidgets.Layout)
+    state = widget.get_state()
+    assert state["layout"] == f"IPY_MODEL_{widget.layout.model_id}"
+    assert [c["title"] for c in state["charts"]["charts"]] == ["loss"]
+    assert "charts" not in ipywidgets.DOMWidget.class_trait_names(), "no other clash"
+    assert set(MetricsWidget.class_trait_names(sync=True)) >= {"charts", "series", "stats"}
+
+
+def test_the_static_copy_is_drawn_with_the_readers_smoothing(shell):
+    history = MetricHistory()
+    view = LiveView(history, world_size=1, interval=0.0, widgets=True)
+    feed(history, 0, 1000)
+    view.update()
+    view.widget.settings = {"smoothing": 0.0}
+    sent = []
+    view._static = type("Handle", (), {"update": lambda self, b, raw: sent.append(b)})()
+    view.finish()
+    assert "smoothed" not in sent[0]["text/html"], "the reader turned smoothing off"
+    assert "loss: last 0.001" in sent[0]["text/html"]

@@ -118,6 +118,58 @@ def test_summary_rates_progress_and_eta():
     assert empty["points"] == 0 and empty["steps_per_s"] is None and empty["latest"] == {}
 
 
+def _quickstart(history, until_step, pause=8.0, step_s=0.005):
+    """As notebooks/01-quickstart.ipynb logs: 10 steps an epoch of a 200-step run, then an
+    evaluation (``pause`` seconds) and its ``val_acc`` in a row of its own at the epoch's last
+    step. Rows up to step ``until_step``."""
+    t, rows = 0.0, []
+    for e in range(20):
+        for i in range(10):
+            t += step_s
+            if e * 10 + i > until_step:
+                break
+            rows.append((e * 10 + i, t, {"epoch": e, "loss": 1.0}))
+        else:
+            t += pause
+            rows.append(((e + 1) * 10 - 1, t, {"val_acc": 0.9}))
+            continue
+        break
+    history.accept(0, {"seq": 0, "sent": t, "total": 200, "batch_size": 32,
+                       "timing": (len(rows), 0.0, 0.0, 0.0), "points": to_columns(rows)})
+
+
+def test_eta_counts_the_pauses_between_epochs():
+    # Step 111 of 200 (56 %), just after epoch 10's evaluation: the last few seconds hold only
+    # two fast steps; an ETA from them was 0:00. Every epoch still has its 8 s pause ahead.
+    history = MetricHistory()
+    _quickstart(history, until_step=111)
+    stats = summarize(history, 0, world_size=4)
+    assert stats["progress"] == pytest.approx(0.56)
+    seconds_per_step = (8.0 + 10 * 0.005) / 10
+    assert stats["eta"] == pytest.approx(88 * seconds_per_step, rel=0.1)
+    assert stats["steps_per_s"] < 1, "the speed of the last 5 s counts the pause in them"
+
+
+def test_rates_count_steps_not_rows():
+    history = MetricHistory()  # every tenth step logged, one a second: 10 steps/s
+    history.accept(0, {"seq": 0, "sent": 0.0, "total": 1000, "timing": (0, 0.0, 0.0, 0.0),
+                       "points": to_columns([(s, s / 10, {"loss": 1.0})
+                                             for s in range(0, 200, 10)])})
+    stats = summarize(history, 0, world_size=1)
+    assert stats["steps_per_s"] == pytest.approx(10.0)
+    assert stats["eta"] == pytest.approx((1000 - 191) / 10)
+
+
+def test_no_eta_until_there_is_a_speed():
+    history = MetricHistory()
+    history.accept(0, batch(0, [0], total=100))
+    assert summarize(history, 0, world_size=1)["eta"] is None, "one point: no speed yet"
+    history.accept(0, {"seq": 1, "sent": 0.0, "total": 100, "timing": (0, 0.0, 0.0, 0.0),
+                       "points": to_columns([(0, 0.0, {"loss": 1.0})])})
+    stats = summarize(history, 0, world_size=1)
+    assert stats["eta"] is None and stats["steps_per_s"] is None, "no step advanced"
+
+
 def test_straggler_is_the_rank_that_waits_least():
     history = MetricHistory()
     for rank in range(4):

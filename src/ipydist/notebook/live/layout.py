@@ -1,6 +1,6 @@
 """Which metric goes on which chart, in which colour, and which way is better: pure logic.
 
-Both views draw from it -- the live widget (sent as its ``layout`` trait, so a saved notebook
+Both views draw from it -- the live widget (sent as its ``charts`` trait, so a saved notebook
 keeps the order and colours it was drawn with) and the static copy -- so they always agree.
 
 - Series of one quantity share a chart: ``loss``, ``val_loss`` and ``test_loss`` on the chart

@@ -1,7 +1,7 @@
 """Numbers written the way a person writes them: ``200,000 steps``, ``1.5``, ``0.01``,
 ``190 k steps/s``.
 
-The widget (``widget.js``) has the same three functions under the same names, and both are
+The widget (``numbers.js``) has the same four functions under the same names, and both are
 tested on one table of cases (``tests/data/numbers.json``), so the live chart, its static copy
 and the text summary never disagree about how a number looks.
 
@@ -10,6 +10,7 @@ and the text summary never disagree about how a number looks.
 - :func:`count`: something counted (steps, points, samples): whole, with thousands separators.
 - :func:`tick_labels`: axis labels, each as :func:`number` writes it, with more digits only
   where the labels would otherwise repeat.
+- :func:`duration`: seconds as a clock reads them: ``0:42``, ``12:05``, ``1:02:03``.
 """
 
 from __future__ import annotations
@@ -59,6 +60,15 @@ def tick_labels(values: list[float]) -> list[str]:
         if len(set(labels)) == len(labels):
             return labels
     return labels
+
+
+def duration(seconds) -> str:
+    """Seconds as ``0:42``, ``12:05`` or ``1:02:03``, rounded to the second (ties up)."""
+    if seconds is None or not math.isfinite(seconds):
+        return MISSING
+    s = math.floor(seconds + 0.5)
+    h, m, sec = s // 3600, s % 3600 // 60, s % 60
+    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
 
 
 def _significant(v: float, digits: int) -> str:

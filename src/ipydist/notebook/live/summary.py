@@ -1,9 +1,15 @@
 """What the live view shows besides the curves, computed from the history: pure logic.
 
-Rates come from rank 0's own timestamps over the last few seconds, so they follow the current
-speed rather than the average since the cell began. A straggler is a rank whose time outside
-collectives is well above the others': in synchronous training every rank's step lasts as long
-as the slowest one's, and the slowest rank is the one that waits least.
+Rates come from rank 0's own timestamps and are counted in steps (the ``step`` of the rows), not
+in rows: a cell that logs validation in a row of its own, or only every tenth step, still
+reads its true steps/s. ``steps_per_s`` follows the speed of the last few seconds, pauses
+included (evaluation, checkpoints). The ETA uses the average since the cell's first point
+instead: right after a pause the last few seconds hold a burst of fast steps, and an ETA from
+them said ``0:00`` half way through a run whose every epoch ends with that pause.
+
+A straggler is a rank whose time outside collectives is well above the others': in synchronous
+training every rank's step lasts as long as the slowest one's, and the slowest rank is the one
+that waits least.
 """
 
 from __future__ import annotations
@@ -40,22 +46,39 @@ def summarize(history: MetricHistory, start: int, world_size: int) -> dict:
     if rate and history.batch_size:
         out["samples_per_s"] = rate * history.batch_size * world_size
     if history.total:
-        done = min(1.0, (last + 1) / history.total)
-        out["progress"] = done
-        if rate:
-            out["eta"] = max(0.0, (history.total - (last + 1)) / rate)
+        out["progress"] = min(1.0, (last + 1) / history.total)
+        out["eta"] = eta(history, start)
     return out
 
 
 def steps_per_second(history: MetricHistory, start: int) -> float | None:
-    """Rows per second over the last RATE_WINDOW seconds of rows ``start:``."""
+    """Steps per second over about the last RATE_WINDOW seconds of rows ``start:``, measured
+    from the last row before that window (so a pause inside it counts as time without steps)."""
     end = len(history) - 1
     if end - start < 1:
         return None
     first = history.first_row_after(history.times[end] - RATE_WINDOW, start)
-    first = min(first, end - 1)
-    span = history.times[end] - history.times[first]
-    return _finite((end - first) / span) if span > 0 else None
+    return _rate(history, max(start, min(first, end) - 1), end)
+
+
+def eta(history: MetricHistory, start: int) -> float | None:
+    """Seconds until step ``total - 1``, at the average speed since the cell's first point
+    (pauses included); None until two points at different steps and times give a speed."""
+    end = len(history) - 1
+    if not history.total or end - start < 1:
+        return None
+    rate = _rate(history, start, end)
+    if not rate:
+        return None
+    return max(0.0, (history.total - (history.steps[end] + 1)) / rate)
+
+
+def _rate(history: MetricHistory, first: int, last: int) -> float | None:
+    """Steps per second from row ``first`` to row ``last``; None if the steps did not advance
+    (a row logged at an earlier step) or no time passed."""
+    span = history.times[last] - history.times[first]
+    steps = history.steps[last] - history.steps[first]
+    return _finite(steps / span) if span > 0 and steps > 0 else None
 
 
 def rank_strip(history: MetricHistory, world_size: int) -> list[dict]:

@@ -21,7 +21,7 @@ import uuid
 
 from ipydist.notebook.live.history import Columns, MetricHistory, downsample_indices
 from ipydist.notebook.live.layout import EPOCH, chart_layout, epoch_starts
-from ipydist.notebook.live.static import fallback_bundle, summary_line
+from ipydist.notebook.live.static import SMOOTHING, fallback_bundle, summary_line
 from ipydist.notebook.live.summary import summarize
 from ipydist.notebook.output.display import in_kernel
 
@@ -63,7 +63,7 @@ class LiveView:
         self._last_update = now
         if self.widget is None:
             self._open()
-        self._update_layout()
+        self._update_charts()
         stop = len(self.history)
         ranks = self._rank_series(self._rank_sent, APPEND_MAX_POINTS)
         if stop > self._sent or ranks:
@@ -83,7 +83,7 @@ class LiveView:
             return
         if self.widget is None:
             self._open()
-        self._update_layout()
+        self._update_charts()
         series = self._series(self.start, len(self.history), FINAL_MAX_POINTS)
         self.widget.series = series
         self.widget.rank_series = self._rank_series(self._rank_start, FINAL_MAX_POINTS)
@@ -94,7 +94,8 @@ class LiveView:
         epochs = epoch_starts(*series[EPOCH][:2]) if EPOCH in series else []
         self._static.update(
             fallback_bundle(self.widget.key, {n: s[:2] for n, s in series.items()},
-                            {**stats, "epochs": epochs}, self.widget.layout),
+                            {**stats, "epochs": epochs}, self.widget.charts,
+                            smoothing=self._smoothing()),
             raw=True,
         )
 
@@ -134,14 +135,19 @@ class LiveView:
         if isinstance(content, dict) and content.get("type") == "csv":
             widget.send({"type": "csv", "text": self.csv()})
 
-    def _update_layout(self) -> None:
+    def _smoothing(self) -> float:
+        """The reader's smoothing (the widget's default where none was chosen)."""
+        value = self.widget.settings.get("smoothing", SMOOTHING)
+        return value if isinstance(value, (int, float)) and 0 <= value < 1 else SMOOTHING
+
+    def _update_charts(self) -> None:
         names = [n for n in self.history.columns if self.history.last_row.get(n, -1)
                  >= self.start]
         for rows in self.history.by_rank.values():
             names += [n for n in rows.columns if n not in names]
         if names != self._names:
             self._names = names
-            self.widget.layout = chart_layout(names, self.widget.layout)
+            self.widget.charts = chart_layout(names, self.widget.charts)
 
     def _series(self, start: int, stop: int, max_points: int) -> dict:
         return _columns_series(self.history.rank0, self._names, start, stop, max_points,

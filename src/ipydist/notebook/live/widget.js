@@ -3,9 +3,24 @@
 // synced `series` trait is only set when the cell ends, so the saved notebook's widget state
 // holds the final (downsampled) curves. The reader's choices live in the synced `settings`
 // trait, so they come back with the saved state and carry over to the next cell's widget.
+// The chart plan is the `charts` trait: `layout` is every ipywidget's own (a Layout model).
 
 const MAX_POINTS = 4000; // per curve; beyond this a curve is halved by min/max decimation
 const DEFAULT_SETTINGS = { smoothing: 0.6, log: {}, ranks: {}, x: "step" };
+// What the per-rank bar shows (static.py's OUTSIDE_COLLECTIVES says the same).
+const OUTSIDE_COLLECTIVES = "time per step outside ipydist's collectives (computing, loading " +
+  "data) on that rank; the rest of the step is spent waiting for the other ranks. The rank " +
+  "with the most is the one the others wait for (a straggler when well above the median).";
+
+// The chart plan ({charts, epoch, markers_up_to, smooth_from}). A notebook saved before the
+// trait was renamed from `layout` keeps the plan there; anything else in `layout` (ipywidgets'
+// reference to a Layout model) is not a plan and is ignored.
+function chartPlan(model) {
+  const plan = model.get("charts");
+  if (plan && Array.isArray(plan.charts)) return plan;
+  const old = model.get("layout");
+  return old && typeof old === "object" && Array.isArray(old.charts) ? old : { charts: [] };
+}
 
 function el(tag, className, text) {
   const e = document.createElement(tag);
@@ -126,6 +141,7 @@ function render({ model, el: host }) {
   const smoothLabel = el("label");
   smoothLabel.append("smoothing ", smoothing, smoothValue);
   const xAxis = el("select", "ipydist-x-axis");
+  xAxis.title = "the x axis of every chart: the logged step, or the time since the first point";
   for (const [value, text] of [["step", "x: step"], ["time", "x: time"]]) {
     xAxis.appendChild(Object.assign(el("option"), { value, textContent: text }));
   }
@@ -145,7 +161,7 @@ function render({ model, el: host }) {
   const data = {
     series: fromTrait(model.get("series")),
     rankSeries: fromRankTrait(model.get("rank_series")),
-    layout: model.get("layout") || {},
+    charts: chartPlan(model),
   };
   let count_ = (model.get("stats") || {}).points || 0;
   let zoom = null;
@@ -161,26 +177,52 @@ function render({ model, el: host }) {
     model.save_changes();
   }
 
+  // The header: each metric's last logged value (the legends add smoothed and min/max), then
+  // how far the run got (where no progress bar says it), the rates, and how long it took.
+  // The same words as the static copy's summary line (static.py's summary_line).
+  let headerText = ""; // the header as one line, for the PNG (and data-summary)
   function drawHeader(stats) {
     header.replaceChildren();
-    Object.entries(stats.latest || {}).forEach(([k, v], i) => {
-      header.append(i ? " · " : "", el("b", "", k), ` ${number(v)}`);
-    });
+    const latest = Object.entries(stats.latest || {});
+    const text = [];
+    if (latest.length) {
+      text.push(`last: ${latest.map(([k, v]) => `${k} ${number(v)}`).join(" · ")}`);
+      const values = el("span", "ipydist-latest");
+      values.title = "the last value logged of each metric (rank 0's)";
+      values.append(el("span", "ipydist-latest-label", "last: "));
+      latest.forEach(([k, v], i) => values.append(i ? " · " : "", el("b", "", k), ` ${number(v)}`));
+      header.append(values);
+    }
     const rates = [];
+    if (!hasProgress(stats) && stats.step !== null && stats.step !== undefined) {
+      rates.push(`step ${count(stats.step)}`);
+    }
     if (stats.steps_per_s) rates.push(`${number(stats.steps_per_s)} steps/s`);
     if (stats.samples_per_s) rates.push(`${number(stats.samples_per_s)} samples/s`);
-    rates.push(`${count(count_)} point${count_ === 1 ? "" : "s"}`);
     if (model.get("done") && stats.elapsed) rates.push(`done in ${duration(stats.elapsed)}`);
-    header.append(el("span", "ipydist-rates", rates.join(" · ")));
+    if (rates.length) header.append(el("span", "ipydist-rates", rates.join(" · ")));
+    // The same line as the static copy's summary (the progress bar's count in words).
+    const where = hasProgress(stats) && stats.step !== null && stats.step !== undefined
+      ? [`${count(stats.step + 1)} of ${count(stats.total)} steps`] : [];
+    headerText = [...text, ...where, ...rates].join(" · ");
+    header.dataset.summary = headerText;
+  }
+
+  function hasProgress(stats) {
+    return stats.progress !== null && stats.progress !== undefined && Boolean(stats.total);
   }
 
   function drawProgress(stats) {
-    const shown = stats.progress !== null && stats.progress !== undefined;
+    const shown = hasProgress(stats);
     progress.style.display = shown ? "" : "none";
     if (!shown) return;
     const pct = Math.round(stats.progress * 100);
     barFill.style.width = `${pct}%`;
-    const eta = model.get("done") ? "" : ` · ETA ${duration(stats.eta)}`;
+    // No ETA once the cell ended, nor before the kernel has one (stats.eta is null).
+    let eta = "";
+    if (!model.get("done") && Number.isFinite(stats.eta)) {
+      eta = ` · ETA ${stats.eta < 1 ? "<0:01" : duration(stats.eta)}`;
+    }
     const done = stats.step === null ? null : stats.step + 1; // steps count from 0
     progressText.textContent = `${count(done)} of ${count(stats.total)} steps · ${pct}%${eta}`;
   }
@@ -189,8 +231,12 @@ function render({ model, el: host }) {
     strip.replaceChildren();
     const ranks = (stats.ranks || []).filter((r) => r.step_s !== null);
     if (!ranks.length) return;
-    strip.appendChild(el("div", "ipydist-ranks-title", "step time per rank (bar: time outside collectives)"));
     const longest = Math.max(...ranks.map((r) => r.step_s || 0)) || 1;
+    const title = el("div", "ipydist-ranks-title",
+      `step time per rank · bar: time outside collectives, full bar = ${number(longest * 1000)} ms ` +
+      "(the longest step time)");
+    title.title = `The bar: ${OUTSIDE_COLLECTIVES}`;
+    strip.appendChild(title);
     for (const r of ranks) {
       const row = el("div", "ipydist-rank" + (r.straggler ? " ipydist-straggler" : ""));
       row.dataset.rank = r.rank;
@@ -199,6 +245,7 @@ function render({ model, el: host }) {
       const fill = el("div", "ipydist-rank-fill");
       fill.style.width = `${Math.max(2, (100 * Math.max(0, r.compute_s)) / longest)}%`;
       const track = el("div", "ipydist-rank-track");
+      track.title = row.title;
       track.appendChild(fill);
       row.append(el("span", "", `rank ${r.rank}  ${number(r.step_s * 1000)} ms/step` +
         (r.straggler ? "  straggler" : "")), track);
@@ -227,7 +274,7 @@ function render({ model, el: host }) {
   function draw() {
     const stats = model.get("stats") || {};
     const s = settings();
-    data.layout = model.get("layout") || {};
+    data.charts = chartPlan(model);
     root.dataset.points = String(count_);
     root.dataset.done = String(Boolean(model.get("done")));
     root.dataset.zoom = zoom ? zoom.join(",") : "";
@@ -238,9 +285,9 @@ function render({ model, el: host }) {
     drawHeader(stats);
     drawProgress(stats);
     const width = Math.max(360, (root.clientWidth || 640) - 4);
-    const layoutCharts = data.layout.charts || [];
-    const domain = zoom || sharedDomain(layoutCharts, data, s);
-    drawn = layoutCharts.map((chart) => {
+    const planned = data.charts.charts || [];
+    const domain = zoom || sharedDomain(planned, data, s);
+    drawn = planned.map((chart) => {
       const result = drawChart(chart, data, s, { width, domain });
       const box = el("div", "ipydist-chart-box");
       box.append(result.node, chartToggles(chart, s));
@@ -313,7 +360,7 @@ function render({ model, el: host }) {
       ev.preventDefault();
       dragFrom = px(ev);
       dragging = true;
-      zoomBox = svgEl("rect", { x: dragFrom, y: PAD_TOP, width: 0, height: CHART_HEIGHT - PAD_TOP - PAD_BOTTOM,
+      zoomBox = svgEl("rect", { x: dragFrom, y: result.top, width: 0, height: result.bottom - result.top,
         fill: "#1f77b4", opacity: 0.12, class: "ipydist-zoom-box" });
       svg.appendChild(zoomBox);
     });
@@ -385,7 +432,7 @@ function render({ model, el: host }) {
   model.on("change:series", onSeries);
   model.on("change:rank_series", onSeries);
   model.on("change:stats", onStats);
-  model.on("change:layout", schedule);
+  model.on("change:charts", schedule);
   model.on("change:settings", schedule);
   model.on("change:done", schedule);
   smoothing.addEventListener("input", () => {
@@ -395,7 +442,7 @@ function render({ model, el: host }) {
   xAxis.addEventListener("change", () => { zoom = null; setSetting("x", xAxis.value); });
   resetZoom.addEventListener("click", () => { zoom = null; schedule(); });
   pngButton.addEventListener("click", async () => {
-    const blob = await chartsToPng(drawn.map((d) => d.result.node), header.textContent,
+    const blob = await chartsToPng(drawn.map((d) => d.result.node), headerText,
       Math.max(...drawn.map((d) => Number(d.result.node.getAttribute("width"))), 360));
     download("metrics.png", blob);
   });
@@ -413,7 +460,7 @@ function render({ model, el: host }) {
     model.off("change:series", onSeries);
     model.off("change:rank_series", onSeries);
     model.off("change:stats", onStats);
-    model.off("change:layout", schedule);
+    model.off("change:charts", schedule);
     model.off("change:settings", schedule);
     model.off("change:done", schedule);
   };

@@ -5,8 +5,16 @@ order (no build step): ``numbers.js`` (the number formatter, shared rules with
 
 While a cell runs, new points travel as custom messages (:meth:`MetricsWidget.append`), so
 appending never resends the series. The synced traits are small during the run (``stats``,
-``layout``) and take the final downsampled curves (``series``) when the cell ends, which is
+``charts``) and take the final downsampled curves (``series``) when the cell ends, which is
 what a saved notebook's widget state keeps, with the reader's ``settings``.
+
+The chart plan is ``charts``, never ``layout``: every ipywidget's ``layout`` is a reference to
+a ``Layout`` model that the front end builds a child view for, and a plain dict there made
+JupyterLab throw (``reading 'then'`` in ``create_child_view``) each time a chart appeared.
+Notebooks saved before the rename keep the old ``_esm`` and state they were saved with, so
+the ipywidgets base view still reports that error once when they are reopened (re-running
+the cell replaces it); the front end reads a dict with ``charts`` in ``layout`` as the plan
+where it finds one, and ignores anything else there.
 """
 
 from __future__ import annotations
@@ -37,8 +45,9 @@ class MetricsWidget(anywidget.AnyWidget):
     rank_series = traitlets.Dict().tag(sync=True)
     #: Latest values, rates, progress and the per-rank strip (see ``summary.summarize``).
     stats = traitlets.Dict().tag(sync=True)
-    #: Which metric is on which chart, in which colour (see ``layout.chart_layout``).
-    layout = traitlets.Dict().tag(sync=True)
+    #: Which metric is on which chart, in which colour (see ``layout.chart_layout``). Not
+    #: named ``layout``: that is ipywidgets' own trait (see the module docstring).
+    charts = traitlets.Dict().tag(sync=True)
     #: The reader's choices: smoothing, log scale per chart, x axis, per-rank curves. Set by
     #: the front end; a new cell's widget starts with the last ones.
     settings = traitlets.Dict().tag(sync=True)
