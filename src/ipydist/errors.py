@@ -4,7 +4,31 @@ Bad input the user typed is a :class:`~ipydist.specs.SpecError` (raised where it
 
 from __future__ import annotations
 
+import textwrap
+
 from ipydist.specs import describe_ranks
+
+#: Messages are wrapped at spaces to this width: a notebook breaks a long output line wherever
+#: the output area ends, inside words ("mpiexe|c then stopped").
+MESSAGE_WIDTH = 88
+
+
+def wrap_message(text: str, width: int = MESSAGE_WIDTH) -> list[str]:
+    """``text`` as lines of at most ``width`` characters, broken at spaces only (a path or
+    a long name stays whole); its own line breaks are kept."""
+    lines: list[str] = []
+    for paragraph in text.split("\n"):
+        lines += textwrap.wrap(paragraph, width, break_long_words=False,
+                               break_on_hyphens=False) or [""]
+    return lines
+
+
+class _OneMessage:
+    """An error shown as its message alone, wrapped (no notebook-side traceback: the message
+    says which ranks, what happened and what to do)."""
+
+    def _render_traceback_(self) -> list[str]:
+        return wrap_message(f"{type(self).__name__}: {self}")
 
 
 class LaunchError(ValueError):
@@ -16,20 +40,14 @@ class ClusterError(RuntimeError):
     """The cluster could not start, is not running, or stopped underneath us."""
 
 
-class RankDied(ClusterError):
+class RankDied(_OneMessage, ClusterError):
     """A rank's process is gone (killed, crashed); the cluster must be restarted. Shown as
-    its own one-line error (which rank, how it died, what to run), not a usage error."""
-
-    def _render_traceback_(self) -> list[str]:
-        return [f"{type(self).__name__}: {self}"]
+    its message alone (which rank, how it died, what to run), not a usage error."""
 
 
-class ReplyLost(ClusterError):
+class ReplyLost(_OneMessage, ClusterError):
     """A rank ended the cell, but its reply never reached the notebook; the rank is idle and
-    the cluster usable. One line: which rank, and that running the cell again is safe."""
-
-    def _render_traceback_(self) -> list[str]:
-        return [f"{type(self).__name__}: {self}"]
+    the cluster usable. The message alone: which rank, and that running the cell again is safe."""
 
 
 class RankError(RuntimeError):
@@ -62,7 +80,7 @@ class RankError(RuntimeError):
     def _render_traceback_(self) -> list[str]:
         first_rank = self.ranks[0]
         first = self.failures[first_rank]
-        lines = [str(self), "", f"--- rank {first_rank} ---"]
+        lines = [*wrap_message(str(self)), "", f"--- rank {first_rank} ---"]
         lines += (first.traceback or f"{first.ename}: {first.evalue}").splitlines()
         others = [r for r in self.ranks[1:] if r not in self.released]
         same = [r for r in others if _same_error(self.failures[r], first)]
@@ -80,16 +98,10 @@ def _same_error(a, b) -> bool:
     return (a.ename, a.evalue) == (b.ename, b.evalue)
 
 
-class CellTimeout(TimeoutError):
+class CellTimeout(_OneMessage, TimeoutError):
     """A cell ran past its ``--timeout``; the ranks still running were interrupted."""
 
-    def _render_traceback_(self) -> list[str]:  # the message says it all: no traceback
-        return [f"{type(self).__name__}: {self}"]
 
-
-class CellInterrupted(KeyboardInterrupt):
+class CellInterrupted(_OneMessage, KeyboardInterrupt):
     """The user interrupted a cell (the stop button, Ctrl-C); the message says which ranks
     were interrupted and what recovery did."""
-
-    def _render_traceback_(self) -> list[str]:
-        return [f"{type(self).__name__}: {self}"]

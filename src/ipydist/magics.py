@@ -12,7 +12,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from ipydist import protocol
 from ipydist.errors import ClusterError, LaunchError, RankDied, ReplyLost
-from ipydist.notebook import words
+from ipydist.notebook import expected_errors, words
 from ipydist.notebook.stall import STALL_WARNING_SECONDS
 from ipydist.session import DEFAULT_START_TIMEOUT, TIMELINE_FILE, Session
 from ipydist.specs import SpecError, format_ranks, parse_np
@@ -50,6 +50,10 @@ class DistMagics(Magics):
         super().__init__(shell=shell, **kwargs)
         #: Ranks to start on first use, in a kernel installed with ``install-kernel --np N``.
         self.kernel_np = kernel_np()
+        # in a cell tagged raises-exception, an error is shown and Run All goes on
+        for registered in self.magics.values():
+            for name, method in registered.items():
+                registered[name] = expected_errors.shown_when_expected(method)
 
     def _session(self) -> Session:
         if self.session is None and self.kernel_np:
@@ -260,8 +264,8 @@ class DistMagics(Magics):
               help="where to write the Chrome trace (default: ipydist-timeline.json)")
     @line_magic
     def dist_timeline(self, line: str = ""):
-        """Show every rank's collectives recorded so far (a bar per collective, its check
-        apart) and write them as one Chrome trace."""
+        """Show every rank's collectives recorded so far (a bar per collective, its call
+        check apart) and write them as one Chrome trace."""
         args = parse_argstring(self.dist_timeline, line)
         if args.start and args.stop:
             raise UsageError("--start and --stop: choose one")

@@ -142,6 +142,9 @@ STATE_KEY = "ipydist.state"
 #: Data-message key of ``"started"`` / ``"ended"``, sent as a rank begins and ends a cell's
 #: code (the end before the reply: the notebook can tell a lost reply from a busy rank).
 CELL_KEY = "ipydist.cell"
+#: Key, in a cell's execute request metadata, of the notebook's number of the cell (``In [N]``),
+#: which the rank takes as its own so that a traceback's ``Cell In[N]`` is the cell one sees.
+CELL_NUMBER_KEY = "ipydist.cell_number"
 
 # A metrics batch is a dict:
 #   "seq": int             batch number on this rank, from 0 (the notebook orders by it)
@@ -205,8 +208,12 @@ def on_rank(name: str, *args):
 
 
 # --- the timeline ----------------------------------------------------------------------------
-#: The lanes of a rank's row in a timeline: its collectives' data, and their checks.
+#: The lanes of a rank's row in a timeline: its collectives' data, and their call checks.
 TIMELINE_DATA_LANE, TIMELINE_CHECK_LANE = 1, 2
+#: How a call check's event is named in the trace: ``NEGOTIATE_ALLREDUCE``, Horovod's name for
+#: the phase, kept there for the tools that read Horovod's timelines (the notebook shows
+#: "allreduce call check").
+TIMELINE_CHECK_PREFIX = "NEGOTIATE_"
 
 
 def chrome_trace(per_rank: list[list[dict]]) -> dict:
@@ -217,7 +224,7 @@ def chrome_trace(per_rank: list[list[dict]]) -> dict:
     for rank, mine in enumerate(per_rank):
         trace.append({"name": "process_name", "ph": "M", "pid": rank,
                       "args": {"name": f"rank {rank}"}})
-        for lane, label in ((TIMELINE_DATA_LANE, "data"), (TIMELINE_CHECK_LANE, "check")):
+        for lane, label in ((TIMELINE_DATA_LANE, "data"), (TIMELINE_CHECK_LANE, "call check")):
             trace.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": lane,
                           "args": {"name": label}})
         trace.extend({**e, "pid": rank} for e in mine)

@@ -30,6 +30,7 @@ from ipydist.notebook.launch.hosts import choose as choose_hosts
 from ipydist.notebook.live.history import MetricHistory
 from ipydist.notebook.output import display
 from ipydist.notebook.stall import STALL_WARNING_SECONDS
+from ipydist.notebook.status import status_table
 from ipydist.specs import (
     SpecError,
     describe_ranks,
@@ -306,21 +307,26 @@ class Session:
     # --- status ------------------------------------------------------------------------------
 
     def status(self) -> display.Table:
-        """One row per rank: host, pid, device, alive/busy/dead, memory."""
+        """One row per rank: host, pid, device, state, memory. After a death, which rank died
+        first and how, the others as stopped by mpiexec, and what to do next."""
         cluster = self._require_running(alive=False)
-        rows = []
-        for info in grouped_by_host(self.ranks):
-            state, proc = cluster.rank_state(info["rank"])
-            memory = ""
+        states, memory = {}, {}
+        for info in self.ranks:
+            states[info["rank"]], proc = cluster.rank_state(info["rank"])
             if proc is not None:
                 try:
-                    memory = f"{proc.memory_info().rss / 2**20:.0f} MiB"
+                    memory[info["rank"]] = f"{proc.memory_info().rss / 2**20:.0f} MiB"
                 except Exception:  # it died between the two looks
                     pass
-            rows.append([info["rank"], info["host"], info["pid"], info["device"], state, memory])
-        dead = [row[0] for row in rows if row[4] == "dead"]
-        caption = f"{self.size} ranks" + (f"; {describe_ranks(dead)} dead" if dead else "")
-        return display.Table(["rank", "host", "pid", "device", "state", "memory"], rows, caption)
+        dead = [info for info in self.ranks if states[info["rank"]] == "dead"]
+        death, report = None, ""
+        if dead:
+            output = cluster.mpiexec_output(wait_for_exit=2.0)
+            death = mpiexec.find_death(output, dead)
+            report = mpiexec.describe_death(output, dead, self.words.restart,
+                                            cluster.plan.launcher)
+        return status_table(grouped_by_host(self.ranks), states, memory, death, report,
+                            cluster.plan.launcher)
 
     def _ranks_table(self) -> display.Table:
         """The table after a start. Its caption is short: in HTML a caption is as wide as the

@@ -58,9 +58,14 @@ def format_ranks(ranks) -> str:
 
 
 def describe_ranks(ranks) -> str:
-    """``"rank 1"`` or ``"ranks 0-2,5"``, for messages."""
-    ranks = sorted(set(ranks))
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)}"
+    """``"rank 1"``, ``"ranks 0-3"``, ``"ranks 0-1 and 3"`` or ``"ranks 0-2, 5 and 7"``, for
+    messages: runs as :func:`format_ranks` writes them, joined as a sentence would, since a
+    bare ``0-1,3`` reads as a range to 3 and wraps inside the list."""
+    runs = format_ranks(ranks).split(",")
+    if len(runs) == 1 and "-" not in runs[0]:
+        return f"rank {runs[0]}"
+    listed = runs[0] if len(runs) == 1 else f"{', '.join(runs[:-1])} and {runs[-1]}"
+    return f"ranks {listed}"
 
 
 def parse_env(pairs: list[str] | dict[str, str] | None) -> dict[str, str]:

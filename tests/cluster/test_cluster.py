@@ -7,7 +7,7 @@ import sys
 import time
 
 import pytest
-from helpers import NP, run_cell
+from helpers import NP, plain, run_cell
 from IPython.core.error import UsageError
 
 from ipydist.errors import RankError
@@ -227,6 +227,7 @@ def test_last_expression_becomes_out(shell, capsys, cluster):
 
 
 def test_exception_on_one_rank_names_that_rank(shell, capsys, cluster):
+    shell.execution_count = 40  # far from any rank's own count
     result, out, err = run_cell(shell, capsys, """%%everyrank
 import ipydist.torch as hvd
 def inner():
@@ -234,13 +235,15 @@ def inner():
         raise ValueError("bad batch on rank one")
     return "fine"
 status = inner()
-""")
+""", store_history=True)
     error = result.error_in_exec
     assert isinstance(error, RankError)
     assert error.ranks == [1]
     assert str(error) == "rank 1 raised in the cell: ValueError: bad batch on rank one"
     rendered = "\n".join(error._render_traceback_())
     assert "--- rank 1 ---" in rendered and "inner()" in rendered
+    # the rank's traceback names the cell as the notebook numbers it, not the rank's count
+    assert result.execution_count == 40 and "Cell In[40]" in plain(rendered), rendered
     assert "bad batch on rank one" in out + err, "IPython shows the rank's traceback"
     assert shell.run_line_magic("dist_pull", "status --rank 0") == "fine"
     # the cluster still works after the error

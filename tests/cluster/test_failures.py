@@ -21,6 +21,7 @@ from helpers import (
     assert_collectives_work,
     idle_cpu_and_retired_connections,
     plain,
+    rendered_alone,
     restart_and_check,
     run_cell,
     run_cell_killing_a_rank,
@@ -108,7 +109,7 @@ hvd.allreduce_(torch.ones(10))
     assert message.startswith(f"Interrupted ranks 0-{NP - 1}."), message
     assert "waiting in all_reduce" in message and "running Python code" in message
     # one line, no traceback through magics, session, cell and ipyparallel
-    assert error._render_traceback_() == [f"CellInterrupted: {message}"]
+    assert rendered_alone(error) == f"CellInterrupted: {message}"
     assert "Traceback" not in out + err and "File " not in out + err, out + err
     assert_collectives_work(shell, capsys)
 
@@ -127,7 +128,7 @@ hvd.barrier()
     assert f"interrupted ranks 0-{NP - 1}." in str(error)
     assert "waiting in barrier" in str(error)
     assert "DistributedDataParallel" not in str(error), "no DDP model: nothing to wrap again"
-    assert error._render_traceback_() == [f"CellTimeout: {error}"]
+    assert rendered_alone(error) == f"CellTimeout: {error}"
     assert "Traceback" not in out + err, out + err
     assert_collectives_work(shell, capsys)
 
@@ -251,7 +252,7 @@ def test_a_killed_rank_is_reported_within_5_s_and_restart_starts_fresh(shell, ca
     result, elapsed, victim = run_cell_killing_a_rank(shell, capsys, fast_cluster, rank=2)
     error = result.error_in_exec
     assert isinstance(error, RankDied), error  # its own error type, shown as one line
-    assert error._render_traceback_() == [f"RankDied: {error}"]
+    assert rendered_alone(error) == f"RankDied: {error}"
     assert elapsed < 5, f"reported {elapsed:.1f} s after the kill"
     assert str(error).startswith(
         f"rank 2 (pid {victim} on {fast_cluster.ranks[2]['host']}) died: killed by signal 9 "
@@ -260,7 +261,15 @@ def test_a_killed_rank_is_reported_within_5_s_and_restart_starts_fresh(shell, ca
 
     result, out, _ = run_cell(shell, capsys, "%dist_status")
     assert result.error_in_exec is None
-    assert re.search(r"^2\s.*\bdead\b", out, re.MULTILINE), out
+    # the rank that died says how; mpiexec ended the others; no memory for the dead
+    assert re.search(rf"^2\s+\S+\s+{victim}\s+\S+\s+died first: signal 9 \(SIGKILL\)\s+-$", out,
+                     re.MULTILINE), out
+    stopped = re.findall(r"^(\d+)\s.*\sstopped by mpiexec\s+-$", out, re.MULTILINE)
+    assert sorted(map(int, stopped)) == [r for r in range(NP) if r != 2], out
+    assert "MiB" not in out, out
+    note = " ".join(out.split())  # the note under the table, wrapped
+    assert f"rank 2 (pid {victim} on {fast_cluster.ranks[2]['host']}) died: killed by signal 9" \
+        in note and "Run %dist_restart to start a fresh cluster" in note, out
     result, _, _ = run_cell(shell, capsys, "%everyrank 1")
     assert "died" in str(result.error_in_exec), "a cell on a dead cluster fails at once"
 

@@ -144,7 +144,7 @@ def test_describe_death_names_the_rank_and_signal_mpiexec_reported():
             "signal 11 (Segmentation fault).")
     text = mpiexec.describe_death(ompi, dead, "%dist_restart")
     assert text.startswith("rank 2 (pid 102 on a) died: killed by signal 11 (SIGSEGV), "
-                           "a segmentation fault. mpiexec then stopped ranks 0-1,3.")
+                           "a segmentation fault. mpiexec then stopped ranks 0-1 and 3.")
     mpich = "BAD TERMINATION\nPID 101 RUNNING AT a\nEXIT CODE: 9\nKILLED BY SIGNAL: 9 (Killed)"
     assert mpiexec.describe_death(mpich, dead[1:2], "%dist_restart").startswith(
         "rank 1 (pid 101 on a) died: killed by signal 9 (SIGKILL); the out-of-memory killer")

@@ -59,7 +59,7 @@ def assert_every_rank_raised(shell, capsys, code: str, expected: str) -> str:
         id="allreduce-shape"),
     pytest.param(
         "hvd.allreduce(torch.ones(4, dtype=torch.int64 if hvd.rank() == 1 else torch.float32))",
-        "allreduce: dtypes differ between ranks: ranks 0,2-3 have float32, rank 1 has int64",
+        "allreduce: dtypes differ between ranks: ranks 0 and 2-3 have float32, rank 1 has int64",
         id="allreduce-dtype"),
     pytest.param(
         "hvd.allreduce(torch.ones(4), op=hvd.Sum if hvd.rank() == 0 else hvd.Average)",
@@ -67,12 +67,12 @@ def assert_every_rank_raised(shell, capsys, code: str, expected: str) -> str:
         id="allreduce-op"),
     pytest.param(
         "hvd.broadcast(torch.ones(4), root_rank=hvd.rank() % 2)",
-        "broadcast: root ranks differ between ranks: ranks 0,2 have 0, ranks 1,3 have 1",
+        "broadcast: root ranks differ between ranks: ranks 0 and 2 have 0, ranks 1 and 3 have 1",
         id="broadcast-root"),
     pytest.param(
         "hvd.allgather(torch.ones(hvd.rank() + 1, 3 + (hvd.rank() == 2)))",
         "allgather: tensor shapes (after the first dimension) differ between ranks: "
-        "ranks 0-1,3 have (*, 3), rank 2 has (*, 4)",
+        "ranks 0-1 and 3 have (*, 3), rank 2 has (*, 4)",
         id="allgather-trailing-dims"),
     pytest.param(
         "hvd.allreduce(torch.ones(4)) if hvd.rank() == 0 else hvd.broadcast(torch.ones(4), 0)",
@@ -308,9 +308,9 @@ def test_the_verdict_names_every_field_that_differs_and_who_had_what():
     message = signature.disagreement(
         [h(), h(), h(torch.float16, (2, 2), Op.Average), h(prescale=0.5)])
     assert message == (
-        "allreduce: dtypes differ between ranks: ranks 0-1,3 have float32, rank 2 has float16; "
-        "tensor shapes differ between ranks: ranks 0-1,3 have (4,), rank 2 has (2, 2); "
-        "reduce ops differ between ranks: ranks 0-1,3 have Sum, rank 2 has Average; "
+        "allreduce: dtypes differ between ranks: ranks 0-1 and 3 have float32, rank 2 has float16; "
+        "tensor shapes differ between ranks: ranks 0-1 and 3 have (4,), rank 2 has (2, 2); "
+        "reduce ops differ between ranks: ranks 0-1 and 3 have Sum, rank 2 has Average; "
         "prescale factors differ between ranks: ranks 0-2 have 1, rank 3 has 0.5. "
         + signature.ADVICE)
     # shapes past MAX_DIMS differ by their CRC
@@ -335,4 +335,4 @@ def test_a_plan_that_differs_only_in_its_hash_is_named_by_letters():
     b = signature.header("optimizer step", shape=(10,), extra=signature.plan_hash([10, "none"]))
     assert signature.disagreement([a, b, a]) == (
         "optimizer step: gradient bucket plans (dtypes, devices or compression) differ between "
-        "ranks: ranks 0,2 have plan A, rank 1 has plan B. " + signature.ADVICE)
+        "ranks: ranks 0 and 2 have plan A, rank 1 has plan B. " + signature.ADVICE)

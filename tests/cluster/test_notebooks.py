@@ -210,7 +210,7 @@ def test_training_chart_is_saved_as_widget_state_with_every_point(executed):
     val_steps, val_acc, _ = state["series"]["val_acc"]
     assert val_steps == list(range(9, 200, 10)) and val_acc[-1] >= 0.9
     assert state["series"]["epoch"][1][-1] == 19
-    assert [[s["name"] for s in c["series"]] for c in state["layout"]["charts"]] == [
+    assert [[s["name"] for s in c["series"]] for c in state["charts"]["charts"]] == [
         ["loss"], ["val_acc"]], "epoch is not a chart"
     assert stats["steps_per_s"] > 0 and stats["samples_per_s"] > stats["steps_per_s"]
     assert [r["rank"] for r in stats["ranks"]] == [0, 1, 2, 3]
@@ -224,10 +224,10 @@ def test_training_chart_has_a_static_copy_for_nbconvert_and_github(executed):
     static = outputs[i + 1].data
     page = static["text/html"]
     assert f'class="ipydist-fallback ipydist-fallback-{state["key"]}"' in page
-    assert page.count("<svg") == 2 and "220 points" in page
+    assert page.count("<svg") == 2 and "200 of 200 steps" in page
     assert page.count("stroke-dasharray") == 2 * 19, "on each chart, where epochs 1-19 began"
     assert static["image/svg+xml"].startswith("<svg"), "an image for renderers that drop HTML"
-    assert static["text/plain"].startswith("[metrics] epoch 19 · loss ")
+    assert static["text/plain"].startswith("[metrics] last: epoch 19 · loss ")
     html, _ = HTMLExporter().from_notebook_node(executed[0])
     assert "ipydist-fallback" in html and "<polyline" in html, "the curve is in nbconvert's HTML"
     assert "model not found" not in html
@@ -469,7 +469,9 @@ def test_a_dead_rank_is_reported_shown_dead_and_the_cluster_restarts(failures):
     assert match and int(match.group(1)) == first[2], report
     assert "%dist_restart" in report
     status = _text(_cell(nb, "%dist_status"))
-    assert re.search(rf"^2\s+\S+\s+{first[2]}\s+\S+\s+dead", status, re.MULTILINE), status
+    assert re.search(rf"^2\s+\S+\s+{first[2]}\s+\S+\s+died first: signal 9 \(SIGKILL\)",
+                     status, re.MULTILINE), status
+    assert "stopped by mpiexec" in status and "%dist_restart" in status, status
     restarted = _rank_pids(_cell(nb, "%dist_restart"))
     assert sorted(restarted) == [0, 1, 2, 3] and not set(restarted.values()) & set(first.values())
     text = _text(_cell(nb, "sum of ranks on the new cluster"))

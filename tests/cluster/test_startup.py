@@ -151,7 +151,7 @@ def test_a_start_that_timed_out_says_how_far_it_got():
     w.launched(now=T0)
     w.reached(0, "torch")
     w.reached(2, "torch")
-    assert w.so_far() == "mpiexec launched · torch imported 2/4 (not ranks 1,3)"
+    assert w.so_far() == "mpiexec launched · torch imported 2/4 (not ranks 1 and 3)"
     w.engines([0, 1, 2, 3])
     w.reached(3, "group")  # engines registered implies the steps before
     assert w.so_far() == ("mpiexec launched · torch imported · process group ready · "

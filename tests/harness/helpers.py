@@ -111,10 +111,11 @@ def restart_and_check(shell, capsys, old_pids, imports: str) -> None:
     assert_collectives_work(shell, capsys)
 
 
-def run_cell(shell, capsys, code: str):
-    """Run ``code`` as a cell; return (ExecutionResult, stdout, stderr), colours removed."""
+def run_cell(shell, capsys, code: str, store_history: bool = False):
+    """Run ``code`` as a cell; return (ExecutionResult, stdout, stderr), colours removed.
+    ``store_history``: numbered, as a notebook's cells are."""
     capsys.readouterr()
-    result = shell.run_cell(code)
+    result = shell.run_cell(code, store_history=store_history)
     out, err = capsys.readouterr()
     return result, plain(out), plain(err)
 
@@ -151,3 +152,13 @@ def pulled(shell, name):
     values = shell.run_line_magic("dist_pull", name)
     assert len(values) == NP
     return values
+
+
+def rendered_alone(error) -> str:
+    """An error IPython shows as its message alone (``RankDied``, ``CellTimeout``, ...): that
+    message, checked to be wrapped at spaces to short lines, joined back into one."""
+    from ipydist.errors import MESSAGE_WIDTH
+
+    lines = error._render_traceback_()
+    assert all(len(line) <= MESSAGE_WIDTH or " " not in line for line in lines), lines
+    return " ".join(lines)

@@ -1,6 +1,6 @@
 """Pure logic of merging the ranks' output lines."""
 
-from ipydist.notebook.output.lines import ALL, LineMerger
+from ipydist.notebook.output.lines import ALL, LineMerger, Redraw
 
 
 def test_identical_lines_are_shown_once():
@@ -41,7 +41,22 @@ def test_streams_are_separate_and_one_rank_is_never_all():
     m = LineMerger([3], hold=0.0)
     m.feed(3, "stderr", "warn\n", now=0.0)
     m.feed(3, "stdout", "out\n", now=0.0)
-    assert m.ready(now=0.0) == [("rank 3", "stdout", "out\n"), ("rank 3", "stderr", "warn\n")]
+    assert m.ready(now=0.0) == [("rank 3", "stderr", "warn\n"), ("rank 3", "stdout", "out\n")]
+
+
+def test_a_rank_s_lines_keep_their_order_across_stdout_and_stderr():
+    # each rank prints a line of its own, then starts a bar: the bars' first states are alike,
+    # but no bar may come out before the line its rank printed first
+    m = LineMerger([0, 1], hold=0.25)
+    for r in (0, 1):
+        m.feed(r, "stdout", f"hello from {r}\n", now=0.0)
+        m.feed(r, "stderr", "\r  0%|          | 0/50", now=0.01)
+        m.feed(r, "stderr", "\r 10%|#         | 5/50", now=0.02)
+    assert m.ready(now=0.1) == []  # the hello lines are held (they might still merge)
+    assert m.ready(now=0.3) == [("rank 0", "stdout", "hello from 0\n"),
+                                ("rank 1", "stdout", "hello from 1\n"),
+                                ("rank 0", "stderr", "  0%|          | 0/50\r"),
+                                ("rank 1", "stderr", "  0%|          | 0/50\r")]
 
 
 def test_a_text_progress_bar_keeps_its_tag_on_every_redraw():
@@ -65,9 +80,38 @@ def test_a_crlf_split_between_two_messages_is_one_line_end():
     assert m.flush() == [("rank 0", "stdout", "next\n")]
 
 
-def test_at_the_end_a_progress_bar_shows_its_last_state_once():
+def test_at_the_end_a_progress_bar_shows_its_last_state_once_per_rank():
     m = LineMerger([0, 1], hold=0.0)
     for r in (0, 1):
         m.feed(r, "stdout", "\rstep 1\rstep 2", now=0.0)
-    assert m.ready(now=0.0) == [(ALL, "stdout", "step 1\r")]
-    assert m.flush() == [(ALL, "stdout", "step 2\n")]
+    # alike on every rank, but a bar is never merged: each rank's is drawn in place
+    assert m.ready(now=0.0) == [("rank 0", "stdout", "step 1\r"),
+                                ("rank 1", "stdout", "step 1\r")]
+    last = m.flush()
+    assert last == [("rank 0", "stdout", "step 2\n"), ("rank 1", "stdout", "step 2\n")]
+    assert all(isinstance(line, Redraw) and line.last for _, _, line in last)
+
+
+def test_a_bar_s_states_go_out_at_once_and_its_newline_ends_it():
+    m = LineMerger([0, 1], hold=10.0)
+    m.feed(0, "stderr", "\r 50%|#####     | 1/2", now=0.0)
+    m.feed(0, "stderr", "\r100%|##########| 2/2", now=0.0)
+    [(tag, _, state)] = m.ready(now=0.0)  # no hold: nothing to merge a bar with
+    assert (tag, state, isinstance(state, Redraw), state.last) == (
+        "rank 0", " 50%|#####     | 1/2\r", True, False)
+    m.feed(0, "stderr", "\n", now=0.1)
+    [(_, _, final)] = m.ready(now=0.1)
+    assert (final, final.last) == ("100%|##########| 2/2\n", True)
+    m.feed(0, "stderr", "after the bar\n", now=0.2)
+    [(_, _, line)] = m.ready(now=20.0)
+    assert line == "after the bar\n" and not isinstance(line, Redraw)
+
+
+def test_a_blank_redraw_between_states_shows_nothing():
+    # tqdm.write clears its bar with "\r" + spaces + "\r", prints the message, redraws
+    m = LineMerger([0], hold=0.0)
+    m.feed(0, "stderr", "\r 10%|#    | 1/10\r            \rmessage\n\r 10%|#    | 1/10", now=0.0)
+    out = [line for _, _, line in m.ready(now=0.0)]
+    assert out == [" 10%|#    | 1/10\r", "message\n"]
+    assert out[1].last  # the message ends the bar's line; the redraw after it starts anew
+    assert m.flush() == [("rank 0", "stderr", " 10%|#    | 1/10\n")]

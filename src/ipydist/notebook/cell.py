@@ -21,13 +21,15 @@ from ipydist.errors import (
     RankDied,
     RankError,
     ReplyLost,
+    wrap_message,
 )
 from ipydist.notebook import ipp, recovery
 from ipydist.notebook.live.view import LiveView
 from ipydist.notebook.output import display, rich
 from ipydist.notebook.output.iopub import IOPubCollector
-from ipydist.notebook.output.lines import LineMerger
+from ipydist.notebook.output.lines import LineMerger, Redraw
 from ipydist.notebook.stall import StallWatch
+from ipydist.protocol import CELL_NUMBER_KEY
 from ipydist.specs import describe_ranks
 
 #: How often the wait loop wakes to show output and metrics.
@@ -62,11 +64,14 @@ class CellRun:
         self.deadline = None if not timeout else started + float(timeout)
         self.timeout = timeout
         self.collector = IOPubCollector(targets)
-        self.ar = ipp.execute(self.cluster.view(targets), code, self.collector.watch)
+        number = _execution_count()
+        self.ar = ipp.execute(self.cluster.view(targets), code, self.collector.watch,
+                              {CELL_NUMBER_KEY: number} if number else None)
         self.shown = targets if output == "all" else targets[:1]
         self.merger = LineMerger(self.shown)
         self.displays = rich.DisplayBook(self.shown)
-        self.live = LiveView(session.metrics, session.size, cell=_execution_count())
+        self.bars = display.Bars()
+        self.live = LiveView(session.metrics, session.size, cell=number)
         self.result = RunResult(targets)
         self.stalls = StallWatch(targets, session.stall_warning, session.words.timeout)
         #: A failing rank's peers get this long to finish by themselves before release.
@@ -243,7 +248,7 @@ class CellRun:
         doing = ipp.outcomes(self.ar, self.targets)
         if warning := self.stalls.check(time.monotonic(), doing):
             self._emit(self.merger.ready(now=float("inf")))  # what came before goes first
-            print(warning, file=sys.stderr, flush=True)
+            print("\n".join(wrap_message(warning)), file=sys.stderr, flush=True)
 
     def _wait_for_output(self) -> None:
         """The ranks replied; their output may still be on its way (a backlog of a million
@@ -286,6 +291,8 @@ class CellRun:
         :mod:`ipydist.notebook.output.rich`: each bundle once, tagged unless it is the first
         rank's)."""
         for tag, stream, item in released:
+            if isinstance(item, Redraw) and self.bars.show(tag, stream, item, item.last):
+                continue
             if isinstance(item, str):
                 print(f"[{tag}] {item}", end="",
                       file=sys.stderr if stream == "stderr" else sys.stdout)
@@ -297,14 +304,17 @@ class CellRun:
                 display.publish(item.data, item.metadata)
             elif step.kind == "retag":
                 display.retag(step.shown.handle, step.shown.tag)
+        self.bars.flush()
 
 
 def _execution_count() -> int | None:
-    """The running cell's number in the notebook (``In [N]``), when there is a shell."""
+    """The running cell's number in the notebook (``In [N]``), when there is a shell: IPython
+    has already counted on to the next cell's while this one runs."""
     from IPython import get_ipython
 
     shell = get_ipython()
-    return getattr(shell, "execution_count", None) if shell is not None else None
+    count = getattr(shell, "execution_count", None) if shell is not None else None
+    return count - 1 if isinstance(count, int) and count > 1 else None
 
 
 class _Failure:

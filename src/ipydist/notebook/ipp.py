@@ -68,9 +68,10 @@ def forget(client, msg_id: str) -> None:
         pending.discard(msg_id)
 
 
-def execute(view, code: str, on_future) -> AsyncResult:
+def execute(view, code: str, on_future, metadata: dict | None = None) -> AsyncResult:
     """``view.execute(code, silent=False, block=False)``, calling ``on_future(i, future)``
-    with the i-th target's request future before that request is sent.
+    with the i-th target's request future before that request is sent; ``metadata`` goes
+    with each request.
 
     ``DirectView.execute`` returns the request only once it is sent, and a rank's output can
     arrive before the caller attaches its IOPub callbacks; ipyparallel then keeps it in the
@@ -81,7 +82,7 @@ def execute(view, code: str, on_future) -> AsyncResult:
     client = view.client
     idents, targets = client._build_targets(view.targets)
     futures = [client.send_execute_request(view._socket, code, silent=False, ident=ident,
-                                           metadata={"label": None},
+                                           metadata={"label": None, **(metadata or {})},
                                            message_future_hook=lambda f, i=i: on_future(i, f))
                for i, ident in enumerate(idents)]
     if isinstance(view.targets, int):

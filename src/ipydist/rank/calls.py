@@ -15,16 +15,18 @@ import torch.distributed as dist
 from IPython import get_ipython
 
 from ipydist import protocol
-from ipydist.rank import consensus, watcher
+from ipydist.rank import cell_numbers, consensus, watcher
 from ipydist.torch._core import events, process_group, resync, shims, topology, waiting
 from ipydist.torch._wire import handles
 from ipydist.torch.horovod import process_sets
 
 
 def attach() -> dict:
-    """Right after the ranks register: follow the engine's cells (see ``watcher.attach``), and
-    say what this rank is, for the table the notebook shows."""
+    """Right after the ranks register: follow the engine's cells (see ``watcher.attach``),
+    number them as the notebook does, and say what this rank is, for the table the notebook
+    shows."""
     watcher.attach(get_ipython())
+    cell_numbers.attach(get_ipython())
     return info()
 
 

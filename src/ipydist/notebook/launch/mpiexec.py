@@ -299,6 +299,64 @@ _SRUN_SIGNALS = {"Killed": signal.SIGKILL, "Terminated": signal.SIGTERM,
                  "Segmentation fault": signal.SIGSEGV, "Aborted": signal.SIGABRT}
 
 
+#: An exit code instead of a signal. OpenMPI: "Process name: [prterun-a-1@1,2]" then
+#: "Exit code:    3"; MPICH: "PID 1234 RUNNING AT a" then "EXIT CODE: 3".
+_OMPI_EXIT = re.compile(r"Process name:\s*\[[^\]]*?,(\d+)\]\s*Exit code:\s*(\d+)", re.IGNORECASE)
+_MPICH_EXIT = re.compile(r"PID (\d+) RUNNING AT \S+\s*=?\s*EXIT CODE: (\d+)")
+
+
+@dataclass(frozen=True)
+class Death:
+    """The rank that died first and what ended it, as far as the launcher said."""
+
+    rank: int
+    signal: int | None = None
+    exit_code: int | None = None
+    #: srun's words for an end that is not one of the signals it names ("bus error")
+    words: str | None = None
+
+    def cause(self) -> str:
+        """In a sentence: ``killed by signal 9 (SIGKILL); the out-of-memory killer ...``."""
+        if self.signal is not None:
+            return _signal_text(self.signal)
+        if self.exit_code is not None:
+            return f"exited with code {self.exit_code}"
+        return self.words or ""
+
+    def short(self) -> str:
+        """In a table cell: ``signal 9 (SIGKILL)``, ``exit code 3``, or empty when unknown."""
+        if self.signal is not None:
+            return f"signal {self.signal} ({_signal_name(self.signal)})"
+        if self.exit_code is not None:
+            return f"exit code {self.exit_code}"
+        return self.words or ""
+
+
+def find_death(output: str, dead: list[dict]) -> Death | None:
+    """Which of the ``dead`` ranks (rank infos) died first and how, from the launcher's
+    output (mpiexec's or srun's); the lowest dead rank when the launcher did not say. None
+    when no rank is dead."""
+    if not dead:
+        return None
+    by_pid = {info["pid"]: info["rank"] for info in dead}
+    found: Death | None = None
+    if m := _OMPI_DEATH.search(output):
+        found = Death(int(m.group(1)), signal=int(m.group(4)))
+    elif (m := _MPICH_DEATH.search(output)) and int(m.group(1)) in by_pid:
+        found = Death(by_pid[int(m.group(1))], signal=int(m.group(3)))
+    elif m := _SRUN_DEATH.search(output):
+        sig = _SRUN_SIGNALS.get(m.group(3))
+        found = Death(int(m.group(2)), signal=int(sig) if sig else None,
+                      words=None if sig else m.group(3).lower())
+    elif m := _OMPI_EXIT.search(output):
+        found = Death(int(m.group(1)), exit_code=int(m.group(2)))
+    elif (m := _MPICH_EXIT.search(output)) and int(m.group(1)) in by_pid:
+        found = Death(by_pid[int(m.group(1))], exit_code=int(m.group(2)))
+    if found is None or found.rank not in by_pid.values():
+        found = Death(min(by_pid.values()))
+    return found
+
+
 def describe_death(output: str, dead: list[dict], restart: str,
                    launcher: str = "mpiexec") -> str:
     """Which rank died and how, from the launcher's report (``dead``: the rank infos found
@@ -307,36 +365,26 @@ def describe_death(output: str, dead: list[dict], restart: str,
     mpiexec (or srun) names the rank that died first and its signal; by the time the notebook
     looks, it has usually ended the other ranks too, so those are reported as stopped by it.
     """
-    by_pid = {info["pid"]: info for info in dead}
-    culprit, cause = None, None
-    if m := _OMPI_DEATH.search(output):
-        culprit = int(m.group(1))
-        cause = _signal_text(int(m.group(4)))
-    elif (m := _MPICH_DEATH.search(output)) and int(m.group(1)) in by_pid:
-        culprit = by_pid[int(m.group(1))]["rank"]
-        cause = _signal_text(int(m.group(3)))
-    elif m := _SRUN_DEATH.search(output):
-        culprit = int(m.group(2))
-        sig = _SRUN_SIGNALS.get(m.group(3))
-        cause = _signal_text(int(sig)) if sig else m.group(3).lower()
+    death = find_death(output, dead)
     infos = {info["rank"]: info for info in dead}
-    if culprit not in infos:
-        culprit = min(infos)
-    info = infos[culprit]
-    text = f"rank {culprit} (pid {info['pid']} on {info['host']}) died"
-    text += f": {cause}." if cause else "."
-    others = sorted(r for r in infos if r != culprit)
+    info = infos[death.rank]
+    text = f"rank {death.rank} (pid {info['pid']} on {info['host']}) died"
+    text += f": {death.cause()}." if death.cause() else "."
+    others = sorted(r for r in infos if r != death.rank)
     if others:
         text += f" {launcher} then stopped {describe_ranks(others)}."
     return text + f" Run {restart} to start a fresh cluster with the same arguments."
 
 
-def _signal_text(num: int) -> str:
+def _signal_name(num: int) -> str:
     try:
-        name = signal.Signals(num).name
+        return signal.Signals(num).name
     except ValueError:
-        name = f"signal {num}"
-    text = f"killed by signal {num} ({name})"
+        return f"signal {num}"
+
+
+def _signal_text(num: int) -> str:
+    text = f"killed by signal {num} ({_signal_name(num)})"
     if num == signal.SIGKILL:
         text += "; the out-of-memory killer sends this one too"
     elif num == signal.SIGSEGV:

@@ -126,3 +126,49 @@ class Progress:
         if self._handle is not None:
             self._handle.update({"text/plain": ""}, raw=True)
             self._handle = None
+
+
+class Bars:
+    """Each rank's text progress bar (tqdm and the like) as one line that updates in place.
+
+    A notebook shows a stream's ``\\r`` only within one output, so the ranks' bars, written
+    to one stream in turn, would overwrite one another, and a state shown before another
+    rank's line would stay behind as a stale copy. Instead each bar is a display of its own,
+    made where the bar's first state comes in the rank's output and updated with each later
+    state (only the newest of those that arrived together); its last state ends it, and the
+    next bar of the rank is a new line. Outside a notebook :meth:`show` returns False and the
+    caller prints the state as it is.
+    """
+
+    def __init__(self):
+        self._kernel = in_kernel()
+        self._handles: dict[tuple[str, str], object] = {}  # (tag, stream) -> display handle
+        self._pending: dict[tuple[str, str], str] = {}
+
+    def show(self, tag: str, stream: str, state: str, last: bool) -> bool:
+        """Show one state of the bar of ``tag`` on ``stream``; False where there is no
+        notebook."""
+        if not self._kernel:
+            return False
+        key, text = (tag, stream), f"[{tag}] {state.rstrip()}"
+        handle = self._handles.pop(key, None)
+        if handle is None:  # a new bar: here, in order with the rank's other output
+            from IPython.display import display
+
+            handle = display({"text/plain": text}, raw=True, display_id=True)
+        elif last:
+            handle.update({"text/plain": text}, raw=True)
+        else:
+            self._pending[key] = text
+        if last:
+            self._pending.pop(key, None)
+        else:
+            self._handles[key] = handle
+        return True
+
+    def flush(self) -> None:
+        """Draw the newest state of every bar that changed since the last flush."""
+        for key, text in self._pending.items():
+            if key in self._handles:
+                self._handles[key].update({"text/plain": text}, raw=True)
+        self._pending.clear()

@@ -4,7 +4,13 @@
 every rank prints (``epoch 3 done``) is shown once as ``[all ranks]`` instead of N times. A
 rank's displays (:class:`~ipydist.notebook.output.rich.Display`) pass through it too, so that
 each comes out between what its rank printed before and after it, and so that one every rank
-made alike merges the same way.
+made alike merges the same way. What one rank printed comes out in the order it printed it,
+stdout and stderr together.
+
+A text progress bar (tqdm, or anything redrawing a line with ``\r``) comes out as
+:class:`Redraw` lines: never merged (the ranks' bars differ in their rates and times, and a
+merged state would be a copy left behind once they part), never held, and its last state
+marked, so that the notebook can draw each rank's bar as one line updated in place.
 """
 
 from __future__ import annotations
@@ -19,6 +25,19 @@ STREAMS = ("stdout", "stderr")
 #: The "stream" of a display that :meth:`LineMerger.ready` hands out.
 DISPLAY = "display"
 _LINE_END = re.compile(r"(\r\n|\n|\r)")
+
+
+class Redraw(str):
+    """One state of a rank's text progress bar: the text, ending in ``\r`` while the bar is
+    redrawn, or in ``\n`` for its last state (``last``: the line that ended the bar)."""
+
+    last: bool = False
+
+    @classmethod
+    def final(cls, text: str) -> Redraw:
+        line = cls(text)
+        line.last = True
+        return line
 
 
 class LineMerger:
@@ -46,6 +65,8 @@ class LineMerger:
         self._displays: dict[int, deque[tuple[float, int, object]]] = {
             r: deque() for r in self.ranks}
         self._order = itertools.count()
+        #: (rank, stream) whose last line was a redraw: the next line ends that bar
+        self._in_bar: set[tuple[int, str]] = set()
 
     def feed(self, rank: int, stream: str, text: str, now: float | None = None) -> None:
         """Take ``text`` from a rank's stream. A line ends at ``\n``, or at ``\r`` (a text
@@ -61,11 +82,20 @@ class LineMerger:
         parts = _LINE_END.split(text)  # line, its end, line, its end, ..., the unfinished rest
         for line, end in zip(parts[0:-1:2], parts[1:-1:2]):
             if end != "\r":
-                self._add(self._lines[key], now, line + "\n")
-            elif line:  # an empty state between two redraws shows nothing
-                self._add(self._lines[key], now, line + "\r")
+                self._end_line(key, now, line)
+            elif line.strip():  # an empty or blank state between two redraws shows nothing
+                self._add(self._lines[key], now, Redraw(line + "\r"))
+                self._in_bar.add(key)
         if parts[-1] or held:
             self._partial[key] = parts[-1] + held
+
+    def _end_line(self, key: tuple[int, str], now: float, line: str) -> None:
+        """A line ended by ``\n``: after redraws, the bar's last state."""
+        if key in self._in_bar:
+            self._in_bar.discard(key)
+            self._add(self._lines[key], now, Redraw.final(line + "\n"))
+        else:
+            self._add(self._lines[key], now, line + "\n")
 
     def put(self, rank: int, display, now: float | None = None) -> None:
         """Take a display (hashable, equal to another rank's alike) after what ``rank`` printed
@@ -74,7 +104,7 @@ class LineMerger:
         for stream in STREAMS:
             rest = self._partial.pop((rank, stream), "").rstrip("\r")
             if rest:
-                self._add(self._lines[(rank, stream)], now, rest + "\n")
+                self._end_line((rank, stream), now, rest)
         self._add(self._displays[rank], now, display)
 
     def ready(self, now: float | None = None) -> list[tuple[str, str, object]]:
@@ -94,7 +124,7 @@ class LineMerger:
         for key, rest in list(self._partial.items()):
             rest = rest.rstrip("\r")
             if rest:
-                self._add(self._lines[key], float("-inf"), rest + "\n")
+                self._end_line(key, float("-inf"), rest)
         self._partial.clear()
         return self.ready(now=float("inf"))
 
@@ -107,7 +137,7 @@ class LineMerger:
             if len(self.ranks) > 1 and all(queues) and not any(
                     self._waits(r, q[0]) for r, q in zip(self.ranks, queues)):
                 heads = {q[0][2] for q in queues}
-                if len(heads) == 1:
+                if len(heads) == 1 and not isinstance(queues[0][0][2], Redraw):
                     out.append((ALL, stream, queues[0][0][2]))
                     for q in queues:
                         q.popleft()
@@ -115,20 +145,20 @@ class LineMerger:
             any_ready = False
             for r, q in zip(self.ranks, queues):
                 if q and not self._waits(r, q[0]) and (
-                        now - q[0][0] >= self.hold or self._due(r, q[0])):
+                        now - q[0][0] >= self.hold or isinstance(q[0][2], Redraw)
+                        or self._due(r, q[0])):
                     out.append((f"rank {r}", stream, q.popleft()[2]))
                     any_ready = True
             if not any_ready:
                 return
 
     def _waits(self, rank: int, entry) -> bool:
-        """Whether ``entry`` must wait: for a display, a line its rank printed before it; for
-        a line, a display its rank made before it."""
+        """Whether ``entry`` must wait for something its rank sent before it: for a display,
+        a line; for a line, a display or a line on the other stream."""
         _, order, what = entry
+        queues = [self._lines[(rank, s)] for s in STREAMS]  # a line's own is never earlier
         if isinstance(what, str):
-            queues = [self._displays[rank]]
-        else:
-            queues = [self._lines[(rank, s)] for s in STREAMS]
+            queues.append(self._displays[rank])
         return any(q and q[0][1] < order for q in queues)
 
     def _due(self, rank: int, entry) -> bool:

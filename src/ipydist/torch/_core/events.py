@@ -1,5 +1,5 @@
 """The events the timeline shows (:mod:`ipydist.torch.horovod.timeline`), recorded where collectives
-run: the check, the data, DistributedOptimizer's buckets. Nothing here imports the
+run: the call check, the data, DistributedOptimizer's buckets. Nothing here imports the
 collectives, so that they can all record here.
 
 Recording costs one check of a module flag per collective when off, and a list append when
@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 from ipydist.protocol import TIMELINE_CHECK_LANE as CHECK_LANE
+from ipydist.protocol import TIMELINE_CHECK_PREFIX
 from ipydist.protocol import TIMELINE_DATA_LANE as DATA_LANE
 
 #: Events kept per rank: the oldest go first beyond this.
@@ -34,8 +35,9 @@ def record(name: str, started: float, ended: float, lane: int = DATA_LANE, **arg
 
 
 def checked(kind: str, started: float, ended: float, set_size: int | None = None) -> None:
-    """The check of a call of ``kind`` (the call check's names: "allreduce", "optimizer step")."""
-    record("NEGOTIATE_" + kind.upper().replace(" ", "_"), started, ended, CHECK_LANE,
+    """The call check of a call of ``kind`` (its names: "allreduce", "optimizer step"), named
+    in the trace as Horovod names the phase: ``NEGOTIATE_ALLREDUCE``."""
+    record(TIMELINE_CHECK_PREFIX + kind.upper().replace(" ", "_"), started, ended, CHECK_LANE,
            process_set_size=set_size)
 
 

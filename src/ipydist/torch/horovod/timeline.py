@@ -6,10 +6,12 @@
 process row per rank, to ``path``, loadable in ``chrome://tracing`` or https://ui.perfetto.dev.
 ``%dist_timeline`` shows the same under a notebook cell.
 
-Each collective gives two events, Horovod's phases under ipydist's names: ``NEGOTIATE_<OP>``,
-the check that every rank makes the same call (:mod:`ipydist.torch._wire.call_check`; Horovod's
-coordinator negotiates the same way), and ``<OP>``, from the moment its data was posted until
-it was seen done, with its dtype, shape and wire. DistributedOptimizer's buckets are
+Each collective gives two events, named in the file as Horovod names its phases, for the tools
+that read Horovod's timelines: ``NEGOTIATE_<OP>``, the call check that every rank makes the
+same call (:mod:`ipydist.torch._wire.call_check`; Horovod's coordinator negotiates the same
+way), and ``<OP>``, from the moment its data was posted until it was seen done, with its dtype,
+shape and wire. ``%dist_timeline`` shows them in ipydist's words: ``allreduce call check`` and
+``allreduce``. DistributedOptimizer's buckets are
 ``ALLREDUCE`` events named after their first parameter. Times are wall-clock (one host's ranks
 share it; other hosts' are as close as their clocks). The events are recorded by
 :mod:`ipydist.torch._core.events`.

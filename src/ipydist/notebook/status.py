@@ -1,0 +1,71 @@
+"""``%dist_status``'s table: one row per rank (host, pid, device, state, memory).
+
+After a rank died, mpiexec ends the others, so "dead" on every row would hide what happened.
+Instead the table says which rank died first and what ended it (the signal or exit code the
+launcher reported), shows the others as stopped by the launcher, gives no memory for ranks
+that have none, and a note under it says what to do next, in the words the cell's error used.
+"""
+
+from __future__ import annotations
+
+import html
+import textwrap
+
+from ipydist.notebook.launch.mpiexec import Death
+from ipydist.notebook.output import display
+from ipydist.specs import describe_ranks
+
+COLUMNS = ["rank", "host", "pid", "device", "state", "memory"]
+#: The memory cell of a rank that has no process to measure.
+NO_MEMORY = "-"
+#: The plain-text note is wrapped at spaces to this width (a notebook would break it anywhere).
+WIDTH = 88
+
+
+class StatusTable(display.Table):
+    """A :class:`~ipydist.notebook.output.display.Table` with a note under it."""
+
+    def __init__(self, columns, rows, caption="", note: str = "") -> None:
+        super().__init__(columns, rows, caption)
+        self.note = note
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        return "\n".join([text, *textwrap.wrap(self.note, WIDTH, break_long_words=False)])
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        note = f"<p>{html.escape(self.note)}</p>" if self.note else ""
+        return super()._repr_html_() + note
+
+
+def status_table(ranks: list[dict], states: dict[int, str], memory: dict[int, str],
+          death: Death | None = None, report: str = "",
+          launcher: str = "mpiexec") -> StatusTable:
+    """The table of ``ranks`` (rank infos, in the order shown) in ``states`` (``"idle"``,
+    ``"busy"`` or ``"dead"`` by rank), with each live rank's ``memory``; ``death`` is the rank
+    that died first and how (:func:`~ipydist.notebook.launch.mpiexec.find_death`), ``report``
+    the sentence that says so and what to do next."""
+    dead = sorted(r for r, state in states.items() if state == "dead")
+    rows = []
+    for info in ranks:
+        rank = info["rank"]
+        state = states[rank]
+        if state == "dead":
+            state = _dead_state(rank, death, len(dead), launcher)
+        shown = NO_MEMORY if states[rank] == "dead" else memory.get(rank) or NO_MEMORY
+        rows.append([rank, info["host"], info["pid"], info["device"], state, shown])
+    caption = f"{len(ranks)} ranks"
+    if dead:
+        caption += f"; {describe_ranks(dead)} dead"
+    return StatusTable(COLUMNS, rows, caption, report if dead else "")
+
+
+def _dead_state(rank: int, death: Death | None, dead: int, launcher: str) -> str:
+    if death is None:
+        return "dead"
+    if rank != death.rank:
+        return f"stopped by {launcher}"
+    first = "died first" if dead > 1 else "died"
+    return f"{first}: {death.short()}" if death.short() else first

@@ -1,0 +1,319 @@
+"""JupyterLab (and Notebook 7, which the same server serves) in a real browser, for the tests in
+tests/browser: a server started per test in its own process group with quiet settings, stopped
+with everything it started; a Chromium page whose console is kept, and whose page errors fail
+the test; and the few things a person does (open a notebook, Run All, read the prompts).
+
+Needs ``/usr/bin/chromium`` (``scripts/ensure-chromium.sh``; Playwright never downloads a
+browser of its own here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+from helpers import CHROMIUM, CHROMIUM_ARGS, MARK_VAR, cluster_processes, wait_gone
+
+REPO = Path(__file__).resolve().parents[2]
+ARTIFACTS = REPO / "test-artifacts"
+
+
+# ---------------------------------------------------------------------------------- the server
+
+
+@dataclass
+class Lab:
+    """A JupyterLab server started for one test, in its own process group."""
+
+    proc: subprocess.Popen
+    port: int
+    token: str
+    mark: str
+    log: Path
+    root: Path
+    env: dict
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}?token={self.token}"
+
+    def log_tail(self, lines: int = 40) -> str:
+        text = self.log.read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+    def processes(self, marked: bool = True) -> dict[int, str]:
+        """pid -> cmdline of every process this server started (kernel, controller, mpiexec,
+        engines): its descendants, plus (``marked``) anything carrying this run's environment
+        mark, which costs a look at every process on the machine."""
+        found = cluster_processes(self.mark) if marked else {}
+        found.pop(self.proc.pid, None)
+        try:
+            for p in psutil.Process(self.proc.pid).children(recursive=True):
+                found[p.pid] = cmdline(p)
+        except psutil.Error:
+            pass
+        return found
+
+
+def cmdline(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return "?"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def copy_without_outputs(src: Path, dst: Path) -> None:
+    """The notebook with its outputs cleared, so that a chart saved in it is never mistaken for
+    the live one."""
+    nb = json.loads(src.read_text())
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "code":
+            cell["outputs"], cell["execution_count"] = [], None
+    dst.write_text(json.dumps(nb, indent=1))
+
+
+def write_lab_settings(settings_dir: Path) -> None:
+    """User settings for a quiet, test-friendly JupyterLab.
+
+    No news or update prompt (its toast would cover the notebook and it tries the network), and
+    every cell kept in the page (the default windowing detaches or skips rendering off-screen
+    cells, and the test finds the training cell by its index).
+    """
+    settings = {
+        "@jupyterlab/apputils-extension/notification": {"fetchNews": "false",
+                                                        "checkForUpdates": False},
+        "@jupyterlab/notebook-extension/tracker": {"windowingMode": "none"},
+        # Widget state saved with the notebook (JupyterLab's default is not to): the test of
+        # a reopened notebook checks both ways, removing the saved state for the second.
+        "@jupyter-widgets/jupyterlab-manager/plugin": {"saveState": True},
+    }
+    for name, values in settings.items():
+        path = settings_dir / f"{name}.jupyterlab-settings"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(values))
+
+
+def wait_until_serving(lab: Lab, timeout: float = 60.0) -> None:
+    """Wait until the server answers its REST API; fail with its log if it dies or never does."""
+    deadline = time.monotonic() + timeout
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{lab.port}/api/status",
+        headers={"Authorization": f"token {lab.token}"},
+    )
+    while time.monotonic() < deadline:
+        if lab.proc.poll() is not None:
+            pytest.fail(f"jupyter lab exited with {lab.proc.returncode}:\n{lab.log_tail()}")
+        try:
+            with urllib.request.urlopen(request, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.25)
+    pytest.fail(f"jupyter lab did not answer within {timeout:.0f} s:\n{lab.log_tail()}")
+
+
+def stop_lab(lab: Lab) -> None:
+    """SIGTERM to the server's process group (it then shuts its kernels down), SIGKILL if it
+    has not ended after a few seconds."""
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(lab.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            lab.proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@contextlib.contextmanager
+def serve(tmp_path: Path, notebooks: dict):
+    """JupyterLab serving ``notebooks`` (file name -> a notebook's path, copied without its
+    outputs, or an nbformat notebook); on leaving, stopped with everything it started, and an
+    AssertionError if anything had to be killed."""
+    import nbformat
+
+    root = tmp_path / "root"
+    root.mkdir()
+    for name, notebook in notebooks.items():
+        if isinstance(notebook, Path):
+            copy_without_outputs(notebook, root / name)
+        else:
+            nbformat.write(notebook, root / name)
+    write_lab_settings(tmp_path / "settings")
+    env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
+               JUPYTER_CONFIG_DIR=str(tmp_path / "config"), PYTHONUNBUFFERED="1")
+    env[MARK_VAR] = mark = uuid.uuid4().hex
+    port, token = free_port(), secrets.token_hex(16)
+    log = tmp_path / "jupyter-lab.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root",
+             "--ip=127.0.0.1", f"--port={port}", f"--IdentityProvider.token={token}",
+             f"--ServerApp.root_dir={root}", "--LabApp.news_url=None",
+             "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+             "--LabApp.extension_manager=readonly",
+             f"--LabApp.user_settings_dir={tmp_path / 'settings'}",
+             f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}"],
+            cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+    server = Lab(proc, port, token, mark, log, root, env)
+    try:
+        wait_until_serving(server)
+        yield server
+    finally:
+        started = server.processes()
+        stop_lab(server)
+        ARTIFACTS.mkdir(exist_ok=True)
+        (ARTIFACTS / f"{tmp_path.name}.jupyter.log").write_bytes(log.read_bytes())
+        left = wait_gone(started, timeout=10)
+        left_cmds = {pid: started[pid] for pid in left}
+        for pid in left:
+            try:
+                psutil.Process(pid).kill()
+            except psutil.Error:
+                pass
+        assert not left_cmds, f"still running 10 s after JupyterLab stopped (killed): {left_cmds}"
+
+
+# ------------------------------------------------------------------------------------ the page
+
+#: Notebook 7's own page errors (raised in its core bundle, with no extension and no user
+#: setting at all: JupyterLab 4.6 with Notebook 7.6): on loading its settings, and on opening
+#: a notebook after JupyterLab in the same page; a test in Notebook 7 allows them.
+NOTEBOOK7_OWN_ERRORS = [re.compile(
+    rf"^pageerror: {message} at (\S+ \()?\S*/static/notebook/notebook_core\.")
+    for message in (r"Cannot read properties of undefined \(reading 'schema'\)",
+                    r"Command 'filebrowser:open-path' not registered\.")]
+#: ipywidgets' console error for each widget output of a notebook saved without widget state
+#: (JupyterLab's default): not a fault of the page, and expected only where a test reopens
+#: such a notebook (see :func:`browser_page`'s ``allowed``).
+WIDGET_STATE_NOT_SAVED = re.compile(r"^error: Error: widget model not found")
+
+
+def _where(error) -> str:
+    """Where a page error was raised: the first frame of its stack."""
+    frames = [line.strip() for line in (getattr(error, "stack", "") or "").splitlines()
+              if line.strip().startswith("at ")]
+    return frames[0] if frames else ""
+
+
+def page_errors(console: list[str], allowed: list[re.Pattern]) -> list[str]:
+    """The page errors (uncaught exceptions) and console errors in ``console``, but those a
+    pattern of ``allowed`` matches."""
+    return [m for m in console if m.startswith(("pageerror:", "error:"))
+            and not any(p.search(m) for p in allowed)]
+
+
+@contextlib.contextmanager
+def browser_page(console: list[str], name: str, allowed: list[re.Pattern]):
+    """A Chromium page (1400 x 1400); its console messages and page errors go to ``console``.
+    On leaving (passed or failed) a screenshot and the console are saved under
+    test-artifacts/ as ``name``.png and ``name``.console.txt, the things one debugs a page
+    with; then any page or console error not ``allowed`` fails the test."""
+    from playwright.sync_api import sync_playwright
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            pg = browser.new_page(viewport={"width": 1400, "height": 1400})
+            pg.set_default_timeout(60_000)
+            pg.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
+            pg.on("pageerror", lambda e: console.append(f"pageerror: {e} {_where(e)}"))
+            try:
+                yield pg
+            finally:
+                try:
+                    pg.screenshot(path=str(ARTIFACTS / f"{name}.png"), timeout=10_000)
+                except Exception as e:  # a crashed page must not hide the test's own failure
+                    console.append(f"(screenshot failed: {e})")
+                (ARTIFACTS / f"{name}.console.txt").write_text("\n".join(console))
+        finally:
+            browser.close()
+    errors = page_errors(console, allowed)
+    assert not errors, "errors in the browser's console:\n" + "\n".join(errors[:20])
+
+
+# ----------------------------------------------------------------------------- what one does
+
+#: True once the status bar reads "<kernel name> | Idle": the kernel has started and answered.
+#: (The toolbar's execution indicator says "idle" already before any kernel exists.)
+#: True once the kernel has started and answered: JupyterLab's status bar reads
+#: "<kernel name> | Idle" (its toolbar's execution indicator says idle already before any
+#: kernel exists, and Run All while the kernel still initializes is refused with a notice).
+KERNEL_IDLE = """() => [...document.querySelectorAll('.jp-StatusBar-TextItem')]
+    .some((e) => /^(?!No Kernel).+ \\| Idle$/.test(e.textContent.trim()))"""
+#: The same in Notebook 7, which has no status bar: its toolbar's indicator starts at
+#: "connecting" and says idle once the kernel has answered.
+NOTEBOOK7_KERNEL_IDLE = """() => document.querySelector('.jp-Notebook-ExecutionIndicator')
+    ?.getAttribute('data-status') === 'idle'"""
+
+
+def open_notebook(page, lab: Lab, name: str, console: list[str], notebook7: bool = False):
+    """Open the notebook in JupyterLab (or Notebook 7) and wait until its kernel has started
+    and is idle; ``console`` is the page's (see :func:`browser_page`)."""
+    page.goto(lab.url(f"/notebooks/{name}" if notebook7 else f"/lab/tree/{name}"))
+    page.wait_for_selector(".jp-NotebookPanel .jp-Notebook .jp-Cell")
+    deadline = time.monotonic() + 60
+    while not any("Starting WebSocket" in m for m in console):
+        if time.monotonic() > deadline:
+            pytest.fail(f"the page never connected to a kernel:\n{console[-10:]}")
+        page.wait_for_timeout(100)  # (not time.sleep: the page's events arrive meanwhile)
+    page.wait_for_function(NOTEBOOK7_KERNEL_IDLE if notebook7 else KERNEL_IDLE)
+
+
+def run_all_cells(page) -> None:
+    """Run > Run All Cells from the menu bar, as a user would; wait until the run has begun."""
+    page.locator(".lm-MenuBar-item", has_text=re.compile(r"^Run$")).click()
+    page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
+    page.wait_for_function(
+        """() => [...document.querySelectorAll('.jp-NotebookPanel .jp-InputPrompt')]
+            .some((p) => /\\[(\\*|\\d+)\\]/.test(p.textContent))""",
+        timeout=15_000,
+    )
+
+
+def ran(prompt: str) -> bool:
+    return re.fullmatch(r"\[\d+\]:?", prompt) is not None
+
+
+def running(prompt: str) -> bool:
+    """Queued or running: JupyterLab shows both as ``[*]``."""
+    return prompt.startswith("[*]")
+
+
+def end_sessions(lab: Lab) -> None:
+    """Shut down every kernel, as closing JupyterLab and coming back another day does."""
+    def call(method, path):
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{lab.port}{path}", method=method,
+            headers={"Authorization": f"token {lab.token}"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return json.loads(response.read() or b"null")
+
+    for session in call("GET", "/api/sessions"):
+        call("DELETE", f"/api/sessions/{session['id']}")
