@@ -14,7 +14,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from helpers import MARK_VAR, cluster_processes
+from helpers import MARK_VAR, cluster_processes, one_line
 
 from ipydist import cli
 
@@ -446,7 +446,7 @@ def test_a_stall_warning_appears_and_the_cell_then_completes(failures):
     assert kinds.index("stderr") < kinds.index("stdout"), "warned while rank 0 still slept"
     assert re.search(
         r"^ipydist stall warning: ranks? [\d,-]+ ha(s|ve) waited \d+ s in all_reduce, while "
-        r"rank 0 is still running other code", _stream(cell, "stderr"), re.MULTILINE), (
+        r"rank 0 is still running other code", one_line(_stream(cell, "stderr"))), (
         _stream(cell, "stderr"))
     assert _stream(cell, "stdout") == "[all ranks] ranks in the allreduce: 4\n"
     assert not _failed(cell)

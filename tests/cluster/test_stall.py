@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from helpers import NP, assert_collectives_work, run_cell
+from helpers import NP, assert_collectives_work, one_line, run_cell
 
 from ipydist.errors import CellTimeout, RankError
 from ipydist.notebook.stall import StallWatch
@@ -128,8 +128,9 @@ print(hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item())
 """)
     assert result.error_in_exec is None, err
     assert f"[all ranks] {float(NP)}" in out, out  # the collective completed afterwards
-    assert (f"ipydist stall warning: ranks 0-{late - 1} have waited" in err
-            and f"s in all_reduce, while rank {late} is still running other code." in err), err
+    assert (f"ipydist stall warning: ranks 0-{late - 1} have waited" in one_line(err)
+            and f"s in all_reduce, while rank {late} is still running other code."
+            in one_line(err)), err
     assert err.index("stall warning") < err.index("late rank woke"), err  # during the cell
     assert err.count("stall warning") == 1, err
 
@@ -141,8 +142,9 @@ if hvd.rank() != 0:
     hvd.barrier()
 """)
     assert isinstance(result.error_in_exec, CellTimeout), err
-    assert (f"ranks 1-{NP - 1} have waited" in err
-            and "s in barrier, while rank 0 finished the cell without calling it." in err), err
+    assert (f"ranks 1-{NP - 1} have waited" in one_line(err)
+            and "s in barrier, while rank 0 finished the cell without calling it."
+            in one_line(err)), err
     result, out, err = run_cell(
         shell, capsys, "%everyrank print(hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item())")
     assert result.error_in_exec is None, err
@@ -172,7 +174,7 @@ opt.step()
 """)
     assert isinstance(result.error_in_exec, CellTimeout), err
     assert (f"different collectives (ranks 0-{last - 1} in allreduce of gradients "
-            f"(DistributedOptimizer); rank {last} in all_reduce)") in err, (
+            f"(DistributedOptimizer); rank {last} in all_reduce)") in one_line(err), (
         err, result.error_in_exec)
     result, out, err = run_cell(shell, capsys, """%%everyrank
 for _ in range(3):

@@ -162,3 +162,9 @@ def rendered_alone(error) -> str:
     lines = error._render_traceback_()
     assert all(len(line) <= MESSAGE_WIDTH or " " not in line for line in lines), lines
     return " ".join(lines)
+
+
+def one_line(text: str) -> str:
+    """``text`` with every run of whitespace one space: a message as it reads, however it was
+    wrapped (see ``ipydist.errors.wrap_message``)."""
+    return re.sub(r"\s+", " ", text)
