@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 
 import torch.distributed as dist
 from IPython import get_ipython
 
 from ipydist import protocol
-from ipydist.rank import cell_numbers, consensus, watcher
+from ipydist.rank import cell_numbers, consensus, frameworks, watcher
 from ipydist.torch._core import events, process_group, resync, shims, topology, waiting
 from ipydist.torch._wire import handles
 from ipydist.torch.horovod import process_sets
@@ -23,11 +24,24 @@ from ipydist.torch.horovod import process_sets
 
 def attach() -> dict:
     """Right after the ranks register: follow the engine's cells (see ``watcher.attach``),
-    number them as the notebook does, and say what this rank is, for the table the notebook
-    shows."""
+    number them as the notebook does, tell frameworks imported later what the ranks are, and
+    say what this rank is, for the table the notebook shows."""
     watcher.attach(get_ipython())
     cell_numbers.attach(get_ipython())
+    _not_a_prompt()
+    frameworks.install(topology.get().local_size)
     return info()
+
+
+def _not_a_prompt() -> None:
+    """Take away the prompts IPython's kernel shell sets "so that scripts can decide if they are
+    running interactively" (``sys.ps1``): a rank is a process mpiexec started, not a session at
+    a prompt, and libraries read them to refuse launching from one. Lightning's
+    ``Trainer(strategy="ddp")`` refuses an interactive process (it would spawn the others
+    itself); on a rank the processes exist already, and it uses them (its MPI environment)."""
+    for name in ("ps1", "ps2", "ps3"):
+        if hasattr(sys, name):
+            delattr(sys, name)
 
 
 def info() -> dict:

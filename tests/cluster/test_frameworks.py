@@ -1,0 +1,141 @@
+"""Training code written for the frameworks people use today runs in ``%%everyrank`` cells as
+it is, on the ranks ``%dist_start`` made, and keeps its state between cells: Lightning's
+``Trainer(strategy="ddp")``, and FSDP2's ``fully_shard`` on a DeviceMesh (issue 31, first
+steps; the Hugging Face Trainer and Accelerate follow)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import NP, run_cell
+
+
+def ok(shell, capsys, code: str):
+    result, out, err = run_cell(shell, capsys, code)
+    if result.error_in_exec is not None:
+        raise AssertionError(f"cell failed: {result.error_in_exec!r}\n{out}\n{err}")
+    return out, err
+
+
+def assert_identical_on_every_rank(states: list[dict]) -> None:
+    assert len(states) == NP
+    for r, state in enumerate(states[1:], start=1):
+        for k in states[0]:
+            assert state[k].equal(states[0][k]), f"{k} differs between rank 0 and rank {r}"
+
+
+# A LightningModule as Lightning's docs write one, and a Trainer for DDP on the CPU with one
+# process per device: the ranks of this host (``devices`` as with torchrun --nproc-per-node).
+LIGHTNING = f"""%%everyrank
+import torch
+import lightning as L
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class Regression(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.layer(x), y)
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+torch.manual_seed(0)
+data = TensorDataset(torch.randn(128, 8), torch.randn(128, 1))
+model = Regression()
+trainer = L.Trainer(accelerator="cpu", devices={NP}, strategy="ddp", max_epochs=2, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False,
+                    enable_model_summary=False)
+trainer.fit(model, DataLoader(data, batch_size=8))
+first = (trainer.world_size, trainer.global_step)
+"""
+
+
+def test_lightning_ddp_fits_in_one_cell_and_fits_on_in_the_next(shell, capsys, cluster):
+    pytest.importorskip("lightning")
+    ok(shell, capsys, LIGHTNING)
+    steps = 128 // NP // 8 * 2  # the data split over the ranks, two epochs
+    assert cluster.pull("first") == [(NP, steps)] * NP
+    ok(shell, capsys, "%%everyrank\ntrainer.fit_loop.max_epochs = 4\n"
+                      "trainer.fit(model, DataLoader(data, batch_size=8))\n"
+                      "state = {k: v.detach().clone() for k, v in model.state_dict().items()}\n"
+                      "steps = trainer.global_step")
+    assert cluster.pull("steps") == [2 * steps] * NP, "the second fit went on from the first"
+    assert_identical_on_every_rank(cluster.pull("state"))
+
+
+FSDP2 = f"""%%everyrank
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+mesh = init_device_mesh("cpu", ({NP},))
+total = torch.tensor([float(dist.get_rank())])
+dist.all_reduce(total, group=mesh.get_group())
+
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+for layer in net:
+    if isinstance(layer, torch.nn.Linear):
+        fully_shard(layer, mesh=mesh)
+fully_shard(net, mesh=mesh)
+opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+
+def train(steps):
+    torch.manual_seed(1 + dist.get_rank())
+    for _ in range(steps):
+        opt.zero_grad()
+        net(torch.randn(8, 16)).pow(2).mean().backward()
+        opt.step()
+
+
+train(5)
+"""
+
+
+def test_fsdp2_fully_shard_on_a_device_mesh_trains_across_cells(shell, capsys, cluster):
+    ok(shell, capsys, FSDP2)
+    assert cluster.pull("total") == [torch.tensor([float(sum(range(NP)))])] * NP
+    ok(shell, capsys, "%%everyrank\nlocal = net[0].weight.to_local().shape[0]\n"
+                      "full = {k: v.full_tensor() for k, v in net.state_dict().items()}")
+    assert cluster.pull("local") == [32 // NP] * NP, "each rank holds its shard"
+    before = cluster.pull("full")
+    assert_identical_on_every_rank(before)
+    ok(shell, capsys, "%%everyrank\ntrain(5)\n"
+                      "full = {k: v.full_tensor() for k, v in net.state_dict().items()}")
+    after = cluster.pull("full")
+    assert_identical_on_every_rank(after)
+    assert not after[0]["0.weight"].equal(before[0]["0.weight"]), "the next cell trained on"
+
+
+def test_lightning_s_devices_auto_is_the_ranks_of_this_host(shell, capsys, cluster):
+    pytest.importorskip("lightning")
+    ok(shell, capsys, "%%everyrank\nauto = L.Trainer(accelerator='cpu', devices='auto', "
+                      "strategy='ddp', max_epochs=1, logger=False, enable_checkpointing=False,"
+                      " enable_progress_bar=False, enable_model_summary=False)\n"
+                      "auto.fit(Regression(), DataLoader(data, batch_size=8))\n"
+                      "sizes = (auto.world_size, auto.num_devices)")
+    assert cluster.pull("sizes") == [(NP, NP)] * NP
+
+
+@pytest.mark.parametrize("strategy", ["ddp_notebook", "ddp_spawn"])
+def test_a_lightning_strategy_that_starts_processes_says_what_to_use(shell, capsys, cluster,
+                                                                     strategy):
+    pytest.importorskip("lightning")
+    result, out, err = run_cell(shell, capsys, f"%%everyrank\nL.Trainer(accelerator='cpu', "
+                                                f"devices={NP}, strategy={strategy!r})")
+    error = result.error_in_exec
+    assert error is not None and error.ranks == list(range(NP)), (out, err)
+    assert (f"Trainer(strategy={strategy!r}) starts processes of its own" in str(error)
+            or f"Trainer(strategy={strategy!r}) starts processes of its own" in out + err), (
+        str(error), err)
+    assert "Use strategy='ddp'" in " ".join((out + err).split()), err
