@@ -139,3 +139,109 @@ def test_a_lightning_strategy_that_starts_processes_says_what_to_use(shell, caps
             or f"Trainer(strategy={strategy!r}) starts processes of its own" in out + err), (
         str(error), err)
     assert "Use strategy='ddp'" in " ".join((out + err).split()), err
+
+
+# The Hugging Face Trainer on a tiny GPT-2 built from its config (nothing downloaded: the hub
+# is offline for the test), and Accelerate's own loop.
+HF_TRAINER = """%%everyrank
+import os, tempfile
+os.environ.update(HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1")
+import torch
+from torch.utils.data import Dataset
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+
+class Tokens(Dataset):
+    def __init__(self):
+        self.ids = torch.randint(0, 64, (64, 16), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+torch.manual_seed(0)
+gpt = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))
+hf_out = tempfile.TemporaryDirectory()
+args = TrainingArguments(output_dir=hf_out.name, per_device_train_batch_size=4, max_steps=8,
+                         use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True)
+hf = Trainer(model=gpt, args=args, train_dataset=Tokens())
+hf.train()
+hf_first = (hf.args.world_size, hf.state.global_step)
+hf_state = {k: v.detach().clone() for k, v in gpt.state_dict().items()}
+"""
+
+
+def test_the_hugging_face_trainer_trains_and_trains_on_in_the_next_cell(shell, capsys,
+                                                                         cluster):
+    pytest.importorskip("transformers")
+    ok(shell, capsys, HF_TRAINER)
+    assert cluster.pull("hf_first") == [(NP, 8)] * NP
+    first = cluster.pull("hf_state")
+    assert_identical_on_every_rank(first)
+    ok(shell, capsys, "%%everyrank\nhf.train()\n"
+                      "hf_state = {k: v.detach().clone() for k, v in gpt.state_dict().items()}\n"
+                      "hf_out.cleanup()")
+    second = cluster.pull("hf_state")
+    assert_identical_on_every_rank(second)
+    key = "transformer.h.0.attn.c_attn.weight"
+    assert not second[0][key].equal(first[0][key]), "the next cell trained the same model on"
+
+
+ACCELERATE = """%%everyrank
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader, TensorDataset
+
+accelerator = Accelerator(cpu=True)
+torch.manual_seed(0)
+acc_model = torch.nn.Linear(8, 1)
+acc_opt = torch.optim.SGD(acc_model.parameters(), lr=0.05)
+acc_data = DataLoader(TensorDataset(torch.randn(64, 8), torch.randn(64, 1)), batch_size=8)
+acc_model, acc_opt, acc_data = accelerator.prepare(acc_model, acc_opt, acc_data)
+for x, y in acc_data:
+    acc_opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(acc_model(x), y)
+    accelerator.backward(loss)
+    acc_opt.step()
+seen = accelerator.gather_for_metrics(torch.tensor([float(accelerator.process_index)]))
+acc_result = (accelerator.num_processes, seen.tolist(),
+              {k: v.detach().clone() for k, v in accelerator.unwrap_model(acc_model)
+               .state_dict().items()})
+"""
+
+
+def test_accelerate_prepares_and_trains_on_the_ranks(shell, capsys, cluster):
+    pytest.importorskip("accelerate")
+    ok(shell, capsys, ACCELERATE)
+    results = cluster.pull("acc_result")
+    assert [r[:2] for r in results] == [(NP, [float(r) for r in range(NP)])] * NP
+    assert_identical_on_every_rank([r[2] for r in results])
+
+
+def test_what_lightning_and_the_hf_trainer_log_is_drawn_live(shell, capsys, cluster):
+    pytest.importorskip("lightning")
+    pytest.importorskip("transformers")
+    history = cluster.metrics
+    before = len(history)
+    ok(shell, capsys, "%%everyrank\nfrom ipydist.integrations.lightning import LiveLogger\n"
+                      "live = L.Trainer(accelerator='cpu', devices='auto', strategy='ddp', "
+                      "max_epochs=2, logger=LiveLogger(total=8), log_every_n_steps=1, "
+                      "enable_checkpointing=False, enable_progress_bar=False, "
+                      "enable_model_summary=False)\n"
+                      "live.fit(Regression(), DataLoader(data, batch_size=8))")
+    steps, losses = history.series("loss", before)[:2]
+    per_epoch = 128 // NP // 8
+    assert list(steps) == list(range(per_epoch * 2)), "a point per step, at Lightning's steps"
+    assert history.series("epoch", before)[1][-1] == 1.0 and history.total == 8
+    before = len(history)
+    ok(shell, capsys, "%%everyrank\nfrom ipydist.integrations.hf import LiveMetrics\n"
+                      "args.logging_steps = 2\nhf_out = tempfile.TemporaryDirectory()\n"
+                      "args.output_dir = hf_out.name\n"
+                      "Trainer(model=gpt, args=args, train_dataset=Tokens(), "
+                      "callbacks=[LiveMetrics()]).train()\nhf_out.cleanup()")
+    steps = history.series("loss", before)[0]
+    assert list(steps) == [2, 4, 6, 8] and history.total == 8
+    assert "train_runtime" not in history.columns, "the end's summary is not a curve"

@@ -58,7 +58,8 @@ GRAPH = {name: ipydist_imports(name) for name in MODULES}
 
 
 def side(name: str) -> str:
-    if name.startswith("ipydist.rank") or name.startswith("ipydist.torch"):
+    # integrations: hooks for other frameworks' training loops, which run on the ranks
+    if name.startswith(("ipydist.rank", "ipydist.torch", "ipydist.integrations")):
         return "rank"
     if name in ("ipydist.protocol", "ipydist.specs", "ipydist.errors", "ipydist._version",
                 "ipydist.network"):
