@@ -1,7 +1,9 @@
 """Training code written for the frameworks people use today runs in ``%%everyrank`` cells as
 it is, on the ranks ``%dist_start`` made, and keeps its state between cells: Lightning's
-``Trainer(strategy="ddp")``, and FSDP2's ``fully_shard`` on a DeviceMesh (issue 31, first
-steps; the Hugging Face Trainer and Accelerate follow)."""
+``Trainer(strategy="ddp")``, and FSDP2's ``fully_shard`` on a DeviceMesh, a 2-D mesh with tensor
+parallel and ``torch.distributed.checkpoint``, the Hugging Face Trainer and Accelerate, and the
+integrations that draw what those trainers log. The cells build on each other in file order,
+as a notebook's do."""
 
 from __future__ import annotations
 
@@ -245,3 +247,53 @@ def test_what_lightning_and_the_hf_trainer_log_is_drawn_live(shell, capsys, clus
     steps = history.series("loss", before)[0]
     assert list(steps) == [2, 4, 6, 8] and history.total == 8
     assert "train_runtime" not in history.columns, "the end's summary is not a curve"
+
+
+# Data x tensor parallel on a 2-D mesh: each Linear split over "tp" (column-wise, then
+# row-wise), the whole sharded over "dp" with FSDP2; saved with torch.distributed.checkpoint in
+# one cell, loaded back in the next.
+TWO_D = f"""%%everyrank
+import shutil, tempfile
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                               parallelize_module)
+
+mesh2 = init_device_mesh("cpu", (2, {NP} // 2), mesh_dim_names=("dp", "tp"))
+torch.manual_seed(0)
+mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+parallelize_module(mlp, mesh2["tp"], {{"0": ColwiseParallel(), "2": RowwiseParallel()}})
+fully_shard(mlp, mesh=mesh2["dp"])
+mlp_opt = torch.optim.SGD(mlp.parameters(), lr=0.1)
+torch.manual_seed(1 + mesh2["dp"].get_local_rank())
+for _ in range(3):
+    mlp_opt.zero_grad()
+    mlp(torch.randn(4, 16)).pow(2).mean().backward()
+    mlp_opt.step()
+trained = {{k: v.full_tensor() for k, v in mlp.state_dict().items()}}
+where = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+dist.broadcast_object_list(where, 0)
+dcp.save({{"model": mlp.state_dict()}}, checkpoint_id=where[0])
+"""
+
+
+@pytest.mark.skipif(NP % 2, reason="a 2 x N/2 mesh")
+def test_a_2d_mesh_of_fsdp2_and_tensor_parallel_saves_and_loads_across_cells(shell, capsys,
+                                                                             cluster):
+    ok(shell, capsys, TWO_D)
+    trained = cluster.pull("trained")
+    assert_identical_on_every_rank(trained)
+    assert trained[0]["0.weight"].shape == (32, 16)
+    ok(shell, capsys, """%%everyrank
+with torch.no_grad():
+    for p in mlp.parameters():
+        p.zero_()
+loaded = {"model": mlp.state_dict()}
+dcp.load(loaded, checkpoint_id=where[0])
+mlp.load_state_dict(loaded["model"])
+back = {k: v.full_tensor() for k, v in mlp.state_dict().items()}
+dist.barrier()
+if dist.get_rank() == 0:
+    shutil.rmtree(where[0])""")
+    back = cluster.pull("back")
+    assert all(back[0][k].equal(trained[0][k]) for k in trained[0]), "loaded what was saved"
+    assert_identical_on_every_rank(back)
