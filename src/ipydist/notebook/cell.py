@@ -291,7 +291,7 @@ class CellRun:
         :mod:`ipydist.notebook.output.rich`: each bundle once, tagged unless it is the first
         rank's)."""
         for tag, stream, item in released:
-            if isinstance(item, Redraw) and self.bars.show(tag, stream, item, item.last):
+            if isinstance(item, Redraw) and self.bars.show(tag, stream, item):
                 continue
             if isinstance(item, str):
                 print(f"[{tag}] {item}", end="",

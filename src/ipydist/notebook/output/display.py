@@ -11,6 +11,8 @@ import html
 import sys
 from collections.abc import Sequence
 
+from ipydist.notebook.output.lines import Redraw
+
 
 class Table:
     """A small table with a plain-text and an HTML rendering."""
@@ -145,11 +147,12 @@ class Bars:
         self._handles: dict[tuple[str, str], object] = {}  # (tag, stream) -> display handle
         self._pending: dict[tuple[str, str], str] = {}
 
-    def show(self, tag: str, stream: str, state: str, last: bool) -> bool:
-        """Show one state of the bar of ``tag`` on ``stream``; False where there is no
-        notebook."""
+    def show(self, tag: str, stream: str, state: Redraw) -> bool:
+        """Show one state of the bar of ``tag`` on ``stream`` (its last, when ``state.last``);
+        False where there is no notebook."""
         if not self._kernel:
             return False
+        last = state.last
         key, text = (tag, stream), f"[{tag}] {state.rstrip()}"
         handle = self._handles.pop(key, None)
         if handle is None:  # a new bar: here, in order with the rank's other output
