@@ -30,6 +30,7 @@ from IPython.core.error import UsageError
 
 from ipydist.errors import CellTimeout, RankDied, RankError
 from ipydist.protocol import RELEASE_SIGNAL
+from ipydist.rank.released_errors import BRIEF_HEADER
 from ipydist.specs import parse_ranks
 
 GRACE = 1.0  # the tests' failure grace (the default is 10 s)
@@ -378,6 +379,33 @@ hvd.allreduce_(torch.ones(4))
     elapsed = time.monotonic() - t0
     assert isinstance(result.error_in_exec, RankError), err
     assert elapsed < 6, f"the cell took {elapsed:.1f} s: released after the grace?"
+    assert_collectives_work(shell, capsys)
+
+
+def test_released_ranks_show_their_errors_in_brief_and_the_failing_rank_in_full(shell, capsys,
+                                                                             fast_cluster):
+    """A released rank's error is a consequence the notebook does not show: it is formatted by
+    the standard library (milliseconds), not by IPython (which parses torch's sources first,
+    seconds on a loaded machine, while the cell waits). An error that is not a consequence
+    keeps IPython's full display (``Cell In[N]``, the cell's lines around the error)."""
+    result, _, err = run_cell(shell, capsys, f"""%%everyrank
+if hvd.rank() == {NP - 1}:
+    raise ValueError("bad batch on the last rank")
+hvd.allreduce_(torch.ones(4))
+""")
+    error = result.error_in_exec
+    assert isinstance(error, RankError), err
+    assert error.released == list(range(NP - 1)), error.released
+    for rank in error.released:
+        shown = error.failures[rank].traceback
+        assert shown.startswith(BRIEF_HEADER), shown
+        assert "hvd.allreduce_(torch.ones(4))" in shown and "RuntimeError" in shown, shown
+    failing = plain(error.failures[NP - 1].traceback)
+    assert BRIEF_HEADER not in failing and "Cell In[" in failing, failing
+    # no release, no consequence: every rank's error in full
+    result, _, _ = run_cell(shell, capsys, "%%everyrank\nhvd.allreduce_(torch.ones(2))\n1 / 0")
+    for failure in result.error_in_exec.failures.values():
+        assert "Cell In[" in plain(failure.traceback), failure.traceback
     assert_collectives_work(shell, capsys)
 
 

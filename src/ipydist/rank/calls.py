@@ -16,7 +16,7 @@ import torch.distributed as dist
 from IPython import get_ipython
 
 from ipydist import protocol
-from ipydist.rank import cell_numbers, consensus, frameworks, watcher
+from ipydist.rank import cell_numbers, consensus, frameworks, released_errors, watcher
 from ipydist.torch._core import events, process_group, resync, shims, topology, waiting
 from ipydist.torch._wire import handles
 from ipydist.torch.horovod import process_sets
@@ -28,6 +28,8 @@ def attach() -> dict:
     say what this rank is, for the table the notebook shows."""
     watcher.attach(get_ipython())
     cell_numbers.attach(get_ipython())
+    released_errors.attach(get_ipython())
+    released_errors.warm_up()
     _not_a_prompt()
     frameworks.install(topology.get().local_size)
     return info()

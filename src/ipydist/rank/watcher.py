@@ -203,6 +203,11 @@ def _showing_an_error(frame) -> bool:
     return False
 
 
+def released_in_this_cell() -> bool:
+    """Whether a release reached this rank in the cell now running (or that just ended)."""
+    return _released_this_cell > 0
+
+
 def take_report() -> dict | None:
     """What the last release found (None if there was none), once: the next cell starts over."""
     global _last, _released_this_cell
