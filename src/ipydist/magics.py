@@ -75,6 +75,11 @@ class DistMagics(Magics):
         help="auto: one GPU per rank, by local rank, when the host has GPUs; none: CPU only; "
         "a list such as 0,1: only these GPUs",
     )
+    @argument(
+        "--gpus-per-rank", default=1, metavar="N",
+        help="GPUs each rank sees (default: 1): the host's GPUs are dealt out N to a rank, "
+        "each rank numbering its own from cuda:0, for a model split across them",
+    )
     @argument("--backend", default="auto", metavar="NAME",
               help="the torch.distributed backend (DDP's): auto (NCCL when ranks have GPUs, "
               "else gloo), nccl, gloo, or mpi (ipydist's, over mpi4py: CPU tensors, 2-20x "
@@ -146,7 +151,8 @@ class DistMagics(Magics):
         try:
             session = Session(
                 np=args.np if args.np is not None else self.kernel_np, gpus=args.gpus,
-                backend=args.backend, transport=args.transport, mpi=args.mpi,
+                gpus_per_rank=args.gpus_per_rank, backend=args.backend,
+                transport=args.transport, mpi=args.mpi,
                 mpi_args=args.mpi_args,
                 timeout=args.timeout, env=args.env, init=not args.no_init,
                 stall_warning=args.stall_warning, hosts=args.hosts, hostfile=args.hostfile,

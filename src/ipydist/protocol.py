@@ -27,6 +27,8 @@ from dataclasses import dataclass
 # --- notebook -> rank: the environment every rank starts with ---------------------------------
 
 GPUS_ENV = "IPYDIST_GPUS"
+#: How many GPUs each rank sees (``--gpus-per-rank``; 1 when unset).
+GPUS_PER_RANK_ENV = "IPYDIST_GPUS_PER_RANK"
 BACKEND_ENV = "IPYDIST_BACKEND"
 #: What ``--backend mpi`` gives: ipydist's torch.distributed backend over mpi4py, by this name.
 MPI_BACKEND = "mpi4py"
@@ -53,6 +55,9 @@ class RankConfig:
 
     #: ``auto``, ``none`` or a comma-separated list of GPU indices (as ``--gpus`` takes it).
     gpus: str = "auto"
+    #: How many of them each rank sees (``--gpus-per-rank``): the host's GPUs are dealt out
+    #: in local-rank order, N to a rank, through each rank's ``CUDA_VISIBLE_DEVICES``.
+    gpus_per_rank: int = 1
     #: ``auto``, ``nccl``, ``gloo`` or ``mpi`` (as ``--backend`` takes it).
     backend: str = "auto"
     #: ``auto``, ``mpi`` or ``gloo``: the wire of ipydist's collectives on CPU tensors.
@@ -67,6 +72,8 @@ class RankConfig:
 
     def to_env(self) -> dict[str, str]:
         env = {GPUS_ENV: self.gpus, BACKEND_ENV: self.backend, INIT_ENV: "1" if self.init else "0"}
+        if self.gpus_per_rank != 1:
+            env[GPUS_PER_RANK_ENV] = str(self.gpus_per_rank)
         if self.transport != "auto":
             env[TRANSPORT_ENV] = self.transport
         if self.pg_timeout != DEFAULT_PG_TIMEOUT:
@@ -82,6 +89,7 @@ class RankConfig:
         env = os.environ if env is None else env
         return cls(
             gpus=env.get(GPUS_ENV, "auto"),
+            gpus_per_rank=int(env.get(GPUS_PER_RANK_ENV) or 1),
             backend=env.get(BACKEND_ENV, "auto"),
             transport=env.get(TRANSPORT_ENV, "auto"),
             init=env.get(INIT_ENV, "1") == "1",

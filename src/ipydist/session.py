@@ -25,7 +25,7 @@ from ipydist.errors import ClusterError, RankDied, RankError
 from ipydist.notebook import recovery, timeline, words
 from ipydist.notebook.cell import CellRun, RunResult
 from ipydist.notebook.cluster import Cluster
-from ipydist.notebook.launch import mpiexec, slurm
+from ipydist.notebook.launch import local_gpus, mpiexec, slurm
 from ipydist.notebook.launch.hosts import choose as choose_hosts
 from ipydist.notebook.live.history import MetricHistory
 from ipydist.notebook.output import display
@@ -38,6 +38,7 @@ from ipydist.specs import (
     parse_backend,
     parse_env,
     parse_gpus,
+    parse_gpus_per_rank,
     parse_launcher,
     parse_np,
     parse_ranks,
@@ -65,6 +66,7 @@ class Session:
         self,
         np: int | None = None,
         gpus: str | list[int] = "auto",
+        gpus_per_rank: int = 1,
         backend: str = "auto",
         transport: str = "auto",
         mpi: str | None = None,
@@ -84,7 +86,8 @@ class Session:
     ):
         #: ``--np`` as given (None: one per slot of the named hosts, else per GPU or core).
         self.np_given = None if np is None else parse_np(np)
-        self.np = self.np_given or mpiexec.default_np()
+        self.gpus_per_rank = parse_gpus_per_rank(gpus_per_rank)
+        self.np = self.np_given or local_gpus.default_np(self.gpus_per_rank)
         self.hosts = hosts
         self.hostfile = hostfile
         #: ``mpiexec`` (also over ssh) or ``slurm`` (srun, with salloc outside an allocation).
@@ -146,7 +149,8 @@ class Session:
                         "slots (nodeA:4), or pass --mpi-args=--oversubscribe to share them.")
         route = named.route if named is not None else None
         config = protocol.RankConfig(
-            gpus=format_gpus(self.gpus), backend=self.backend, transport=self.transport,
+            gpus=format_gpus(self.gpus), gpus_per_rank=self.gpus_per_rank,
+            backend=self.backend, transport=self.transport,
             init=self.init,
             notebook_addr=route.address if route else "")
         rank_env = {**config.to_env(), **self.env}
@@ -156,7 +160,7 @@ class Session:
             plan = mpiexec.plan(
                 mpiexec.find_mpiexec(self.mpi), self.np, self.mpi_args, rank_env, hosts=named)
         if not plan.multi_host:
-            mpiexec.check_gpus_here(self.gpus, self.backend)
+            local_gpus.check_gpus_here(self.gpus, self.backend, self.np, self.gpus_per_rank)
         for note in plan.notes:  # information, not a warning: no red stderr block
             print(note)
         progress = display.Progress()

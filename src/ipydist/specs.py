@@ -130,6 +130,18 @@ def parse_gpus(spec: str | list[int] | None) -> str | list[int]:
     return indices
 
 
+def parse_gpus_per_rank(value) -> int:
+    """``--gpus-per-rank``: how many GPUs each rank sees, a whole number of at least 1."""
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = None
+    if n is None or isinstance(value, bool) or n < 1 or str(value).strip() not in (str(n), f"+{n}"):
+        raise SpecError(f"--gpus-per-rank {value}: expected a whole number of GPUs of at least "
+                        "1 (1, the default: one GPU per rank).")
+    return n
+
+
 def format_gpus(gpus: str | list[int]) -> str:
     """The inverse of :func:`parse_gpus`, for the rank environment."""
     return gpus if isinstance(gpus, str) else ",".join(map(str, gpus))

@@ -8,7 +8,7 @@ import stat
 import pytest
 
 from ipydist.errors import LaunchError
-from ipydist.notebook.launch import mpiexec
+from ipydist.notebook.launch import local_gpus, mpiexec
 from ipydist.rank import device
 from ipydist.specs import SpecError, parse_gpus
 
@@ -162,14 +162,14 @@ def test_describe_death_names_the_rank_and_signal_mpiexec_reported():
 ])
 def test_gpus_are_checked_in_the_notebook_before_a_one_host_launch(
         monkeypatch, gpus, backend, found, fragment):
-    monkeypatch.setattr(mpiexec.shutil, "which", lambda name: "/bin/nvidia-smi")
-    monkeypatch.setattr(mpiexec, "list_gpus", lambda: [f"GPU {i}: A" for i in range(found)])
-    monkeypatch.setattr(mpiexec.os.path, "exists", lambda path: False)  # not a ROCm host
+    monkeypatch.setattr(local_gpus.shutil, "which", lambda name: "/bin/nvidia-smi")
+    monkeypatch.setattr(local_gpus, "list_gpus", lambda: [f"GPU {i}: A" for i in range(found)])
+    monkeypatch.setattr(local_gpus.os.path, "exists", lambda path: False)  # not a ROCm host
     if fragment is None:
-        mpiexec.check_gpus_here(gpus, backend)
+        local_gpus.check_gpus_here(gpus, backend)
         return
     with pytest.raises(LaunchError, match=re.escape(fragment)):
-        mpiexec.check_gpus_here(gpus, backend)
+        local_gpus.check_gpus_here(gpus, backend)
 
 
 def test_gpus_none_hides_the_gpus_and_ranks_number_them_by_pci_bus():
@@ -180,3 +180,18 @@ def test_gpus_none_hides_the_gpus_and_ranks_number_them_by_pci_bus():
         s.run("import os; seen = (os.environ.get('CUDA_VISIBLE_DEVICES'), "
               "os.environ.get('CUDA_DEVICE_ORDER'))")
         assert s.pull("seen") == [("", "PCI_BUS_ID")] * 2
+
+
+def test_gpus_per_rank_deals_each_rank_its_own_gpus(monkeypatch):
+    """``--gpus-per-rank 2`` (issue 31, item 5) on this GPU-less host: the notebook's
+    ``CUDA_VISIBLE_DEVICES`` stands for a host's four GPUs, and each rank sees its own two
+    (what torch then finds there is the GPU test's part: tests/cluster/test_gpu.py)."""
+    import ipydist
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    with ipydist.Session(np=2, gpus_per_rank=2) as s:
+        s.run("import os, ipydist.torch as hvd; "
+              "seen = (os.environ['CUDA_VISIBLE_DEVICES'], hvd.local_rank())")
+        assert s.pull("seen") == [("0,1", 0), ("2,3", 1)]
+    with pytest.raises(LaunchError, match=re.escape("needs 6 GPUs, but this host has 4")):
+        ipydist.Session(np=3, gpus_per_rank=2).start()

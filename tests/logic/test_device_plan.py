@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from ipydist.errors import LaunchError
-from ipydist.notebook.launch import mpiexec
+from ipydist.notebook.launch import local_gpus
+from ipydist.protocol import RankConfig
 from ipydist.rank import device
+from ipydist.specs import SpecError, parse_gpus_per_rank
 
 
 @pytest.mark.parametrize(("gpus", "inherited", "visible"), [
@@ -63,12 +67,69 @@ def test_plan_device(gpus, local_rank, local_size, count, index):
 
 
 def test_the_notebook_counts_gpus_within_its_allocation(monkeypatch):
-    monkeypatch.setattr(mpiexec.os.path, "exists", lambda path: False)  # no ROCm
+    monkeypatch.setattr(local_gpus.os.path, "exists", lambda path: False)  # no ROCm
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
-    mpiexec.check_gpus_here([0, 1], "auto")
+    local_gpus.check_gpus_here([0, 1], "auto")
     with pytest.raises(LaunchError, match=r"names GPU 2, but this host has 2 GPU\(s\) in "
                                           r"CUDA_VISIBLE_DEVICES \(4,5\)"):
-        mpiexec.check_gpus_here([2], "auto")
+        local_gpus.check_gpus_here([2], "auto")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     with pytest.raises(LaunchError, match="--backend nccl needs GPUs"):
-        mpiexec.check_gpus_here("auto", "nccl")
+        local_gpus.check_gpus_here("auto", "nccl")
+
+
+# --- --gpus-per-rank (issue 31, item 5) --------------------------------------------------
+
+@pytest.mark.parametrize(("gpus", "inherited", "local_rank", "own", "count", "visible"), [
+    ("auto", None, 0, False, 4, "0,1"),  # the host's GPUs dealt out in local-rank order
+    ("auto", None, 1, False, 4, "2,3"),
+    ("auto", "4,5,6,7", 1, False, 0, "6,7"),  # within what the ranks inherited
+    ([1, 2, 3, 0], "4,5,6,7", 1, False, 0, "7,4"),  # within the --gpus list, in its order
+    ("auto", "GPU-a,GPU-b", 1, True, 8, "GPU-a,GPU-b"),  # given its own (Slurm): kept
+])
+def test_gpus_per_rank_deals_out_the_hosts_gpus(gpus, inherited, local_rank, own, count,
+                                                visible):
+    assert device.visible_for_rank(gpus, inherited, 2, local_rank, 2, own, count) == visible
+
+
+def test_one_gpu_per_rank_is_the_plan_without_the_option():
+    assert device.visible_for_rank("auto", "2,3", 1, 1, 2, False, 4) is None
+    assert device.visible_for_rank([1], None, 1, 0, 2, False, 4) == "1"
+
+
+@pytest.mark.parametrize(("gpus", "inherited", "own", "count", "fragment"), [
+    ("auto", None, False, 3, "needs 4 GPU(s), but the 2 ranks on this host were given 3."),
+    ("auto", "0,1,2", False, 8, "were given 3 (0,1,2). Use fewer ranks per host"),
+    ("auto", "5", True, 8, "needs 2 GPU(s), but this rank was given 1 (5)"),
+    ("none", None, False, 8, "--gpus-per-rank 2 needs GPUs, but --gpus none was given."),
+])
+def test_gpus_per_rank_asking_for_too_many_says_what_to_change(gpus, inherited, own, count,
+                                                                fragment):
+    with pytest.raises(LaunchError, match=re.escape(fragment)):
+        device.visible_for_rank(gpus, inherited, 2, 0, 2, own, count)
+
+
+def test_the_notebook_checks_gpus_per_rank_before_a_one_host_launch(monkeypatch):
+    monkeypatch.setattr(local_gpus.os.path, "exists", lambda path: False)  # no ROCm
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    local_gpus.check_gpus_here("auto", "auto", 2, 2)
+    with pytest.raises(LaunchError, match=re.escape(
+            "--np 3 with --gpus-per-rank 2 needs 6 GPUs, but this host has 4 GPU(s) in "
+            "CUDA_VISIBLE_DEVICES (0,1,2,3). Use a smaller --np or --gpus-per-rank.")):
+        local_gpus.check_gpus_here("auto", "auto", 3, 2)
+    with pytest.raises(LaunchError, match=re.escape("(2 of --gpus 0,1)")):
+        local_gpus.check_gpus_here([0, 1], "auto", 2, 2)
+    monkeypatch.setattr(local_gpus, "list_gpus", lambda: [f"GPU {i}: A" for i in range(8)])
+    assert local_gpus.default_np(2) == 4
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two", "1.5", True])
+def test_gpus_per_rank_must_be_a_whole_number(value):
+    with pytest.raises(SpecError, match=r"--gpus-per-rank .*: expected a whole number of GPUs"):
+        parse_gpus_per_rank(value)
+
+
+def test_gpus_per_rank_reaches_the_ranks():
+    config = RankConfig(gpus="0,1,2,3", gpus_per_rank=2)
+    assert RankConfig.from_env(config.to_env()) == config
+    assert RankConfig.from_env(RankConfig().to_env()).gpus_per_rank == 1

@@ -20,7 +20,7 @@ from ipydist.cli import kernelspec
 from ipydist.cli.checks import FAIL, NOTE, OK, Check
 from ipydist.cli.hostcheck import check_hosts
 from ipydist.errors import LaunchError
-from ipydist.notebook.launch import mpiexec
+from ipydist.notebook.launch import local_gpus, mpiexec
 from ipydist.session import Session
 
 MIN_PYTHON = (3, 10)
@@ -55,7 +55,7 @@ def check_torch() -> Check:
 
 def check_gpus() -> Check:
 
-    gpus = mpiexec.list_gpus()
+    gpus = local_gpus.list_gpus()
     if not gpus:
         return Check(NOTE, "GPUs", "none found by nvidia-smi: one rank per CPU core, gloo")
     try:

@@ -33,14 +33,18 @@ def bootstrap(env: dict[str, str] | None = None):
     except SpecError as e:
         gpus, problem = "none", str(e)
     inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
-    own_gpus = _own_gpus(comm, MPI, inherited)
+    own_gpus, local_rank, local_size = _this_host(comm, MPI, inherited)
     os.environ.setdefault("CUDA_DEVICE_ORDER", device.DEVICE_ORDER)
     try:  # before torch touches CUDA
-        visible = device.visible_devices(gpus, inherited)
+        visible = device.visible_for_rank(
+            gpus, inherited, config.gpus_per_rank, local_rank, local_size, own_gpus,
+            device.host_gpu_count() if config.gpus_per_rank > 1 else 0)
     except LaunchError as e:
         visible, problem = "", problem or str(e)
     if visible is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible
+    if config.gpus_per_rank > 1:  # the rank's own GPUs, from its first: planned as given
+        gpus, own_gpus = "auto", True
 
     import torch  # after the watcher and CUDA_VISIBLE_DEVICES
 
@@ -92,12 +96,13 @@ def bootstrap(env: dict[str, str] | None = None):
     return rt
 
 
-def _own_gpus(comm, mpi, inherited: str | None) -> bool:
-    """Whether each rank on this host was given GPUs of its own (collective: the host's
-    ranks compare what ``CUDA_VISIBLE_DEVICES`` they inherited)."""
+def _this_host(comm, mpi, inherited: str | None) -> tuple[bool, int, int]:
+    """(whether each rank on this host was given GPUs of its own, this rank's index among the
+    host's ranks, their number), before torch is imported (collective: the host's ranks
+    compare what ``CUDA_VISIBLE_DEVICES`` they inherited)."""
     local = comm.Split_type(mpi.COMM_TYPE_SHARED, key=comm.Get_rank())
     try:
-        return device.own_gpus(local.allgather(inherited))
+        return device.own_gpus(local.allgather(inherited)), local.Get_rank(), local.Get_size()
     finally:
         local.Free()
 

@@ -3,6 +3,9 @@ host's GPUs and knows how many ranks share the host. Pure logic, tested without 
 
 from __future__ import annotations
 
+import os
+import re
+
 from ipydist.errors import LaunchError
 from ipydist.protocol import MPI_BACKEND
 from ipydist.specs import format_gpus
@@ -41,6 +44,49 @@ def visible_devices(gpus: str | list[int], inherited: str | None) -> str | None:
             f"rank was given {have}: --gpus counts within CUDA_VISIBLE_DEVICES. Use --gpus auto "
             "to use what was given.")
     return ",".join(given[i] for i in gpus)
+
+
+def visible_for_rank(gpus: str | list[int], inherited: str | None, per_rank: int,
+                     local_rank: int, local_size: int, own_gpus: bool, host_count: int
+                     ) -> str | None:
+    """``CUDA_VISIBLE_DEVICES`` for a rank that sees ``per_rank`` GPUs (``--gpus-per-rank``),
+    or what :func:`visible_devices` says when it is 1.
+
+    The GPUs the ranks of this host may use (the ``--gpus`` list within what they inherited,
+    else all ``host_count`` of the host's) are dealt out in local-rank order: with 2 per rank,
+    local rank 0 sees the first two, local rank 1 the next two. Each rank then counts its
+    own GPUs from 0 (``cuda:0`` is its first), for a model split across them, while
+    ``hvd.local_rank()`` still numbers the ranks of the host. A rank that was given GPUs of
+    its own (``own_gpus``: Slurm's ``--gpus-per-task``) keeps its own.
+    """
+    if per_rank == 1:
+        return visible_devices(gpus, inherited)
+    if gpus == "none":
+        raise LaunchError(f"--gpus-per-rank {per_rank} needs GPUs, but --gpus none was given.")
+    listed = visible_devices(gpus, inherited)
+    if listed is None:  # --gpus auto: what the rank inherited, else every GPU of the host
+        listed = inherited
+    usable = entries(listed) if listed is not None else [str(i) for i in range(host_count)]
+    if own_gpus:
+        first, needed = 0, per_rank
+    else:
+        first, needed = local_rank * per_rank, local_size * per_rank
+    if len(usable) < needed:
+        ranks = "this rank was" if own_gpus else f"the {local_size} ranks on this host were"
+        raise LaunchError(
+            f"--gpus-per-rank {per_rank} needs {needed} GPU(s), but {ranks} given "
+            f"{len(usable)}{f' ({listed})' if listed else ''}. Use fewer ranks per host "
+            "(--np, or --hosts nodeA:2) or a smaller --gpus-per-rank.")
+    return ",".join(usable[first:first + per_rank])
+
+
+def host_gpu_count() -> int:
+    """The NVIDIA GPUs of this host, counted without touching CUDA (once CUDA starts in a
+    process, ``CUDA_VISIBLE_DEVICES`` no longer changes what it sees): its ``/dev/nvidiaN``."""
+    try:
+        return sum(1 for name in os.listdir("/dev") if re.fullmatch(r"nvidia\d+", name))
+    except OSError:
+        return 0
 
 
 #: ``CUDA_DEVICE_ORDER`` on the ranks (unless set): CUDA's own order is fastest first, while

