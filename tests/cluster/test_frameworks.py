@@ -12,6 +12,22 @@ import torch
 from helpers import NP, run_cell
 
 
+@pytest.fixture(scope="module", autouse=True)
+def ranks_left_as_found(shell):
+    """The cells here leave trainers and DDP models on the shared cluster's ranks, which later
+    modules' recoveries would mention ("wrap your DistributedDataParallel model again"): every
+    name they made that is not a module is deleted afterwards."""
+    yield
+    magics = shell.magics_manager.registry["DistMagics"]
+    if magics.session is not None and magics.session.running:
+        shell.run_cell("%%everyrank\nimport gc as _gc, types as _types\n"
+                       "for _name in [n for n, v in globals().items() if not n.startswith('_') "
+                       "and not isinstance(v, _types.ModuleType) and n not in "
+                       "('In', 'Out', 'get_ipython', 'exit', 'quit')]:\n"
+                       "    del globals()[_name]\n"
+                       "_gc.collect()")
+
+
 def ok(shell, capsys, code: str):
     result, out, err = run_cell(shell, capsys, code)
     if result.error_in_exec is not None:
@@ -70,6 +86,46 @@ def test_lightning_ddp_fits_in_one_cell_and_fits_on_in_the_next(shell, capsys, c
                       "state = {k: v.detach().clone() for k, v in model.state_dict().items()}\n"
                       "steps = trainer.global_step")
     assert cluster.pull("steps") == [2 * steps] * NP, "the second fit went on from the first"
+    assert_identical_on_every_rank(cluster.pull("state"))
+
+
+def test_lightning_checkpoints_once_and_the_next_cell_resumes_from_the_checkpoint(shell, capsys,
+                                                                                 cluster):
+    """Lightning's own checkpointing (``ModelCheckpoint``, rank 0 writes) and rank-zero
+    logging, then ``fit(ckpt_path=...)`` in the next cell going on from the saved step."""
+    pytest.importorskip("lightning")
+    out, err = ok(shell, capsys, """%%everyrank
+import os, shutil, tempfile
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+ckpt_dir = [tempfile.mkdtemp() if torch.distributed.get_rank() == 0 else None]
+torch.distributed.broadcast_object_list(ckpt_dir, 0)
+def checkpointing_trainer(epochs):
+    return L.Trainer(accelerator="cpu", devices="auto", strategy="ddp", max_epochs=epochs,
+                     logger=False, default_root_dir=ckpt_dir[0], enable_progress_bar=False,
+                     enable_model_summary=False,
+                     callbacks=[ModelCheckpoint(dirpath=ckpt_dir[0], save_last=True)])
+torch.manual_seed(0)
+saving = checkpointing_trainer(1)
+saving.fit(Regression(), DataLoader(data, batch_size=8))
+written = sorted(os.listdir(ckpt_dir[0]))
+""")
+    written = cluster.pull("written")
+    assert "last.ckpt" in written[0] and len(written[0]) == 2, written  # last and the best
+    assert "max_epochs=1` reached" in out + err
+    assert " ".join((out + err).split()).count("max_epochs=1` reached") == 1, "rank 0 alone"
+    ok(shell, capsys, """%%everyrank
+resumed_model = Regression()
+resuming = checkpointing_trainer(2)
+resuming.fit(resumed_model, DataLoader(data, batch_size=8),
+             ckpt_path=os.path.join(ckpt_dir[0], "last.ckpt"))
+steps = (saving.global_step, resuming.global_step)
+state = {k: v.detach().clone() for k, v in resumed_model.state_dict().items()}
+torch.distributed.barrier()
+if torch.distributed.get_rank() == 0:
+    shutil.rmtree(ckpt_dir[0])""")
+    per_epoch = 128 // NP // 8
+    assert cluster.pull("steps") == [(per_epoch, 2 * per_epoch)] * NP, "went on from epoch 1"
     assert_identical_on_every_rank(cluster.pull("state"))
 
 
@@ -223,6 +279,30 @@ def test_accelerate_prepares_and_trains_on_the_ranks(shell, capsys, cluster):
     assert_identical_on_every_rank([r[2] for r in results])
 
 
+def test_accelerate_saves_its_state_in_one_cell_and_loads_it_in_the_next(shell, capsys,
+                                                                        cluster):
+    pytest.importorskip("accelerate")
+    ok(shell, capsys, """%%everyrank
+import tempfile
+acc_dir = [tempfile.mkdtemp() if accelerator.is_main_process else None]
+torch.distributed.broadcast_object_list(acc_dir, 0)
+accelerator.save_state(acc_dir[0])
+acc_saved = {k: v.detach().clone() for k, v in acc_model.state_dict().items()}
+with torch.no_grad():
+    for p in acc_model.parameters():
+        p.add_(1.0)""")
+    ok(shell, capsys, """%%everyrank
+import shutil
+accelerator.load_state(acc_dir[0])
+acc_back = {k: v.detach().clone() for k, v in acc_model.state_dict().items()}
+restored = all(acc_back[k].equal(acc_saved[k]) for k in acc_saved)
+accelerator.wait_for_everyone()
+if accelerator.is_main_process:
+    shutil.rmtree(acc_dir[0])""")
+    assert cluster.pull("restored") == [True] * NP
+    assert_identical_on_every_rank(cluster.pull("acc_back"))
+
+
 def test_what_lightning_and_the_hf_trainer_log_is_drawn_live(shell, capsys, cluster):
     pytest.importorskip("lightning")
     pytest.importorskip("transformers")
@@ -297,3 +377,39 @@ if dist.get_rank() == 0:
     back = cluster.pull("back")
     assert all(back[0][k].equal(trained[0][k]) for k in trained[0]), "loaded what was saved"
     assert_identical_on_every_rank(back)
+
+
+# torch.compile on a DDP model: dynamo splits the graph at DDP's buckets so that the
+# allreduces still overlap the backward pass. ``aot_eager`` compiles the graphs without
+# inductor's C++ or Triton code generation (the default "inductor" works where a compiler is).
+COMPILED_DDP = """%%everyrank
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+torch.manual_seed(0)
+ddp_net = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)))
+compiled = torch.compile(ddp_net, backend="aot_eager")
+ddp_opt = torch.optim.SGD(ddp_net.parameters(), lr=0.05)
+
+
+def compiled_steps(n):
+    torch.manual_seed(1 + torch.distributed.get_rank())
+    for _ in range(n):
+        ddp_opt.zero_grad()
+        compiled(torch.randn(4, 8)).pow(2).mean().backward()
+        ddp_opt.step()
+    return {k: v.detach().clone() for k, v in ddp_net.module.state_dict().items()}
+
+
+compiled_state = compiled_steps(3)
+"""
+
+
+def test_torch_compile_on_a_ddp_model_trains_across_cells(shell, capsys, cluster):
+    ok(shell, capsys, COMPILED_DDP)
+    first = cluster.pull("compiled_state")
+    assert_identical_on_every_rank(first)
+    ok(shell, capsys, "%%everyrank\ncompiled_state = compiled_steps(3)")
+    second = cluster.pull("compiled_state")
+    assert_identical_on_every_rank(second)
+    assert not second[0]["0.weight"].equal(first[0]["0.weight"]), "the next cell trained on"

@@ -228,3 +228,50 @@ def test_fewer_ranks_than_gpus_and_gpus_none():
     with ipydist.Session(np=2, gpus="none") as s:  # hidden: a rank cannot take one
         s.run("import torch; seen = torch.cuda.device_count()")
         assert s.pull("seen") == [0, 0]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 or more CUDA GPUs")
+def test_gpus_per_rank_gives_each_rank_its_own_gpus_for_a_model_split_across_them():
+    """``--gpus-per-rank`` (issue 31, item 5): each rank sees its own GPUs from cuda:0, a
+    model split across them (pipeline-style) trains, and data parallel across ranks works."""
+    per_rank = 2
+    np = torch.cuda.device_count() // per_rank
+    with ipydist.Session(np=np, gpus_per_rank=per_rank) as s:
+        s.run("import torch, ipydist.torch as hvd\n"
+              "first = torch.nn.Linear(8, 8).to('cuda:0')\n"
+              "second = torch.nn.Linear(8, 1).to('cuda:1')\n"
+              "params = list(first.parameters()) + list(second.parameters())\n"
+              "hvd.broadcast_parameters({str(i): p for i, p in enumerate(params)}, 0)\n"
+              "out = second(first(torch.randn(4, 8, device='cuda:0')).to('cuda:1'))\n"
+              "out.sum().backward()\n"
+              "grads = [hvd.allreduce(p.grad).cpu() for p in params]\n"
+              "seen = (torch.cuda.device_count(), hvd.local_rank(), str(out.device))")
+        assert s.pull("seen") == [(per_rank, r, "cuda:1") for r in range(np)]
+
+
+def test_lightning_fsdp_trains_on_the_gpus_across_cells():
+    """Lightning's ``strategy="fsdp"`` needs CUDA (Lightning refuses it on the CPU): on the
+    ranks' GPUs it fits, then fits on in the next cell (issue 31)."""
+    pytest.importorskip("lightning")
+    with ipydist.Session(np=torch.cuda.device_count()) as s:
+        s.run("import torch, lightning as L\n"
+              "from torch.utils.data import DataLoader, TensorDataset\n"
+              "class Net(L.LightningModule):\n"
+              "    def __init__(self):\n"
+              "        super().__init__()\n"
+              "        self.layer = torch.nn.Linear(8, 1)\n"
+              "    def training_step(self, batch, i):\n"
+              "        return torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])\n"
+              "    def configure_optimizers(self):\n"
+              "        return torch.optim.SGD(self.parameters(), lr=0.05)\n"
+              "torch.manual_seed(0)\n"
+              "data = DataLoader(TensorDataset(torch.randn(64, 8), torch.randn(64, 1)), 8)\n"
+              "trainer = L.Trainer(accelerator='cuda', devices='auto', strategy='fsdp',\n"
+              "                    max_epochs=1, logger=False, enable_checkpointing=False,\n"
+              "                    enable_progress_bar=False)\n"
+              "trainer.fit(Net(), data)\n"
+              "first = trainer.global_step")
+        s.run("trainer.fit_loop.max_epochs = 2\ntrainer.fit(trainer.lightning_module, data)\n"
+              "steps = (first, trainer.global_step)")
+        steps = s.pull("steps")
+        assert all(b == 2 * a > 0 for a, b in steps), steps
