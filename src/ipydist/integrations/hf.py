@@ -4,7 +4,8 @@ the live metrics widget under the cell, as ``hvd.log`` does for a loop written b
     trainer = Trainer(..., callbacks=[LiveMetrics()])
 
 Every number the Trainer logs (``loss``, ``grad_norm``, ``learning_rate``, ``eval_*``, ...)
-becomes a point at its global step, with ``max_steps`` as the progress bar's total; the
+becomes a point at the index of the step just taken (the Trainer's global step - 1: charts
+count steps from 0), with ``max_steps`` as the progress bar's total; the
 summary it logs once at the end (``train_runtime``, ``train_loss``, ...) is not drawn. The
 Trainer calls a callback on every rank: each rank's call carries its step time, and rank 0's
 points are drawn (as with ``hvd.log``). Runs on the ranks; imports transformers.
@@ -30,4 +31,6 @@ class LiveMetrics(TrainerCallback):
         numbers = _values.numbers({k: v for k, v in (logs or {}).items() if k not in SUMMARY})
         if numbers:
             total = state.max_steps if state.max_steps and state.max_steps > 0 else None
-            log(step=state.global_step, total=total, **numbers)
+            # the Trainer counts the steps taken (1 after the first); a chart's x is the
+            # index of the step, from 0 as hvd.log counts, so the last is total - 1
+            log(step=max(state.global_step - 1, 0), total=total, **numbers)

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import re
 import sys
+import warnings
 
 #: Lightning's packages: each has its own registries.
 LIGHTNING_PACKAGES = ("lightning.pytorch", "pytorch_lightning")
@@ -64,9 +66,16 @@ class _AdjustingLoader(importlib.abc.Loader):
         adjust_lightning(module, self.local_size)
 
 
+#: Lightning's hint, on a host where Slurm's ``srun`` exists, to start the script with it: the
+#: ranks were started by mpiexec (or by srun, when the hint does not appear), as chosen.
+SRUN_HINT = "The `srun` command is available on your system but is not used"
+
+
 def adjust_lightning(package, local_size: int) -> None:
-    """Make ``devices="auto"`` the ranks on this host on the CPU, and refuse the strategies
-    that start processes, in the registries of one Lightning package."""
+    """Make ``devices="auto"`` the ranks on this host on the CPU, refuse the strategies that
+    start processes, in the registries of one Lightning package, and drop a hint that does
+    not apply to ranks."""
+    warnings.filterwarnings("ignore", message=re.escape(SRUN_HINT))
     strategies = sys.modules[f"{package.__name__}.strategies"].StrategyRegistry
     for name, entry in strategies.items():
         if entry.get("init_params", {}).get("start_method") in SPAWNING:
