@@ -14,7 +14,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from helpers import MARK_VAR, cluster_processes, one_line
+from helpers import MARK_VAR, cluster_processes, one_line, stress
 
 from ipydist import cli
 
@@ -401,6 +401,7 @@ def failures(tmp_path_factory):
     return _run_marked(FAILURES, tmp_path_factory)
 
 
+@stress
 def test_failure_notebook_fails_exactly_in_its_tagged_cells(failures):
     nb, _, left = failures
     assert nb.cells[0].cell_type == "markdown"
@@ -412,6 +413,7 @@ def test_failure_notebook_fails_exactly_in_its_tagged_cells(failures):
     assert left == {}, list(left.values())
 
 
+@stress
 def test_a_raising_rank_is_named_and_the_others_are_released(failures):
     nb = failures[0]
     error = _error(_cell(nb, 'raise ValueError("bad batch on rank 3")'))
@@ -424,6 +426,7 @@ def test_a_raising_rank_is_named_and_the_others_are_released(failures):
     assert text == "[all ranks] sum of ranks: 6\n", "the next cell's allreduce is correct"
 
 
+@stress
 def test_an_interrupted_cell_releases_every_rank_and_training_goes_on(failures):
     nb = failures[0]
     error = _error(_cell(nb, "%%everyrank --timeout 3"))
@@ -440,6 +443,7 @@ def test_an_interrupted_cell_releases_every_rank_and_training_goes_on(failures):
     assert int(match.group(1)) >= 10 and float(match.group(2)) >= 0.9
 
 
+@stress
 def test_a_stall_warning_appears_and_the_cell_then_completes(failures):
     cell = _cell(failures[0], "time.sleep(6)")
     kinds = [o.name for o in cell.outputs if o.output_type == "stream"]
@@ -457,6 +461,7 @@ def _rank_pids(cell) -> dict[int, int]:
             re.findall(r"^(\d)\s+\S+\s+(\d+)\s+\S+\s+\S+", _text(cell), re.MULTILINE)}
 
 
+@stress
 def test_a_dead_rank_is_reported_shown_dead_and_the_cluster_restarts(failures):
     nb = failures[0]
     first = _rank_pids(_cell(nb, "%dist_start --np 4 --stall-warning 3"))
@@ -497,6 +502,7 @@ def test_cntk_notebook_uses_the_learners_by_their_names():
     assert "momentum=0.9" in source and "momentum=0.0" not in source, "1-bit keeps momentum"
 
 
+@stress
 def test_cntk_notebook_meets_the_accuracy_and_bytes_bars(cntk):
     """The four ways side by side, each the mean of 3 seeds: 1-bit (with full precision's
     learning rate and momentum 0.9, after a warm start), fp16 and BMUF end no more than 1
@@ -521,7 +527,62 @@ def test_cntk_notebook_meets_the_accuracy_and_bytes_bars(cntk):
            "'1-bit': True, 'bmuf': True}" in table
 
 
+@stress
 def test_cntk_notebook_draws_its_comparison_chart(cntk):
     nb = cntk[0]
     outputs = _cell(nb, "plt.subplots(1, 3").outputs
     assert any("image/png" in o.get("data", {}) for o in outputs), outputs
+
+
+# --- 07: Lightning, the Hugging Face Trainer and FSDP2 ----------------------------------------
+
+FRAMEWORKS = NOTEBOOKS / "07-frameworks.ipynb"
+
+
+@pytest.fixture(scope="module")
+def frameworks(tmp_path_factory):
+    pytest.importorskip("lightning")
+    pytest.importorskip("transformers")
+    return _run_marked(FRAMEWORKS, tmp_path_factory)
+
+
+def _chart(nb, needle: str) -> dict:
+    """The saved state of the live chart under the cell that contains ``needle``."""
+    outputs = _cell(nb, needle).outputs
+    view = next(o for o in outputs if WIDGET_VIEW in o.get("data", {}))
+    return nb.metadata["widgets"][WIDGET_STATE]["state"][view.data[WIDGET_VIEW]["model_id"]][
+        "state"]
+
+
+def test_frameworks_notebook_trains_with_each_and_reaches_the_bar(frameworks):
+    nb, _, left = frameworks
+    _ran_cleanly(nb, left)
+    text = "\n".join(_text(c) for c in nb.cells if c.cell_type == "code")
+    found = {name: float(value) for name, value in re.findall(
+        r"\[rank 0\] (Lightning|Lightning, 10 epochs|Hugging Face Trainer|FSDP2):.* accuracy "
+        r"(\d\.\d{4})$", text, re.MULTILINE)}
+    assert list(found) == ["Lightning", "Lightning, 10 epochs", "Hugging Face Trainer",
+                           "FSDP2"], text
+    assert all(accuracy >= 0.9 for accuracy in found.values()), found
+    assert "Lightning: 4 processes" in text and "Hugging Face Trainer: 4 processes" in text
+    assert "rank 0 holds (32, 64) of the first layer's (128, 64) weight" in text, text
+    assert "full parameters identical on every rank: True" in text, text
+    # Lightning's hint to start the script with srun (this machine has Slurm) is not for ranks
+    assert "srun" not in text, text
+
+
+def test_frameworks_notebook_draws_each_framework_s_metrics_live(frameworks):
+    nb = frameworks[0]
+    per_epoch = -(-1347 // 4 // 32)  # 1347 training images, each rank's quarter, batches of 32
+    lightning = _chart(nb, "trainer.fit(digits_module, train_loader, val_loader)\nif")
+    steps = lightning["series"]["loss"][0]
+    assert steps == list(range(5 * per_epoch)), steps
+    assert len(lightning["series"]["val_acc"][0]) == 5, "one validation point per epoch"
+    again = _chart(nb, "trainer.fit_loop.max_epochs = 10")
+    assert again["series"]["loss"][0][0] == 5 * per_epoch, "the next cell goes on from step 55"
+    hf = _chart(nb, "hf_trainer.train()")
+    assert hf["series"]["loss"][0][:3] == [1, 3, 5] and "eval_accuracy" in hf["series"]
+    assert hf["stats"]["progress"] == 1.0, "the Trainer's last step is the chart's last"
+    fsdp = _chart(nb, "fully_shard(sharded, mesh=mesh)")
+    assert fsdp["series"]["loss"][0] == list(range(10 * per_epoch))
+    assert len(fsdp["series"]["val_acc"][0]) == 10 and fsdp["stats"]["progress"] == 1.0

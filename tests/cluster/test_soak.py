@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 
 import psutil
-from helpers import run_cell
+from helpers import run_cell, stress
 
 from ipydist.errors import RankError
 
@@ -25,6 +25,7 @@ def rss_mb(pid: int) -> float:
     return psutil.Process(pid).memory_info().rss / 2**20
 
 
+@stress
 def test_500_cells_keep_kernel_and_controller_memory_flat(shell, capsys, cluster):
     run_cell(shell, capsys, "%everyrank import torch, ipydist.torch as hvd; step = 0")
     controller = cluster.cluster.controller_pid

@@ -3,13 +3,26 @@ shared shell, and finding the processes of ipydist clusters on this machine."""
 
 from __future__ import annotations
 
+import os
 import re
 import time
 
 import psutil
+import pytest
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 NP = 4
+
+#: Runs that are too long for ``make test`` (which must end within about 25 minutes on 2 cores)
+#: and whose parts have shorter tests there: ``make stress`` runs them (IPYDIST_TEST_STRESS=1).
+STRESS = bool(os.environ.get("IPYDIST_TEST_STRESS"))
+_skipped_by_make_test = pytest.mark.skipif(not STRESS, reason="a long run: make stress runs it")
+
+
+def stress(test):
+    """Mark ``test`` as one of those runs: ``make test`` skips it, ``make stress`` selects it
+    (``-m stress``)."""
+    return pytest.mark.stress(_skipped_by_make_test(test))
 
 
 def plain(text: str) -> str:
