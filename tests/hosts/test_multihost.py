@@ -255,3 +255,81 @@ def test_status_interrupt_and_the_keys_across_hosts(hosts):
           f"interrupt across hosts {out['interrupt_s']:.2f} s")
     assert out["curve"] != "executed", "a client without the server key cannot connect"
     assert out["hmac"] != "executed", "a client with the wrong signing key cannot execute"
+
+
+#: Lightning's Trainer as on a cluster of two nodes (``num_nodes``, as a cluster script sets
+#: it), and the Hugging Face Trainer, which reads the ranks from torchrun's variables.
+FRAMEWORKS = """
+import hashlib, os, tempfile
+os.environ.update(HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1")
+import torch
+import lightning as L
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+
+def digest(module):
+    state = module.state_dict()
+    return hashlib.sha256(b"".join(state[k].numpy().tobytes() for k in sorted(state))).hexdigest()
+
+
+class Regression(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+torch.manual_seed(0)
+regression = Regression()
+trainer = L.Trainer(accelerator="cpu", devices="auto", num_nodes=2, strategy="ddp",
+                    max_epochs=2, logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(regression, DataLoader(TensorDataset(torch.randn(128, 8), torch.randn(128, 1)), 8))
+lightning_seen = (trainer.world_size, trainer.node_rank, trainer.global_step, digest(regression))
+
+
+class Tokens(Dataset):
+    def __init__(self):
+        self.ids = torch.randint(0, 64, (64, 16), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+torch.manual_seed(0)
+gpt = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))
+with tempfile.TemporaryDirectory() as hf_out:
+    hf = Trainer(model=gpt, args=TrainingArguments(
+        output_dir=hf_out, per_device_train_batch_size=4, max_steps=4, use_cpu=True,
+        report_to=[], save_strategy="no", disable_tqdm=True), train_dataset=Tokens())
+    hf.train()
+hf_seen = (hf.args.world_size, hf.state.global_step, digest(gpt))
+"""
+
+
+def test_lightning_and_the_hugging_face_trainer_train_across_hosts(hosts):
+    """Issue 31: the frameworks' own multi-node settings on ranks over two hosts, unchanged."""
+    pytest.importorskip("lightning")
+    pytest.importorskip("transformers")
+    out = notebook_side(hosts, """
+        session.run(RANK_CODE, output="rank0")
+        out["hosts"] = [r["host"] for r in session.ranks]
+        out["lightning"] = session.pull("lightning_seen")
+        out["hf"] = session.pull("hf_seen")
+    """, rank_code=FRAMEWORKS)
+    assert len(set(out["hosts"])) == 2, out["hosts"]
+    lightning = out["lightning"]
+    assert [seen[:3] for seen in lightning] == [
+        [4, rank // 2, 128 // 4 // 8 * 2] for rank in range(4)], lightning  # a quarter each
+    assert len({seen[3] for seen in lightning}) == 1, "identical parameters on every rank"
+    hf = out["hf"]
+    assert [seen[:2] for seen in hf] == [[4, 4]] * 4 and len({seen[2] for seen in hf}) == 1, hf
