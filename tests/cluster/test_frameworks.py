@@ -129,6 +129,58 @@ if torch.distributed.get_rank() == 0:
     assert_identical_on_every_rank(cluster.pull("state"))
 
 
+def test_lightning_s_fsdp2_strategy_shards_on_the_cpu_and_fits_on_in_the_next_cell(
+        shell, capsys, cluster):
+    """Lightning's ``strategy="fsdp"`` (FSDP1) asks for CUDA; its ``ModelParallelStrategy``
+    applies FSDP2 in ``configure_model`` and runs on the CPU ranks."""
+    pytest.importorskip("lightning")
+    ok(shell, capsys, f"""%%everyrank
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+
+class Sharded(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(),
+                                       torch.nn.Linear(32, 1))
+
+    def configure_model(self):  # Lightning calls it on every fit: shard once
+        if isinstance(self.net, FSDPModule):
+            return
+        for layer in self.net:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=self.device_mesh["data_parallel"])
+        fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+torch.manual_seed(0)
+sharded_module = Sharded()
+fsdp2 = ModelParallelStrategy(data_parallel_size={NP}, tensor_parallel_size=1)
+sharding = L.Trainer(accelerator="cpu", devices="auto", max_epochs=1, logger=False,
+                     strategy=fsdp2, enable_checkpointing=False, enable_progress_bar=False,
+                     enable_model_summary=False)
+sharding.fit(sharded_module, DataLoader(data, batch_size=8))
+shard = tuple(sharded_module.net[0].weight.to_local().shape)
+""")
+    assert cluster.pull("shard") == [(32 // NP, 8)] * NP, "each rank holds its shard"
+    ok(shell, capsys, "%%everyrank\nsharding.fit_loop.max_epochs = 2\n"
+                      "sharding.fit(sharded_module, DataLoader(data, batch_size=8))\n"
+                      "steps = sharding.global_step\n"
+                      "full = {k: v.full_tensor() for k, v in sharded_module.state_dict().items()}")
+    assert cluster.pull("steps") == [128 // NP // 8 * 2] * NP
+    assert_identical_on_every_rank(cluster.pull("full"))
+    result, out, err = run_cell(shell, capsys, "%%everyrank\nL.Trainer(accelerator='cpu', "
+                                                "strategy='fsdp')")
+    assert "requires a GPU accelerator" in str(result.error_in_exec), (out, err)
+
+
 FSDP2 = f"""%%everyrank
 import torch
 import torch.distributed as dist

@@ -275,3 +275,22 @@ def test_lightning_fsdp_trains_on_the_gpus_across_cells():
               "steps = (first, trainer.global_step)")
         steps = s.pull("steps")
         assert all(b == 2 * a > 0 for a, b in steps), steps
+
+
+def test_accelerate_s_fsdp2_plugin_shards_on_the_gpus():
+    """Accelerate's FSDP plugin takes effect on GPUs only (with ``cpu=True`` it prepares DDP
+    and says nothing): on the ranks' GPUs the prepared model is FSDP2's (issue 31)."""
+    pytest.importorskip("accelerate")
+    with ipydist.Session(np=torch.cuda.device_count()) as s:
+        s.run("import torch\n"
+              "from accelerate import Accelerator, FullyShardedDataParallelPlugin\n"
+              "from torch.distributed.fsdp import FSDPModule\n"
+              "acc = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))\n"
+              "net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Linear(32, 1))\n"
+              "opt = torch.optim.SGD(net.parameters(), lr=0.05)\n"
+              "net, opt = acc.prepare(net, opt)\n"
+              "loss = net(torch.randn(4, 8, device=acc.device)).pow(2).mean()\n"
+              "acc.backward(loss)\n"
+              "opt.step()\n"
+              "seen = (isinstance(net, FSDPModule), str(acc.distributed_type))")
+        assert all(seen[0] and "FSDP" in seen[1] for seen in s.pull("seen")), s.pull("seen")
