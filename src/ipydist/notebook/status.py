@@ -9,8 +9,8 @@ that have none, and a note under it says what to do next, in the words the cell'
 from __future__ import annotations
 
 import html
-import textwrap
 
+from ipydist.errors import wrap_message
 from ipydist.notebook.launch.mpiexec import Death
 from ipydist.notebook.output import display
 from ipydist.specs import describe_ranks
@@ -18,8 +18,6 @@ from ipydist.specs import describe_ranks
 COLUMNS = ["rank", "host", "pid", "device", "state", "memory"]
 #: The memory cell of a rank that has no process to measure.
 NO_MEMORY = "-"
-#: The plain-text note is wrapped at spaces to this width (a notebook would break it anywhere).
-WIDTH = 88
 
 
 class StatusTable(display.Table):
@@ -31,7 +29,7 @@ class StatusTable(display.Table):
 
     def __str__(self) -> str:
         text = super().__str__()
-        return "\n".join([text, *textwrap.wrap(self.note, WIDTH, break_long_words=False)])
+        return "\n".join([text, *(wrap_message(self.note) if self.note else [])])
 
     __repr__ = __str__
 

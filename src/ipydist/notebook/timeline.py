@@ -16,11 +16,11 @@ read Horovod's timelines.
 from __future__ import annotations
 
 import html
-import textwrap
 from collections import defaultdict
 from typing import NamedTuple
 
 from ipydist import protocol
+from ipydist.errors import wrap_message
 from ipydist.notebook.timeline_axis import Axis, duration_text
 
 _WIDTH, _LABEL, _ROW, _BAR = 900, 125, 18, 12
@@ -109,8 +109,7 @@ class Timeline:
         lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                            for i, (c, w) in enumerate(zip(row, widths))) for row in table]
         notes = [self._table_note(), self._trace_note() if self.path else ""]
-        lines += [line for note in notes
-                  for line in textwrap.wrap(note, 88, break_long_words=False)]
+        lines += [line for note in notes if note for line in wrap_message(note)]
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
