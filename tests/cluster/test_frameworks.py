@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from framework_snippets import TINY_GPT
 from helpers import NP, run_cell
 
 
@@ -253,35 +254,23 @@ def test_a_lightning_strategy_that_starts_processes_says_what_to_use(shell, caps
 
 # The Hugging Face Trainer on a tiny GPT-2 built from its config (nothing downloaded: the hub
 # is offline for the test), and Accelerate's own loop.
-HF_TRAINER = """%%everyrank
+HF_TRAINER = ("""%%everyrank
 import os, tempfile
 os.environ.update(HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1")
 import torch
 from torch.utils.data import Dataset
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-
-class Tokens(Dataset):
-    def __init__(self):
-        self.ids = torch.randint(0, 64, (64, 16), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
-torch.manual_seed(0)
-gpt = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))
-hf_out = tempfile.TemporaryDirectory()
+"""
+    + TINY_GPT
+    + """hf_out = tempfile.TemporaryDirectory()
 args = TrainingArguments(output_dir=hf_out.name, per_device_train_batch_size=4, max_steps=8,
                          use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True)
 hf = Trainer(model=gpt, args=args, train_dataset=Tokens())
 hf.train()
 hf_first = (hf.args.world_size, hf.state.global_step)
 hf_state = {k: v.detach().clone() for k, v in gpt.state_dict().items()}
-"""
+""")
 
 
 def test_the_hugging_face_trainer_trains_and_trains_on_in_the_next_cell(shell, capsys,

@@ -17,6 +17,7 @@ import textwrap
 import time
 
 import pytest
+from framework_snippets import TINY_GPT
 from netns_hosts import HostCluster, leftovers, unavailable
 
 REASON = unavailable()
@@ -259,7 +260,7 @@ def test_status_interrupt_and_the_keys_across_hosts(hosts):
 
 #: Lightning's Trainer as on a cluster of two nodes (``num_nodes``, as a cluster script sets
 #: it), and the Hugging Face Trainer, which reads the ranks from torchrun's variables.
-FRAMEWORKS = """
+FRAMEWORKS = ("""
 import hashlib, os, tempfile
 os.environ.update(HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1")
 import torch
@@ -293,27 +294,15 @@ trainer = L.Trainer(accelerator="cpu", devices="auto", num_nodes=2, strategy="dd
 trainer.fit(regression, DataLoader(TensorDataset(torch.randn(128, 8), torch.randn(128, 1)), 8))
 lightning_seen = (trainer.world_size, trainer.node_rank, trainer.global_step, digest(regression))
 
-
-class Tokens(Dataset):
-    def __init__(self):
-        self.ids = torch.randint(0, 64, (64, 16), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
-torch.manual_seed(0)
-gpt = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))
-with tempfile.TemporaryDirectory() as hf_out:
+"""
+    + TINY_GPT
+    + """with tempfile.TemporaryDirectory() as hf_out:
     hf = Trainer(model=gpt, args=TrainingArguments(
         output_dir=hf_out, per_device_train_batch_size=4, max_steps=4, use_cpu=True,
         report_to=[], save_strategy="no", disable_tqdm=True), train_dataset=Tokens())
     hf.train()
 hf_seen = (hf.args.world_size, hf.state.global_step, digest(gpt))
-"""
+""")
 
 
 def test_lightning_and_the_hugging_face_trainer_train_across_hosts(hosts):
