@@ -104,7 +104,7 @@ RANK_CODE = textwrap.dedent('''
 
 VARIANTS = [("floor", None), ("ddp", None), ("ddp-mpi", None), ("hvd", None), ("hvd-gloo", None)]
 #: The small model's steps are ten times quicker; more of them keep its medians as steady.
-STEPS_FACTOR = {"small-mlp": 8, "large-tensors": 1}
+STEPS_FACTOR = {"small-mlp": 8, "large-tensors": 1, "bert-like": 1}
 BUCKET_SWEEP = [1, 4, 25, 100]
 
 
