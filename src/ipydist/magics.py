@@ -137,6 +137,11 @@ class DistMagics(Magics):
         "ranks have not called (default: %(default)g; 0: never)",
     )
     @argument(
+        "--elastic", action="store_true",
+        help="the ranks outlive one that dies, which is replaced with rank 0's variables "
+        "(Open MPI's fault tolerance, ULFM; mpiexec only)",
+    )
+    @argument(
         "--no-init", action="store_true",
         help="do not create the torch.distributed process group: your code calls "
         "init_process_group itself",
@@ -157,7 +162,7 @@ class DistMagics(Magics):
                 timeout=args.timeout, env=args.env, init=not args.no_init,
                 stall_warning=args.stall_warning, hosts=args.hosts, hostfile=args.hostfile,
                 launcher=args.launcher, partition=args.partition, time_limit=args.time,
-                account=args.account, slurm_args=args.slurm_args,
+                account=args.account, slurm_args=args.slurm_args, elastic=args.elastic,
             )
             session.words = words.MAGICS
             session.start()

@@ -22,7 +22,7 @@ import weakref
 
 from ipydist import protocol
 from ipydist.errors import ClusterError, RankDied, RankError
-from ipydist.notebook import recovery, timeline, words
+from ipydist.notebook import healing, recovery, timeline, words
 from ipydist.notebook.cell import CellRun, RunResult
 from ipydist.notebook.cluster import Cluster
 from ipydist.notebook.launch import local_gpus, mpiexec, slurm
@@ -83,6 +83,7 @@ class Session:
         time_limit: str | None = None,
         account: str | None = None,
         slurm_args: str = "",
+        elastic: bool = False,
     ):
         #: ``--np`` as given (None: one per slot of the named hosts, else per GPU or core).
         self.np_given = None if np is None else parse_np(np)
@@ -114,6 +115,9 @@ class Session:
         self.startup_seconds: float | None = None
         #: The running cluster (None when stopped): its processes, client and ranks.
         self.cluster: Cluster | None = None
+        #: The ranks outlive one that dies, which is replaced (MPI's fault tolerance, ULFM).
+        self.elastic = bool(elastic)
+        self.healing: healing.Heal | None = None  # a heal under way
         self._stop_at_exit_registered = False
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -157,8 +161,8 @@ class Session:
         if self.launcher == "slurm":
             plan = slurm.plan(self.np, slurm.mpi_flavor_of(self.mpi), self.slurm, rank_env, named)
         else:
-            plan = mpiexec.plan(
-                mpiexec.find_mpiexec(self.mpi), self.np, self.mpi_args, rank_env, hosts=named)
+            plan = mpiexec.plan(mpiexec.find_mpiexec(self.mpi), self.np, self.mpi_args,
+                                rank_env, hosts=named, elastic=self.elastic)
         if not plan.multi_host:
             local_gpus.check_gpus_here(self.gpus, self.backend, self.np, self.gpus_per_rank)
         for note in plan.notes:  # information, not a warning: no red stderr block
@@ -197,9 +201,27 @@ class Session:
         dead = self.cluster.dead_ranks() if self.cluster is not None else []
         if not dead:
             return ""
-        output = self.cluster.mpiexec_output(wait_for_exit=2.0)
+        # mpiexec ends the job, and says what ended the rank as it goes; --elastic keeps it
+        output = self.cluster.mpiexec_output(wait_for_exit=0.0 if self.elastic else 2.0)
         return mpiexec.describe_death(output, self.cluster.dead_ranks(), self.words.restart,
-                                      self.cluster.plan.launcher)
+                                      self.cluster.plan.launcher, healing=self.elastic)
+
+    def start_heal(self) -> None:
+        """``--elastic``: replace the ranks found dead (in a thread; see :meth:`healed`)."""
+        dead = [info["rank"] for info in self.cluster.dead_ranks()]
+        if dead and self.healing is None:
+            self.healing = healing.Heal(self.cluster, dead, self.words.restart).start()
+
+    def healed(self) -> None:
+        """Wait for a heal under way, and say what it did (or raise, if it failed)."""
+        heal, self.healing = self.healing, None
+        if heal is None:
+            return
+        lines = heal.wait()
+        if heal.failed:
+            raise ClusterError(" ".join(lines))
+        for line in lines:
+            print(f"ipydist: {line}", file=sys.stderr, flush=True)
 
     def stop(self, quiet: bool = False) -> None:
         """Stop engines, mpiexec and the controller, and make sure none of them is left."""
@@ -232,8 +254,13 @@ class Session:
         """The cluster; raise unless one runs (and, with ``alive``, every rank of it is there)."""
         if not self.running:
             raise ClusterError(self.words.no_cluster())
-        if alive and (report := self.death_report()):
-            raise RankDied(report)
+        self.healed()
+        if (alive or self.elastic) and (report := self.death_report()):
+            if not self.elastic:
+                raise RankDied(report)
+            print(f"ipydist: {report}", file=sys.stderr, flush=True)
+            self.start_heal()
+            self.healed()
         return self.cluster
 
     # --- cells -------------------------------------------------------------------------------
@@ -264,7 +291,12 @@ class Session:
             for note in recovery.recover(cluster, released, self.words.restart):
                 print(f"ipydist: before this cell: {note}", file=sys.stderr, flush=True)
         started = time.perf_counter()
-        return CellRun(self, code, targets, output, timeout, started).wait()
+        try:
+            return CellRun(self, code, targets, output, timeout, started).wait()
+        except RankDied:
+            if self.elastic:
+                self.start_heal()
+            raise
 
     def signal(self, sig: int, ranks: list[int] | None = None) -> None:
         """Send ``sig`` to ranks: directly to local pids, through ipyparallel's nanny otherwise."""

@@ -84,6 +84,8 @@ class CellRun:
         self.lost: list[int] = []
         #: Ranks released that did not stop in time (they still run the cell).
         self.unstopped: list[int] = []
+        #: Ranks found dead (``--elastic``: the others are released, and live on).
+        self.dead: list[int] = []
 
     def wait(self) -> RunResult:
         """Block until every rank finished the cell; raise RankError if any raised."""
@@ -154,7 +156,7 @@ class CellRun:
         if self.ar.wait(POLL_SECONDS):
             return True
         now = time.monotonic()
-        running = ipp.still_running(self.ar, self.targets)
+        running = [r for r in ipp.still_running(self.ar, self.targets) if r not in self.dead]
         self.lost = [r for r in running
                      if r in self.ended and now - self.ended[r] > REPLY_LOST_SECONDS]
         if self.release.given_up(now):
@@ -169,6 +171,12 @@ class CellRun:
 
     def _check_alive(self) -> None:
         if death := self.session.death_report():
+            if self.session.elastic:  # the others live on: release those still in the cell
+                self.dead = [info["rank"] for info in self.cluster.dead_ranks()
+                             if info["rank"] in self.targets]
+                for rank in self.dead:
+                    ipp.forget(self.cluster.client, ipp.msg_id(self.ar, self.targets, rank))
+                self._stop()
             raise RankDied(death)
         if not self.cluster.controller_alive():
             raise ClusterError(
@@ -181,13 +189,14 @@ class CellRun:
         second later for those still running, and wait up to STOP_WAIT_SECONDS for them
         (showing their output, and releasing a rank that begins the cell only now). Returns
         the ranks that were running."""
-        running = ipp.still_running(self.ar, self.targets)
+        running = [r for r in ipp.still_running(self.ar, self.targets) if r not in self.dead]
         if running:
             self._release(running, time.monotonic())
         while not self._all_done():
             self._show()
             now = time.monotonic()
-            still = [r for r in ipp.still_running(self.ar, self.targets) if r not in self.lost]
+            still = [r for r in ipp.still_running(self.ar, self.targets)
+                     if r not in self.lost and r not in self.dead]
             if still and self.release.due(now):
                 self._release(still, now)
         return running

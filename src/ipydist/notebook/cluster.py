@@ -59,6 +59,9 @@ class Cluster:
         self.recovery_owed: list[int] | None = None
         #: One dict per rank, in rank order (see ``ipydist.rank.calls.info``).
         self.ranks: list[dict] = []
+        #: Each rank's ipyparallel engine id, in rank order: the rank's own number at start; a
+        #: replacement for a rank that died (``--elastic``) registers under a new one.
+        self.engine_ids: list[int] = []
         self.profile_dir: str | None = None
         self.client = None
         self._ipp = None  # ipyparallel.Cluster: controller and mpiexec launchers
@@ -164,6 +167,7 @@ class Cluster:
         watch.show(progress, launcher.output_file, registered, force=True)
         infos = self.client[:].apply_sync(protocol.on_rank, "attach")
         self.ranks = sorted(infos, key=lambda i: i["rank"])
+        self.engine_ids = [info["rank"] for info in self.ranks]
         mismatched = [i["rank"] for i, eid in zip(infos, self.client.ids) if i["rank"] != eid]
         if mismatched:
             raise ClusterError(
@@ -211,8 +215,23 @@ class Cluster:
         key = tuple(targets)
         view = self._views.get(key)
         if view is None:
-            view = self._views[key] = self.client[list(targets)]
+            view = self._views[key] = self.client[self.engines(targets)]
         return view
+
+    def engines(self, ranks) -> list[int]:
+        """The engine ids of ``ranks``."""
+        return [self.engine_ids[r] for r in ranks]
+
+    def abort(self, msg_ids: list[str], ranks: list[int]) -> None:
+        """Ask ``ranks`` to skip these requests if they have not begun them."""
+        ipp.abort(self.client, msg_ids, self.engines(ranks))
+
+    def replace_rank(self, rank: int, engine_id: int, info: dict) -> None:
+        """A replacement (engine ``engine_id``) now holds ``rank``."""
+        self.ranks[rank] = info
+        self.engine_ids[rank] = engine_id
+        self._views = {}
+        self._rank_procs = []
 
     def call(self, name: str, *args, timeout: float):
         """``ipydist.rank.calls.<name>(*args)`` on every rank; the replies in rank order.
@@ -224,13 +243,13 @@ class Cluster:
         ar = self.view(ranks).apply_async(protocol.on_rank, name, *args)
         if not ar.wait(timeout):
             late = ipp.still_running(ar, ranks)
-            ipp.abort(self.client, [ipp.msg_id(ar, ranks, r) for r in late], late)
+            self.abort([ipp.msg_id(ar, ranks, r) for r in late], late)
             raise TimeoutError(f"{describe_ranks(late)} did not answer within {timeout:g} s")
         return ar.get()
 
     def busy_ranks(self, ranks: list[int]) -> list[int]:
         """Those of ``ranks`` still running (or queueing) a request of ours."""
-        return [r for r in ranks if ipp.has_pending_requests(self.client, r)]
+        return [r for r in ranks if ipp.has_pending_requests(self.client, self.engine_ids[r])]
 
     def pids(self) -> list[int]:
         """Every process of the cluster on this host that we know of: ranks, nannies,
@@ -257,7 +276,7 @@ class Cluster:
         registered = set(self.client.ids) if any(remote) and self.client is not None else set()
         return [info for info, proc in zip(self.ranks, self._rank_procs)
                 if (proc is not None and not processes.alive(proc))
-                or (proc is None and info["rank"] not in registered)]
+                or (proc is None and self.engine_ids[info["rank"]] not in registered)]
 
     def controller_alive(self) -> bool:
         """Whether the controller, through which every message to the ranks goes, still runs."""
@@ -268,10 +287,11 @@ class Cluster:
     def rank_state(self, rank: int) -> tuple[str, object]:
         """(``"idle"``, ``"busy"`` or ``"dead"``, the rank's psutil process or None)."""
         proc = processes.local_process(self.ranks[rank])
-        alive = rank in set(self.client.ids) and (proc is None or processes.alive(proc))
+        engine = self.engine_ids[rank]
+        alive = engine in set(self.client.ids) and (proc is None or processes.alive(proc))
         if not alive:
             return "dead", None
-        busy = ipp.has_pending_requests(self.client, rank)
+        busy = ipp.has_pending_requests(self.client, engine)
         return ("busy" if busy else "idle"), proc
 
     def signal(self, sig: int, ranks: list[int] | None = None) -> None:
@@ -284,7 +304,7 @@ class Cluster:
             elif processes.alive(proc):
                 proc.send_signal(sig)
         if remote:
-            self.client.send_signal(sig, targets=remote, block=False)
+            self.client.send_signal(sig, targets=self.engines(remote), block=False)
 
     def mpiexec_output(self, wait_for_exit: float = 0.0) -> str:
         """What mpiexec and the ranks printed (after waiting up to ``wait_for_exit`` seconds for
@@ -302,6 +322,10 @@ class Cluster:
         if launcher.stop_data:
             return startup.without_markers(launcher.get_output(remove=False))
         return startup.without_markers(processes.read_text(launcher.output_file))
+
+    def launcher_process(self):
+        """mpiexec's (or srun's) process handle."""
+        return self._mpiexec_launcher().process
 
     def _mpiexec_launcher(self):
         """ipyparallel's launcher of mpiexec (it holds mpiexec's process and output)."""
@@ -340,4 +364,5 @@ class Cluster:
         self._ipp = self.client = self.profile_dir = None
         self._views = {}
         self._rank_procs = []
+        self.engine_ids = []
         self._controller_proc = None

@@ -60,8 +60,7 @@ class Release:
             self.cluster.signal(protocol.RELEASE_SIGNAL, begun)
         waiting = [r for r in ranks if r not in self.began and r not in self.before_start]
         if waiting:
-            ipp.abort(self.cluster.client,
-                      [ipp.msg_id(self.ar, self.targets, r) for r in waiting], waiting)
+            self.cluster.abort([ipp.msg_id(self.ar, self.targets, r) for r in waiting], waiting)
             self.before_start.update(waiting)
         self.ranks = sorted(set(self.ranks) | set(ranks))
         self.first = now if self.first is None else self.first

@@ -16,7 +16,7 @@ import sys
 
 from ipydist import protocol
 from ipydist.errors import LaunchError
-from ipydist.rank import channel, device, watcher
+from ipydist.rank import channel, device, replacement, watcher
 from ipydist.specs import SpecError, parse_gpus
 
 
@@ -26,7 +26,19 @@ def bootstrap(env: dict[str, str] | None = None):
     config = protocol.RankConfig.from_env(env)
     from mpi4py import MPI  # after the watcher: MPI_Init may start threads
 
-    comm = MPI.COMM_WORLD
+    replaces = replacement.take_replaced_ranks(sys.argv)  # a replacement for ranks that died
+    comm = replacement.world(MPI, replaces) if replaces else MPI.COMM_WORLD
+    return join(comm, config)
+
+
+def join(comm, config: protocol.RankConfig | None = None, survivor=None):
+    """This rank's runtime and process group in the world ``comm`` (collective: every rank
+    of it calls this, in the same steps). ``survivor``: the runtime of a rank that outlived
+    another (see :mod:`ipydist.rank.heal`), whose device, threads and hooks stay as they are;
+    None for a rank starting."""
+    from mpi4py import MPI
+
+    config = config or protocol.RankConfig.from_env()
     problem = None
     try:
         gpus = parse_gpus(config.gpus)
@@ -34,15 +46,16 @@ def bootstrap(env: dict[str, str] | None = None):
         gpus, problem = "none", str(e)
     inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
     own_gpus, local_rank, local_size = _this_host(comm, MPI, inherited)
-    os.environ.setdefault("CUDA_DEVICE_ORDER", device.DEVICE_ORDER)
-    try:  # before torch touches CUDA
-        visible = device.visible_for_rank(
-            gpus, inherited, config.gpus_per_rank, local_rank, local_size, own_gpus,
-            device.host_gpu_count() if config.gpus_per_rank > 1 else 0)
-    except LaunchError as e:
-        visible, problem = "", problem or str(e)
-    if visible is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = visible
+    if survivor is None:
+        os.environ.setdefault("CUDA_DEVICE_ORDER", device.DEVICE_ORDER)
+        try:  # before torch touches CUDA
+            visible = device.visible_for_rank(
+                gpus, inherited, config.gpus_per_rank, local_rank, local_size, own_gpus,
+                device.host_gpu_count() if config.gpus_per_rank > 1 else 0)
+        except LaunchError as e:
+            visible, problem = "", problem or str(e)
+        if visible is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
     if config.gpus_per_rank > 1:  # the rank's own GPUs, from its first: planned as given
         gpus, own_gpus = "auto", True
 
@@ -51,16 +64,20 @@ def bootstrap(env: dict[str, str] | None = None):
     from ipydist.torch._core import process_group, shims, topology
     from ipydist.torch.training import metrics
 
-    _reached(comm.Get_rank(), protocol.PHASE_TORCH)
+    if survivor is None:
+        _reached(comm.Get_rank(), protocol.PHASE_TORCH)
     rt = topology.from_mpi(comm, advertise=_use_route_to(config.notebook_addr))
-    # OMP_NUM_THREADS from the user (--env) wins; otherwise share the host's cores.
-    threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or device.threads_per_rank(
-        os.cpu_count() or 1, rt.local_size
-    )
-    torch.set_num_threads(threads)
-    os.environ["OMP_NUM_THREADS"] = str(threads)  # for processes the rank starts
+    if survivor is None:
+        # OMP_NUM_THREADS from the user (--env) wins; otherwise share the host's cores.
+        threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or device.threads_per_rank(
+            os.cpu_count() or 1, rt.local_size
+        )
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # for processes the rank starts
     rt.timeout_s = config.pg_timeout
-    if problem is None:
+    if survivor is not None:
+        rt.device_index = survivor.device_index
+    elif problem is None:
         try:
             count = torch.cuda.device_count() if gpus != "none" else 0
             rt.device_index = device.plan_device(
@@ -71,16 +88,20 @@ def bootstrap(env: dict[str, str] | None = None):
             problem = str(e)
     _fail_all(comm, rt.rank, rt.host, problem)
 
-    rt.backend = device.resolve_backend(config.backend, rt.device_index)
+    rt.backend = survivor.backend if survivor else device.resolve_backend(
+        config.backend, rt.device_index)
     topology.set_runtime(rt)
-    shims.install_reuse_shim()
-    shims.track_ddp_models()
-    watcher.break_communication_with(process_group.break_communication)
-    metrics.send_with(channel.publish)
+    if survivor is None:
+        shims.install_reuse_shim()
+        shims.track_ddp_models()
+        watcher.break_communication_with(process_group.break_communication)
+        metrics.send_with(channel.publish)
     if config.init:
         try:
             process_group.make(rt)
         except Exception as e:  # the backend's own message is the useful part
+            if survivor is not None:
+                raise
             print(
                 f"{protocol.ERROR_PREFIX} {rt.rank} on {rt.host}: could not create the "
                 f"{rt.backend} process group: {e}",
@@ -88,11 +109,13 @@ def bootstrap(env: dict[str, str] | None = None):
                 flush=True,
             )
             comm.Abort(1)
-        _reached(rt.rank, protocol.PHASE_GROUP)
+        if survivor is None:
+            _reached(rt.rank, protocol.PHASE_GROUP)
     else:
         rt.master_port = comm.bcast(_free_port(rt.master_addr) if rt.rank == 0 else 0, root=0)
         topology.export_torchrun_env(rt)
-        _reached(rt.rank, protocol.PHASE_ENV)
+        if survivor is None:
+            _reached(rt.rank, protocol.PHASE_ENV)
     return rt
 
 

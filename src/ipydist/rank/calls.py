@@ -165,6 +165,20 @@ def _give_up(out: dict, why: str) -> dict:
     return out
 
 
+def heal(dead: list[int], replace: bool) -> dict:
+    """``--elastic``, after ``dead`` died: the world again (see :mod:`ipydist.rank.heal`)."""
+    from ipydist.rank import heal as healing
+
+    return healing.heal(dead, replace)
+
+
+def copy_state(root: int, to: list[int]) -> dict:
+    """After a heal: ``root``'s variables and random states to the replacements ``to``."""
+    from ipydist.rank import state_copy
+
+    return state_copy.copy_from(root, to)
+
+
 def timeline(action: str) -> list[dict] | None:
     """``%dist_timeline``: start recording ("start"), or return this rank's events so far
     ("events"), or return them and stop ("stop")."""

@@ -148,10 +148,17 @@ def plan(
     flavor: str | None = None,
     is_root: bool | None = None,
     hosts: Hosts | None = None,
+    elastic: bool = False,
 ) -> Plan:
     """Build mpiexec's arguments: hosts, oversubscription, running as root, environment
-    forwarding, and across hosts MPI's TCP kept to the network that reaches them."""
+    forwarding, across hosts MPI's TCP kept to the network that reaches them, and with
+    ``elastic`` the fault tolerance that lets the others outlive a rank that dies."""
     flavor = flavor or mpi_flavor(mpiexec)
+    if elastic and flavor != "openmpi":
+        raise LaunchError(
+            f"--elastic needs Open MPI's fault tolerance (ULFM), and {mpiexec} is "
+            f"{FLAVOR_NAMES.get(flavor, 'not Open MPI')}: install ipydist[openmpi] or pass "
+            "--mpi with Open MPI 5's mpiexec, or leave --elastic out.")
     user_args = shlex.split(mpi_args) if isinstance(mpi_args, str) else list(mpi_args)
     multi_host = is_multi_host(user_args) or bool(hosts and hosts.multi_host)
     cores = cores or os.cpu_count() or 1
@@ -184,7 +191,9 @@ def plan(
                 f"{np} ranks on {cores} cores: oversubscribing (ranks share cores; "
                 "torch threads per rank are set to 1)."
             )
-        if not multi_host and not _mca_set(user_args, "btl"):
+        if elastic:
+            args += elastic_args(multi_host, user_args)
+        elif not multi_host and not _mca_set(user_args, "btl"):
             # One host: shared memory is all MPI needs. Without this, MPI_Init spends about a
             # second probing libfabric and UCX, and the TCP transport listens on every
             # interface of every rank.
@@ -199,6 +208,20 @@ def plan(
             notes.append(f"{np} ranks on {cores} cores: ranks share cores.")
     env.update(rank_env)
     return Plan(mpiexec, flavor, args + user_args, env, multi_host, notes, route, hosts)
+
+
+def elastic_args(multi_host: bool, user_args: list[str]) -> list[str]:
+    """Open MPI's fault tolerance (ULFM): mpiexec keeps the job when a rank dies, the others
+    learn of it in their MPI calls, and they can shrink their communicators and spawn a
+    replacement (``ipydist.rank.heal``). On one host TCP must be beside shared memory (with
+    ``self,sm`` alone, fault tolerance finds the ranks unreachable and MPI_Init crashes), kept
+    to loopback."""
+    args = ["--with-ft", "ulfm"]
+    if not multi_host and not _mca_set(user_args, "btl"):
+        args += ["--mca", "btl", "self,sm,tcp"]
+        if not _mca_set(user_args, "btl_tcp_if_include"):
+            args += ["--mca", "btl_tcp_if_include", "lo"]
+    return args
 
 
 def describe_failure(what: str, output: str, code: int | None, mpiexec: str,
@@ -310,13 +333,25 @@ def find_death(output: str, dead: list[dict]) -> Death | None:
 
 
 def describe_death(output: str, dead: list[dict], restart: str,
-                   launcher: str = "mpiexec") -> str:
+                   launcher: str = "mpiexec", healing: bool = False) -> str:
     """Which rank died and how, from the launcher's report (``dead``: the rank infos found
     gone); ``restart`` is how the user starts a fresh cluster (``%dist_restart``).
 
     mpiexec (or srun) names the rank that died first and its signal; by the time the notebook
     looks, it has usually ended the other ranks too, so those are reported as stopped by it.
+    With ``healing`` (``--elastic``) the others live on, and the dead are being replaced.
     """
+    if healing:
+        death = find_death(output, dead)
+        ranks = sorted(info["rank"] for info in dead)
+        text = "; ".join(
+            f"rank {info['rank']} (pid {info['pid']} on {info['host']}) died"
+            + (f": {death.cause()}" if death.rank == info["rank"] and death.cause() else "")
+            for info in sorted(dead, key=lambda i: i["rank"]))
+        one = len(ranks) == 1
+        return (f"{text}. The other ranks keep their state: {describe_ranks(ranks)} "
+                f"{'is' if one else 'are'} being replaced (--elastic), and the next cell "
+                f"waits for {'it' if one else 'them'}.")
     death = find_death(output, dead)
     infos = {info["rank"]: info for info in dead}
     info = infos[death.rank]

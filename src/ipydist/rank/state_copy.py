@@ -1,0 +1,115 @@
+"""A replacement rank gets rank 0's state: its variables, in one pickle, and its random states.
+
+After a heal (:mod:`ipydist.rank.heal`) a replacement has an empty namespace. Rank 0 (the
+lowest survivor, ``root``) pickles every variable of its namespace that pickles with
+cloudpickle (functions and classes defined in cells travel by value, modules by name) as one
+object, so that what its variables share stays shared (an optimizer's parameters are the
+model's), and sends it over MPI to each replacement, which loads it into its own namespace.
+Variables that do not pickle (a generator, an open file, a live iterator over a DataLoader)
+are named in the notebook's message. Objects that know their rank are rebound to the
+replacement's: ``hvd.shard()``'s samplers and torch's ``DistributedSampler`` made with the
+defaults (rank 0's copy would otherwise read rank 0's part of the data).
+"""
+
+from __future__ import annotations
+
+import random
+
+#: Names an IPython namespace holds that are the shell's, not the user's.
+_SHELL_NAMES = {"In", "Out", "exit", "quit", "get_ipython"}
+
+
+def user_variables(shell) -> dict:
+    """The user's variables in ``shell``'s namespace (not the shell's own, not ``_``-names)."""
+    hidden = getattr(shell, "user_ns_hidden", {})
+    return {name: value for name, value in shell.user_ns.items()
+            if not name.startswith("_") and name not in _SHELL_NAMES and name not in hidden}
+
+
+def pack(variables: dict) -> tuple[bytes, list[str]]:
+    """(one pickle of every variable that pickles, the names of those that do not, with
+    their types). Tries all at once first; only when that fails, one by one."""
+    import cloudpickle
+
+    try:
+        return cloudpickle.dumps(variables), []
+    except Exception:
+        pass
+    kept, skipped = {}, []
+    for name, value in variables.items():
+        try:
+            cloudpickle.dumps(value)
+        except Exception:
+            skipped.append(f"{name} ({type(value).__name__})")
+        else:
+            kept[name] = value
+    return cloudpickle.dumps(kept), skipped
+
+
+def random_states() -> dict:
+    """Python's, numpy's and torch's random states (the CPU's, and this rank's GPU's)."""
+    import numpy as np
+    import torch
+
+    states = {"python": random.getstate(), "numpy": np.random.get_state(),
+              "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def set_random_states(states: dict) -> None:
+    import numpy as np
+    import torch
+
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
+
+
+def rebind(variables: dict, rank: int, size: int, root: int) -> list[str]:
+    """Point samplers copied from ``root`` at this rank; the names of those changed."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from ipydist.torch.training.data import ShardSampler
+
+    changed = []
+    for name, value in variables.items():
+        sampler = value
+        if isinstance(value, DataLoader):
+            sampler = value.sampler
+        if isinstance(sampler, (ShardSampler, DistributedSampler)) and (
+                sampler.rank == root and sampler.num_replicas == size):
+            sampler.rank = rank
+            changed.append(name)
+    return changed
+
+
+def copy_from(root: int, to: list[int]) -> dict:
+    """Collective over the world: ``root`` sends its variables and random states to the
+    ranks ``to``, which load them. Returns, on ``root``, the names not copied."""
+    from IPython import get_ipython
+
+    from ipydist.torch._core import topology
+
+    rt = topology.get()
+    comm = rt.control_comm
+    shell = get_ipython()
+    out: dict = {"skipped": [], "bytes": 0, "rebound": []}
+    if rt.rank == root:
+        payload, out["skipped"] = pack(user_variables(shell))
+        out["bytes"] = len(payload)
+        for rank in to:
+            comm.send((payload, random_states()), dest=rank, tag=71)
+    elif rt.rank in to:
+        import cloudpickle
+
+        payload, states = comm.recv(source=root, tag=71)
+        variables = cloudpickle.loads(payload)
+        out["rebound"] = rebind(variables, rt.rank, rt.size, root)
+        shell.user_ns.update(variables)
+        set_random_states(states)
+    comm.Barrier()
+    return out
