@@ -78,6 +78,10 @@ class Heal:
         root = survivors[0]
         copied = cluster.call("copy_state", root, self.dead,
                               timeout=max(deadline - time.monotonic(), 1.0))
+        failed = [f"rank {r}: {reply['failed']}" for r, reply in enumerate(copied)
+                  if reply.get("failed")]
+        if failed:
+            raise RuntimeError(f"loading rank {root}'s variables failed on {'; '.join(failed)}")
         seconds = time.monotonic() - self.started
         one = len(self.dead) == 1
         pids = ", ".join(str(cluster.ranks[r]["pid"]) for r in self.dead)

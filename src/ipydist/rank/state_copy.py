@@ -14,6 +14,7 @@ defaults (rank 0's copy would otherwise read rank 0's part of the data).
 from __future__ import annotations
 
 import random
+import types
 
 #: Names an IPython namespace holds that are the shell's, not the user's.
 _SHELL_NAMES = {"In", "Out", "exit", "quit", "get_ipython"}
@@ -87,6 +88,34 @@ def rebind(variables: dict, rank: int, size: int, root: int) -> list[str]:
     return changed
 
 
+def _in_namespace(fn: types.FunctionType, namespace: dict) -> types.FunctionType:
+    """``fn`` with ``namespace`` as its globals. cloudpickle gives a function defined in a cell
+    a dict of its own with copies of the names it uses; on rank 0 it reads the namespace, so a
+    name a later cell binds again would read differently on the replacement."""
+    new = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__,
+                             fn.__closure__)
+    new.__kwdefaults__, new.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+    new.__dict__.update(fn.__dict__)
+    new.__annotations__ = fn.__annotations__
+    new.__module__ = fn.__module__
+    return new
+
+
+def into_namespace(variables: dict, namespace: dict) -> None:
+    """Put ``variables`` into ``namespace``, functions and classes of cells reading it."""
+    def of_cells(value) -> bool:
+        return getattr(value, "__module__", None) == "__main__"
+
+    for name, value in variables.items():
+        if isinstance(value, types.FunctionType) and of_cells(value):
+            value = _in_namespace(value, namespace)
+        elif isinstance(value, type) and of_cells(value):
+            for attr, member in list(vars(value).items()):
+                if isinstance(member, types.FunctionType):
+                    setattr(value, attr, _in_namespace(member, namespace))
+        namespace[name] = value
+
+
 def copy_from(root: int, to: list[int]) -> dict:
     """Collective over the world: ``root`` sends its variables and random states to the
     ranks ``to``, which load them. Returns, on ``root``, the names not copied."""
@@ -107,9 +136,12 @@ def copy_from(root: int, to: list[int]) -> dict:
         import cloudpickle
 
         payload, states = comm.recv(source=root, tag=71)
-        variables = cloudpickle.loads(payload)
-        out["rebound"] = rebind(variables, rt.rank, rt.size, root)
-        shell.user_ns.update(variables)
-        set_random_states(states)
+        try:
+            variables = cloudpickle.loads(payload)
+            out["rebound"] = rebind(variables, rt.rank, rt.size, root)
+            into_namespace(variables, shell.user_ns)
+            set_random_states(states)
+        except Exception as e:  # said to the notebook after the others are let go
+            out["failed"] = f"{type(e).__name__}: {e}"
     comm.Barrier()
     return out

@@ -56,6 +56,18 @@ class ProcessSet:
     def __repr__(self) -> str:
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
 
+    def __reduce__(self):
+        """Unpickled as this rank's set of that id (the world's for id 0), so an object that
+        names a set (a DistributedOptimizer) finds it on the rank it is copied to."""
+        return _the_set, (self.process_set_id, self.ranks)
+
+
+def _the_set(process_set_id: int | None, ranks: list[int]) -> ProcessSet:
+    if process_set_id == 0:
+        return global_process_set
+    found = _sets.get(process_set_id) if process_set_id is not None else None
+    return found if found is not None and found.ranks == ranks else ProcessSet(ranks)
+
 
 class SetComms:
     """What a collective on a process set runs on: the same attributes as the world's

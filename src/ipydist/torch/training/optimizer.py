@@ -73,6 +73,13 @@ class _DistributedMixin:
             resync.track_optimizer(self)  # process set's is on its ranks only)
         join.serve_steps_of(self)  # so that a rank in hvd.join() can serve its steps
         self._names = options.names_for(params, named_parameters)
+        self._wrapped_with = dict(  # what __reduce__ wraps a copy with
+            named_parameters=None if named_parameters is None else
+            [(self._names[id(p)], p) for p in params],
+            compression=compression, backward_passes_per_step=backward_passes_per_step, op=op,
+            gradient_predivide_factor=gradient_predivide_factor, bucket_cap_mb=bucket_cap_mb,
+            distributed_after=distributed_after, process_set=process_set,
+            sparse_as_dense=sparse_as_dense, num_groups=num_groups, groups=groups)
         self._compression = compression
         self._distributed_after = distributed_after
         # Steps completed: the same on every rank, and put back in step by the recovery
@@ -122,6 +129,17 @@ class _DistributedMixin:
             if old is not None:
                 old.remove()
             setattr(p, _HOOK_ATTR, hook and p.register_post_accumulate_grad_hook(hook))
+
+    def __reduce__(self):
+        """Pickled as what makes it: the wrapped optimizer's class, state and parameter groups,
+        and the arguments it was wrapped with. Unpickling wraps a new optimizer again, with
+        hooks on its parameters (which a pickled tensor does not carry), its buckets and its
+        process set's group: how a replacement rank (``--elastic``) gets rank 0's optimizer.
+        Each rank's own state (1-bit residuals) starts afresh; the step count is kept."""
+        base = next(c for c in type(self).__mro__[1:] if not issubclass(c, _DistributedMixin))
+        state = {"defaults": self.defaults, "state": self.state,
+                 "param_groups": self.param_groups}
+        return _unpickle_distributed, (base, state, self._wrapped_with, self._steps)
 
     def _make_hook(self):
         me = weakref.ref(self)
@@ -343,6 +361,14 @@ class _DistributedMixin:
 
 #: Key of ipydist's own entries in the optimizer's state dict.
 _STATE_KEY = "ipydist"
+
+
+def _unpickle_distributed(base: type, state: dict, wrapped_with: dict, steps: torch.Tensor):
+    optimizer = base.__new__(base)
+    optimizer.__setstate__(state)
+    wrapped = DistributedOptimizer(optimizer, **wrapped_with)
+    wrapped._steps.copy_(steps)
+    return wrapped
 
 
 def DistributedOptimizer(  # noqa: N802 - Horovod's name, a factory like Horovod's
