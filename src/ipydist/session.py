@@ -14,7 +14,6 @@ the metrics history.
 from __future__ import annotations
 
 import atexit
-import functools
 import shlex
 import sys
 import time
@@ -23,14 +22,14 @@ import weakref
 from ipydist import protocol
 from ipydist.errors import ClusterError, RankDied, RankError
 from ipydist.notebook import healing, recovery, timeline, words
-from ipydist.notebook.cell import CellRun, RunResult
+from ipydist.notebook.cell import CellRun, RunResult, check_syntax, wait_until_idle
 from ipydist.notebook.cluster import Cluster
 from ipydist.notebook.launch import local_gpus, mpiexec, slurm
 from ipydist.notebook.launch.hosts import choose as choose_hosts
 from ipydist.notebook.live.history import MetricHistory
 from ipydist.notebook.output import display
 from ipydist.notebook.stall import STALL_WARNING_SECONDS
-from ipydist.notebook.status import status_table
+from ipydist.notebook.status import grouped_by_host, status_table
 from ipydist.specs import (
     SpecError,
     describe_ranks,
@@ -280,12 +279,12 @@ class Session:
         targets = parse_ranks(ranks, self.size)
         if output not in ("all", "rank0"):
             raise SpecError(f"--output {output}: expected all or rank0.")
-        _check_syntax(code)
+        check_syntax(code)
         waits_for = list(range(self.size)) if cluster.recovery_owed is not None else targets
         if cluster.busy_ranks(waits_for):
             if report := self.death_report():  # a dead rank never answers: say that instead
                 raise RankDied(report)
-            _wait_until_idle(cluster, waits_for, self.words.restart)
+            wait_until_idle(cluster, waits_for, self.words.restart)
         if cluster.recovery_owed is not None:  # the last cell ended before every rank stopped
             released, cluster.recovery_owed = cluster.recovery_owed, None
             for note in recovery.recover(cluster, released, self.words.restart):
@@ -376,53 +375,8 @@ class Session:
                              caption)
 
 
-def grouped_by_host(ranks: list[dict]) -> list[dict]:
-    """Rank infos with each host's ranks together (hosts in the order their first rank comes),
-    in rank order within a host: how a table of ranks across hosts reads best."""
-    first: dict[str, int] = {}
-    for info in ranks:
-        first.setdefault(info["host"], info["rank"])
-    return sorted(ranks, key=lambda i: (first[i["host"]], i["rank"]))
-
-
 def _stop_at_exit(ref) -> None:
     """The kernel is exiting (shutdown, restart, end of a script): stop the cluster first."""
     session = ref()
     if session is not None and session.running:
         session.stop(quiet=True)
-
-
-@functools.cache
-def _transformer():
-    from IPython.core.inputtransformer2 import TransformerManager
-
-    return TransformerManager()
-
-
-#: How long a cell waits for ranks still busy with an earlier request before it says so.
-BUSY_WAIT_SECONDS = 2.0
-
-
-def _wait_until_idle(cluster: Cluster, targets: list[int], restart: str) -> None:
-    """A cell sent to a rank still busy (an earlier cell that did not stop when released, or
-    a recovery that has not ended) would queue behind it and seem to hang: say so instead."""
-    deadline = time.monotonic() + BUSY_WAIT_SECONDS
-    while busy := cluster.busy_ranks(targets):
-        if time.monotonic() > deadline:
-            one = len(busy) == 1
-            raise ClusterError(
-                f"{describe_ranks(busy)} {'is' if one else 'are'} still running an earlier "
-                "request (a cell that did not stop when released, or a recovery), so this cell "
-                f"would wait behind it. Wait for {'it' if one else 'them'} to finish, "
-                f"or run {restart}.")
-        time.sleep(0.05)
-
-
-@functools.lru_cache(maxsize=256)
-def _check_syntax(code: str) -> None:
-    """Raise SyntaxError here, before the cell reaches any rank (IPython syntax allowed).
-
-    Cached by source: a cell run again (a training loop re-run after a change elsewhere) is
-    not parsed again. A cell that raised is not cached, so it is reported every time.
-    """
-    compile(_transformer().transform_cell(code), "<everyrank cell>", "exec")

@@ -11,7 +11,7 @@ from ipydist import protocol
 from ipydist.network import Route
 from ipydist.notebook.launch import hosts as host_names
 from ipydist.notebook.launch import mpiexec
-from ipydist.session import grouped_by_host
+from ipydist.notebook.status import grouped_by_host
 from ipydist.specs import SpecError, format_hosts, parse_hostfile, parse_hosts
 
 ROUTE = Route("198.51.100.1", "veth0", "198.51.100.0/24")

@@ -37,6 +37,15 @@ def test_partial_lines_wait_for_their_newline_or_the_end():
     assert m.flush() == [("rank 0", "stdout", "wor\n")]
 
 
+def test_mpi_s_report_of_a_collective_a_dead_rank_ended_is_left_out():
+    m = LineMerger([0], hold=0.0)
+    m.feed(0, "stderr", "NBC_Progress: an error 75 was found during schedule 0x55 at "
+           "row-offset 0 - aborting the schedule\n\n", now=0.0)
+    m.feed(0, "stderr", "\nTraceback (most recent call last):\n", now=0.0)
+    assert m.ready(now=0.0) == [("rank 0", "stderr", "\n"),
+                                ("rank 0", "stderr", "Traceback (most recent call last):\n")]
+
+
 def test_streams_are_separate_and_one_rank_is_never_all():
     m = LineMerger([3], hold=0.0)
     m.feed(3, "stderr", "warn\n", now=0.0)

@@ -67,3 +67,12 @@ def _dead_state(rank: int, death: Death | None, dead: int, launcher: str) -> str
         return f"stopped by {launcher}"
     first = "died first" if dead > 1 else "died"
     return f"{first}: {death.short()}" if death.short() else first
+
+
+def grouped_by_host(ranks: list[dict]) -> list[dict]:
+    """Rank infos with each host's ranks together (hosts in the order their first rank comes),
+    in rank order within a host: how a table of ranks across hosts reads best."""
+    first: dict[str, int] = {}
+    for info in ranks:
+        first.setdefault(info["host"], info["rank"])
+    return sorted(ranks, key=lambda i: (first[i["host"]], i["rank"]))

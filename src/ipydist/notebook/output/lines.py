@@ -25,6 +25,8 @@ STREAMS = ("stdout", "stderr")
 #: The "stream" of a display that :meth:`LineMerger.ready` hands out.
 DISPLAY = "display"
 _LINE_END = re.compile(r"(\r\n|\n|\r)")
+#: What Open MPI's nonblocking collectives print when a rank they wait for died (ULFM).
+_MPI_NOISE = re.compile(r"NBC_Progress: an error \d+ was found during schedule")
 
 
 class Redraw(str):
@@ -67,6 +69,8 @@ class LineMerger:
         self._order = itertools.count()
         #: (rank, stream) whose last line was a redraw: the next line ends that bar
         self._in_bar: set[tuple[int, str]] = set()
+        #: (rank, stream) whose last line was MPI's noise (see ``_end_line``)
+        self._after_noise: set[tuple[int, str]] = set()
 
     def feed(self, rank: int, stream: str, text: str, now: float | None = None) -> None:
         """Take ``text`` from a rank's stream. A line ends at ``\n``, or at ``\r`` (a text
@@ -90,7 +94,16 @@ class LineMerger:
             self._partial[key] = parts[-1] + held
 
     def _end_line(self, key: tuple[int, str], now: float, line: str) -> None:
-        """A line ended by ``\n``: after redraws, the bar's last state."""
+        """A line ended by ``\n``: after redraws, the bar's last state. MPI's own report of a
+        nonblocking collective a dead rank ended (``--elastic``) is left out, and the blank
+        line it ends with: the cell's message says which rank died."""
+        if _MPI_NOISE.match(line):
+            self._after_noise.add(key)
+            return
+        if key in self._after_noise:
+            self._after_noise.discard(key)
+            if not line.strip():
+                return
         if key in self._in_bar:
             self._in_bar.discard(key)
             self._add(self._lines[key], now, Redraw.final(line + "\n"))

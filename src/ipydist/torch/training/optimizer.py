@@ -41,8 +41,9 @@ from ipydist.torch._wire.reduce_ops import Average, ReduceOp, Sum
 from ipydist.torch.horovod import join
 from ipydist.torch.horovod.basics import size
 from ipydist.torch.horovod.process_sets import ProcessSet, comms_for, global_process_set
-from ipydist.torch.training import buckets, checkpoint, momentum_correction
+from ipydist.torch.training import buckets, momentum_correction
 from ipydist.torch.training import optimizer_options as options
+from ipydist.torch.training.optimizer_state import CheckpointMixin
 from ipydist.torch.training.wrapping import wrap
 
 #: Default bucket size, DDP's; benchmarks/train_step.py sweeps it (see the README).
@@ -51,7 +52,7 @@ DEFAULT_BUCKET_CAP_MB = 25.0
 #: notebook re-runs cells, so a second DistributedOptimizer over the same model must take the
 #: hooks over, or the first one's hooks would start collectives nobody waits for.
 _HOOK_ATTR = "_ipydist_grad_hook"
-class _DistributedMixin:
+class _DistributedMixin(CheckpointMixin):
     """Methods mixed into a subclass of the wrapped optimizer's own class."""
 
     wrapper_name = "DistributedOptimizer"
@@ -326,41 +327,6 @@ class _DistributedMixin:
         self._grad_marks, self._announced, self._step_agreed = None, None, True
         self.synchronize()
         self._synchronized = False
-
-    # --- checkpoints --------------------------------------------------------------------------
-
-    def state_dict(self) -> dict:
-        """The wrapped optimizer's state, plus the steps taken (for ``distributed_after``)."""
-        state = super().state_dict()
-        state[_STATE_KEY] = {"steps": int(self._steps)}
-        return state
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load what :meth:`state_dict` returned; from a checkpoint written by
-        ``hvd.save_checkpoint``, also this rank's own 1-bit residuals."""
-        state_dict = dict(state_dict)
-        ours = state_dict.pop(_STATE_KEY, None) or {}
-        per_rank = state_dict.pop(checkpoint.RANK_STATE_KEY, None)
-        super().load_state_dict(state_dict)
-        self._steps.fill_(int(ours.get("steps", 0)))
-        mine = checkpoint.this_ranks(per_rank, "DistributedOptimizer's 1-bit residuals")
-        saved = (mine or {}).get("onebit") or [None] * len(self._buckets)
-        for bucket, state in zip(self._buckets, saved):  # none saved: start afresh
-            bucket.onebit = None
-            if bucket.correction is not None:
-                bucket.correction.load(None)
-            if state is not None:
-                bucket.onebit_exchange().load(state)
-
-    def _ipydist_rank_state(self) -> dict | None:
-        """What differs between ranks and a checkpoint must keep per rank: 1-bit residuals
-        (and the velocity of a momentum correction)."""
-        states = [None if b.onebit is None else b.onebit.state() for b in self._buckets]
-        return None if all(s is None for s in states) else {"onebit": states}
-
-
-#: Key of ipydist's own entries in the optimizer's state dict.
-_STATE_KEY = "ipydist"
 
 
 def _unpickle_distributed(base: type, state: dict, wrapped_with: dict, steps: torch.Tensor):
