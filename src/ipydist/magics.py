@@ -208,6 +208,19 @@ class DistMagics(Magics):
         """Show each rank: host, pid, device, alive/busy, memory."""
         return self._session().status()
 
+    @magic_arguments()
+    @argument("--np", type=str, required=True, metavar="M",
+              help="the number of ranks to grow or shrink to")
+    @line_magic
+    def dist_scale(self, line: str = ""):
+        """Grow or shrink the running cluster (started with --elastic) to M ranks, keeping
+        every rank's state: new ranks get rank 0's variables, ranks from M up leave."""
+        args = parse_argstring(self.dist_scale, line)
+        try:
+            self._session().scale(args.np)
+        except _USER_ERRORS as e:
+            raise UsageError(str(e)) from None
+
     @line_magic
     def dist_stop(self, line: str = ""):
         """Stop the cluster: engines, mpiexec and controller all end."""

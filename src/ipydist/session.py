@@ -205,6 +205,20 @@ class Session:
         return mpiexec.describe_death(output, self.cluster.dead_ranks(), self.words.restart,
                                       self.cluster.plan.launcher, healing=self.elastic)
 
+    def scale(self, np: int) -> None:
+        """Grow or shrink the running cluster to ``np`` ranks, keeping every rank's state: new
+        ranks get rank 0's variables (as a replacement does), the ranks from ``np`` up leave;
+        samplers and DistributedOptimizers follow the new size (``--elastic`` only)."""
+        cluster = self._require_running()
+        np = parse_np(np)
+        if not self.elastic:
+            raise SpecError("scaling needs a cluster started with --elastic "
+                            "(Session(elastic=True)), which keeps the job when ranks leave: "
+                            f"stop this one ({self.words.stop}) and start one with it.")
+        if np != self.size:
+            print(f"ipydist: {healing.scale(cluster, np)}", file=sys.stderr, flush=True)
+            self.np = np
+
     def start_heal(self) -> None:
         """``--elastic``: replace the ranks found dead (in a thread; see :meth:`healed`)."""
         dead = [info["rank"] for info in self.cluster.dead_ranks()]

@@ -143,3 +143,34 @@ def test_under_load_a_killed_rank_is_replaced(shell, capsys, elastic, hogs, tria
     _report(f"loaded: cell ended {ended - died:.2f} s after the kill; healed and the next "
             f"cell done {healed_after:.2f} s after it")
     assert healed_after < 10.0
+
+
+def test_scale_4_to_2_to_4_keeps_the_model_and_splits_the_data_anew(shell, capsys, elastic):
+    """``%dist_scale``: the ranks that stay keep everything; new ranks get rank 0's state;
+    samplers and the DistributedOptimizer follow the size; training stays identical."""
+    check = """%%everyrank
+before = same_everywhere(flat())
+loss = train(3)
+now = (hvd.size(), hvd.rank(), kept, sampler.rank, sampler.num_replicas, len(sampler), before,
+       same_everywhere(flat()))
+"""
+    pids = [r["pid"] for r in elastic.ranks]
+    for size, kept_pids in ((2, pids[:2]), (4, pids[:2])):
+        result, out, err = run_cell(shell, capsys, f"%dist_scale --np {size}")
+        result.raise_error()
+        assert f"ranks -> {size} in" in err and "every rank kept its state" in err, err
+        assert [r["rank"] for r in elastic.ranks] == list(range(size))
+        assert [r["pid"] for r in elastic.ranks][:2] == kept_pids
+        run_cell(shell, capsys, check)[0].raise_error()
+        expected = [(size, r, {"note": "defined before the kill", "step": 3}, r, size,
+                     256 // size, True, True) for r in range(size)]
+        assert elastic.pull("now") == expected
+    # every rank averages over 4 again: the sum of ones averaged is one
+    run_cell(shell, capsys, "%everyrank g = opt._prescale * hvd.size()")[0].raise_error()
+    assert elastic.pull("g") == [1.0] * NP
+
+
+def test_scale_needs_an_elastic_cluster(shell, capsys, cluster):
+    result, _, _ = run_cell(shell, capsys, "%dist_scale --np 2")
+    assert "started with --elastic" in str(result.error_in_exec)
+    assert cluster.size == NP

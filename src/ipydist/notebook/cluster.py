@@ -227,9 +227,20 @@ class Cluster:
         ipp.abort(self.client, msg_ids, self.engines(ranks))
 
     def replace_rank(self, rank: int, engine_id: int, info: dict) -> None:
-        """A replacement (engine ``engine_id``) now holds ``rank``."""
-        self.ranks[rank] = info
-        self.engine_ids[rank] = engine_id
+        """A replacement (engine ``engine_id``) now holds ``rank``; a rank one past the last
+        joins the cluster (``Session.scale``)."""
+        if rank == len(self.ranks):
+            self.ranks.append(info)
+            self.engine_ids.append(engine_id)
+        else:
+            self.ranks[rank] = info
+            self.engine_ids[rank] = engine_id
+        self._views = {}
+        self._rank_procs = []
+
+    def drop_ranks(self, size: int) -> None:
+        """The ranks from ``size`` up have left the cluster (``Session.scale``)."""
+        del self.ranks[size:], self.engine_ids[size:]
         self._views = {}
         self._rank_procs = []
 

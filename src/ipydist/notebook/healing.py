@@ -58,41 +58,78 @@ class Heal:
 
     def _heal(self) -> list[str]:
         cluster = self.cluster
-        client = cluster.client
         survivors = [r for r in range(cluster.size) if r not in self.dead]
-        known = set(client.ids)
+        known = set(cluster.client.ids)
         deadline = self.started + HEAL_SECONDS
-        healing = cluster.view(survivors).apply_async(protocol.on_rank, "heal", self.dead, True)
-        new: list[int] = []
-        while not (healing.ready() and len(new) >= len(self.dead)):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"not done within {HEAL_SECONDS:g} s")
-            if not processes.alive(cluster.launcher_process()):
-                raise RuntimeError("mpiexec ended")
-            new = sorted(set(client.ids) - known)
-            time.sleep(0.05)
-        healing.get()  # a survivor's error, if any
-        for engine_id in new:
-            info = client[engine_id].apply_sync(protocol.on_rank, "attach")
-            cluster.replace_rank(info["rank"], engine_id, info)
+        request = cluster.view(survivors).apply_async(protocol.on_rank, "heal", self.dead, True)
+        take_new_ranks(cluster, request, known, len(self.dead), deadline)
         root = survivors[0]
-        copied = cluster.call("copy_state", root, self.dead,
-                              timeout=max(deadline - time.monotonic(), 1.0))
-        failed = [f"rank {r}: {reply['failed']}" for r, reply in enumerate(copied)
-                  if reply.get("failed")]
-        if failed:
-            raise RuntimeError(f"loading rank {root}'s variables failed on {'; '.join(failed)}")
-        seconds = time.monotonic() - self.started
+        copied = copy_state(cluster, root, self.dead, cluster.size, deadline)
         one = len(self.dead) == 1
         pids = ", ".join(str(cluster.ranks[r]["pid"]) for r in self.dead)
         line = (f"{describe_ranks(self.dead)} {'was' if one else 'were'} replaced in "
-                f"{seconds:.1f} s (pid {pids}), {'its' if one else 'their'} variables and "
-                f"random states copied from rank {root} ({copied[root]['bytes'] / 2**20:.1f} "
-                "MB); the other ranks kept theirs.")
-        skipped = copied[root]["skipped"]
-        if skipped:
-            line += f" Not copied (they do not pickle): {', '.join(skipped)}."
-        rebound = sorted({name for reply in copied for name in reply["rebound"]})
-        if rebound:
-            line += f" Rebound to the new rank's part of the data: {', '.join(rebound)}."
+                f"{time.monotonic() - self.started:.1f} s (pid {pids}), "
+                f"{'its' if one else 'their'} {copied} from rank {root}; the other ranks kept "
+                "theirs.")
         return [line]
+
+
+def take_new_ranks(cluster, request, known: set[int], count: int, deadline: float) -> None:
+    """Wait for ``request`` (the ranks' heal or resize) and for ``count`` engines not in
+    ``known`` to register; attach them and give each its rank in ``cluster``."""
+    client = cluster.client
+    new: list[int] = []
+    while not (request.ready() and len(new) >= count):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not done within {HEAL_SECONDS:g} s")
+        if not processes.alive(cluster.launcher_process()):
+            raise RuntimeError("mpiexec ended")
+        new = sorted(set(client.ids) - known)
+        time.sleep(0.05)
+    request.get()  # a rank's error, if any
+    infos = [client[engine_id].apply_sync(protocol.on_rank, "attach") for engine_id in new]
+    for engine_id, info in sorted(zip(new, infos), key=lambda pair: pair[1]["rank"]):
+        cluster.replace_rank(info["rank"], engine_id, info)
+
+
+def copy_state(cluster, root: int, to: list[int], was_size: int, deadline: float) -> str:
+    """Copy ``root``'s variables to the new ranks ``to``; says what was copied."""
+    copied = cluster.call("copy_state", root, to, was_size,
+                          timeout=max(deadline - time.monotonic(), 1.0))
+    failed = [f"rank {r}: {reply['failed']}" for r, reply in enumerate(copied)
+              if reply.get("failed")]
+    if failed:
+        raise RuntimeError(f"loading rank {root}'s variables failed on {'; '.join(failed)}")
+    text = f"variables and random states copied ({copied[root]['bytes'] / 2**20:.1f} MB)"
+    if copied[root]["skipped"]:
+        text += f" (not copied, as they do not pickle: {', '.join(copied[root]['skipped'])})"
+    rebound = sorted({name for reply in copied for name in reply["rebound"]})
+    if rebound:
+        text += f" (rebound to the new rank's part of the data: {', '.join(rebound)})"
+    return text
+
+
+def scale(cluster, size: int) -> str:
+    """Grow or shrink ``cluster`` to ``size`` ranks, keeping every rank's state: new ranks
+    get rank 0's (as a replacement does), ranks from ``size`` up leave. Says what it did."""
+    started = time.monotonic()
+    deadline = started + HEAL_SECONDS
+    was = cluster.size
+    if size < was:
+        cluster.call("resize", size, timeout=HEAL_SECONDS)
+        cluster.drop_ranks(size)
+        what = f"{describe_ranks(range(size, was))} left"
+    else:
+        known = set(cluster.client.ids)
+        request = cluster.view(list(range(was))).apply_async(protocol.on_rank, "resize", size)
+        take_new_ranks(cluster, request, known, size - was, deadline)
+        added = list(range(was, size))
+        what = (f"{describe_ranks(added)} started, "
+                f"{copy_state(cluster, 0, added, was, deadline)} from rank 0")
+    rebound = cluster.view(list(range(min(was, size)))).apply_sync(
+        protocol.on_rank, "resized", was)
+    line = f"{was} ranks -> {size} in {time.monotonic() - started:.1f} s: {what}"
+    names = sorted({name for names in rebound for name in names})
+    if names:
+        line += f"; samplers now split the data {size} ways: {', '.join(names)}"
+    return line + "; every rank kept its state."

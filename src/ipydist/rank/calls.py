@@ -172,11 +172,27 @@ def heal(dead: list[int], replace: bool) -> dict:
     return healing.heal(dead, replace)
 
 
-def copy_state(root: int, to: list[int]) -> dict:
-    """After a heal: ``root``'s variables and random states to the replacements ``to``."""
+def resize(size: int) -> dict:
+    """``Session.scale``: a world of ``size`` ranks (see :func:`ipydist.rank.heal.resize`)."""
+    from ipydist.rank import heal as healing
+
+    return healing.resize(size)
+
+
+def copy_state(root: int, to: list[int], was_size: int | None = None) -> dict:
+    """After a heal or a resize: ``root``'s variables and random states to the new ranks
+    ``to`` (``was_size``: the world's size before a resize)."""
     from ipydist.rank import state_copy
 
-    return state_copy.copy_from(root, to)
+    return state_copy.copy_from(root, to, was_size)
+
+
+def resized(was_size: int) -> list[str]:
+    """After a resize, on a rank that stayed (its number kept): its samplers and optimizers
+    follow the new size."""
+    from ipydist.rank import state_copy
+
+    return state_copy.resized(was_size)
 
 
 def timeline(action: str) -> list[dict] | None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 
 from ipydist import protocol
@@ -47,18 +48,51 @@ def heal(dead: list[int], replace: bool) -> dict:
         except MPI.Exception:
             pass  # revoked already (by another survivor)
     survivors = rt.comm.Shrink()
-    if replace and dead:
-        args = ["-m", protocol.RANK_MODULE, REPLACES_OPTION + ",".join(map(str, sorted(dead))),
-                *sys.argv[1:]]
-        inter = survivors.Spawn(sys.executable, args=args, maxprocs=len(dead), root=0)
-        merged = inter.Merge(high=False)
-        world = merged.Split(0, key=old_rank)
-        merged.Free()
-        inter.Free()
-        survivors.Free()
-    else:
-        world = survivors
+    world = _with_spawned(survivors, sorted(dead), old_rank) if replace and dead else survivors
     process_group.abandon()  # its connections to the dead are gone; the new world makes its own
     bootstrap.join(world, survivor=rt)
     return {"rank": topology.get().rank, "was": old_rank, "size": topology.get().size,
             "seconds": time.monotonic() - started, "pid": os.getpid()}
+
+
+def resize(size: int) -> dict:
+    """On every rank at once (``Session.scale``): a world of ``size`` ranks. Growing, the
+    ranks spawn the new ones (numbered from the old size up); shrinking, the ranks from
+    ``size`` up leave it, and end their process once they have replied."""
+    from mpi4py import MPI
+
+    from ipydist.rank import bootstrap
+    from ipydist.torch._core import process_group, topology
+
+    started = time.monotonic()
+    rt = topology.get()
+    if size < rt.size:
+        stays = rt.rank < size
+        world = rt.comm.Split(0 if stays else MPI.UNDEFINED, key=rt.rank)
+        if not stays:
+            process_group.abandon()
+            threading.Timer(LEAVE_AFTER_SECONDS, os._exit, (0,)).start()
+            return {"rank": rt.rank, "left": True, "pid": os.getpid()}
+    else:
+        world = _with_spawned(rt.comm, list(range(rt.size, size)), rt.rank)
+    process_group.abandon()  # the old world's; the new one makes its own
+    bootstrap.join(world, survivor=rt)
+    return {"rank": topology.get().rank, "left": False, "size": topology.get().size,
+            "seconds": time.monotonic() - started, "pid": os.getpid()}
+
+
+#: A rank that leaves the world ends its process this long after it replied.
+LEAVE_AFTER_SECONDS = 0.5
+
+
+def _with_spawned(comm, numbers: list[int], my_rank: int):
+    """``comm``'s ranks and one new process for each of ``numbers``, which it takes as its
+    rank (collective over ``comm``): a world ordered by rank."""
+    args = ["-m", protocol.RANK_MODULE, REPLACES_OPTION + ",".join(map(str, numbers)),
+            *sys.argv[1:]]
+    inter = comm.Spawn(sys.executable, args=args, maxprocs=len(numbers), root=0)
+    merged = inter.Merge(high=False)
+    world = merged.Split(0, key=my_rank)
+    merged.Free()
+    inter.Free()
+    return world

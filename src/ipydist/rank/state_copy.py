@@ -70,21 +70,37 @@ def set_random_states(states: dict) -> None:
         torch.cuda.set_rng_state(states["cuda"])
 
 
-def rebind(variables: dict, rank: int, size: int, root: int) -> list[str]:
-    """Point samplers copied from ``root`` at this rank; the names of those changed."""
+def rebind(variables: dict, rank: int, size: int, was_rank: int, was_size: int) -> list[str]:
+    """Point samplers made for rank ``was_rank`` of ``was_size`` (with the defaults) at rank
+    ``rank`` of ``size``, and have DistributedOptimizers average over ``size`` ranks; the
+    names of the samplers changed."""
+    import math
+
     from torch.utils.data import DataLoader, DistributedSampler
 
     from ipydist.torch.training.data import ShardSampler
+    from ipydist.torch.training.optimizer import is_distributed
 
     changed = []
     for name, value in variables.items():
-        sampler = value
-        if isinstance(value, DataLoader):
-            sampler = value.sampler
-        if isinstance(sampler, (ShardSampler, DistributedSampler)) and (
-                sampler.rank == root and sampler.num_replicas == size):
-            sampler.rank = rank
-            changed.append(name)
+        if is_distributed(value) and was_size != size:
+            value._ipydist_resized()
+        sampler = value.sampler if isinstance(value, DataLoader) else value
+        if not isinstance(sampler, (ShardSampler, DistributedSampler)) or (
+                sampler.rank, sampler.num_replicas) != (was_rank, was_size) or (
+                rank, size) == (was_rank, was_size):
+            continue
+        sampler.rank, sampler.num_replicas = rank, size
+        length = len(sampler.dataset)
+        if isinstance(sampler, ShardSampler):
+            sampler.num_samples = (length // size if sampler.drop_last
+                                   else math.ceil(length / size))
+        elif sampler.drop_last and length % size:  # torch's own arithmetic
+            sampler.num_samples = math.ceil((length - size) / size)
+        else:
+            sampler.num_samples = math.ceil(length / size)
+        sampler.total_size = sampler.num_samples * size
+        changed.append(name)
     return changed
 
 
@@ -116,9 +132,10 @@ def into_namespace(variables: dict, namespace: dict) -> None:
         namespace[name] = value
 
 
-def copy_from(root: int, to: list[int]) -> dict:
+def copy_from(root: int, to: list[int], was_size: int | None = None) -> dict:
     """Collective over the world: ``root`` sends its variables and random states to the
-    ranks ``to``, which load them. Returns, on ``root``, the names not copied."""
+    ranks ``to``, which load them (their samplers rebound from ``root``'s place in a world
+    of ``was_size`` to theirs). Returns, on ``root``, the names not copied."""
     from IPython import get_ipython
 
     from ipydist.torch._core import topology
@@ -138,10 +155,21 @@ def copy_from(root: int, to: list[int]) -> dict:
         payload, states = comm.recv(source=root, tag=71)
         try:
             variables = cloudpickle.loads(payload)
-            out["rebound"] = rebind(variables, rt.rank, rt.size, root)
+            out["rebound"] = rebind(variables, rt.rank, rt.size, root, was_size or rt.size)
             into_namespace(variables, shell.user_ns)
             set_random_states(states)
         except Exception as e:  # said to the notebook after the others are let go
             out["failed"] = f"{type(e).__name__}: {e}"
     comm.Barrier()
     return out
+
+
+def resized(was_size: int) -> list[str]:
+    """On a rank that stayed through ``Session.scale``: its samplers and DistributedOptimizers
+    follow the world's new size."""
+    from IPython import get_ipython
+
+    from ipydist.torch._core import topology
+
+    rt = topology.get()
+    return rebind(user_variables(get_ipython()), rt.rank, rt.size, rt.rank, was_size)

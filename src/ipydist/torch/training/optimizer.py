@@ -92,10 +92,8 @@ class _DistributedMixin(CheckpointMixin):
         self._op = op
         # Average divides by the world size before the sum (fewer overflows in 16 bits), or
         # with gradient_predivide_factor f, by f before and by size/f after, as Horovod does.
-        f = float(gradient_predivide_factor)
         ranks = size() if group is None else group.size
-        self._prescale = 1.0 if op is Sum else (1.0 / f if f != 1.0 else 1.0 / ranks)
-        self._postscale = f / ranks if op is Average and f != 1.0 else 1.0
+        self._prescale, self._postscale = _scales(op, float(gradient_predivide_factor), ranks)
         self._buckets = buckets.plan(params,
                                      options.cap_bytes(params, bucket_cap_mb, num_groups),
                                      options.explicit_groups(groups, params),
@@ -131,13 +129,21 @@ class _DistributedMixin(CheckpointMixin):
                 old.remove()
             setattr(p, _HOOK_ATTR, hook and p.register_post_accumulate_grad_hook(hook))
 
+    def _ipydist_resized(self) -> None:
+        """The world changed size (``Session.scale``): average over the new number."""
+        group = comms_for(self._process_set)
+        ranks = size() if group is None else group.size
+        self._prescale, self._postscale = _scales(
+            self._op, float(self._wrapped_with["gradient_predivide_factor"]), ranks)
+
     def __reduce__(self):
         """Pickled as what makes it: the wrapped optimizer's class, state and parameter groups,
         and the arguments it was wrapped with. Unpickling wraps a new optimizer again, with
         hooks on its parameters (which a pickled tensor does not carry), its buckets and its
         process set's group: how a replacement rank (``--elastic``) gets rank 0's optimizer.
         Each rank's own state (1-bit residuals) starts afresh; the step count is kept."""
-        base = next(c for c in type(self).__mro__[1:] if not issubclass(c, _DistributedMixin))
+        base = next(c for c in type(self).__mro__ if issubclass(c, torch.optim.Optimizer)
+                    and not issubclass(c, _DistributedMixin))
         state = {"defaults": self.defaults, "state": self.state,
                  "param_groups": self.param_groups}
         return _unpickle_distributed, (base, state, self._wrapped_with, self._steps)
@@ -327,6 +333,14 @@ class _DistributedMixin(CheckpointMixin):
         self._grad_marks, self._announced, self._step_agreed = None, None, True
         self.synchronize()
         self._synchronized = False
+
+
+def _scales(op: ReduceOp, f: float, ranks: int) -> tuple[float, float]:
+    """(before the sum, after it): Average divides by the number of ranks before the sum
+    (fewer overflows in 16 bits), or with gradient_predivide_factor f, by f before and by
+    ranks/f after, as Horovod does."""
+    pre = 1.0 if op is Sum else (1.0 / f if f != 1.0 else 1.0 / ranks)
+    return pre, (f / ranks if op is Average and f != 1.0 else 1.0)
 
 
 def _unpickle_distributed(base: type, state: dict, wrapped_with: dict, steps: torch.Tensor):
