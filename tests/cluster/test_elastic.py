@@ -174,3 +174,33 @@ def test_scale_needs_an_elastic_cluster(shell, capsys, cluster):
     result, _, _ = run_cell(shell, capsys, "%dist_scale --np 2")
     assert "started with --elastic" in str(result.error_in_exec)
     assert cluster.size == NP
+
+
+def test_horovod_elastic_state_goes_back_to_its_commit_after_a_heal(shell, capsys, elastic):
+    """Horovod's ``hvd.elastic``: after a heal every rank's TorchState is back at its last
+    commit (the steps after it undone), synced, and its reset callbacks have run once."""
+    run_cell(shell, capsys, """%%everyrank
+state = hvd.elastic.TorchState(model, opt, epoch=0)
+resets = []
+state.register_reset_callbacks([lambda: resets.append(hvd.size())])
+
+@hvd.elastic.run
+def fit(state, epochs):
+    for _ in range(epochs):
+        train(2)
+        state.epoch += 1
+        state.commit()
+
+fit(state, 2)
+at_commit = flat().clone()
+train(2)  # not committed: undone by the heal
+moved = not torch.equal(flat(), at_commit)
+""")[0].raise_error()
+    assert elastic.pull("moved") == [True] * NP
+    _kill_mid_allreduce(shell, capsys, elastic, victim=3)
+    result, _, err = run_cell(shell, capsys, """%%everyrank
+back = (state.epoch, torch.equal(flat(), at_commit), resets, same_everywhere(flat()))
+""")
+    result.raise_error()
+    assert "1 hvd.elastic state went back to its last commit()" in err, err
+    assert elastic.pull("back") == [(2, True, [NP], True)] * NP

@@ -65,13 +65,21 @@ class Heal:
         take_new_ranks(cluster, request, known, len(self.dead), deadline)
         root = survivors[0]
         copied = copy_state(cluster, root, self.dead, cluster.size, deadline)
+        states = cluster.call("elastic_reset", True, timeout=max(deadline - time.monotonic(), 1))
         one = len(self.dead) == 1
         pids = ", ".join(str(cluster.ranks[r]["pid"]) for r in self.dead)
         line = (f"{describe_ranks(self.dead)} {'was' if one else 'were'} replaced in "
                 f"{time.monotonic() - self.started:.1f} s (pid {pids}), "
                 f"{'its' if one else 'their'} {copied} from rank {root}; the other ranks kept "
                 "theirs.")
+        if states[0]:
+            line += (f" {_states(states[0])} went back to {'its' if states[0] == 1 else 'their'}"
+                     " last commit() on every rank, synced from rank 0, reset callbacks run.")
         return [line]
+
+
+def _states(count: int) -> str:
+    return f"{count} hvd.elastic state{'s' if count > 1 else ''}"
 
 
 def take_new_ranks(cluster, request, known: set[int], count: int, deadline: float) -> None:
@@ -128,8 +136,11 @@ def scale(cluster, size: int) -> str:
                 f"{copy_state(cluster, 0, added, was, deadline)} from rank 0")
     rebound = cluster.view(list(range(min(was, size)))).apply_sync(
         protocol.on_rank, "resized", was)
+    states = cluster.call("elastic_reset", False, timeout=HEAL_SECONDS)[0]
     line = f"{was} ranks -> {size} in {time.monotonic() - started:.1f} s: {what}"
     names = sorted({name for names in rebound for name in names})
     if names:
         line += f"; samplers now split the data {size} ways: {', '.join(names)}"
+    if states:
+        line += f"; {_states(states)} synced from rank 0, reset callbacks run"
     return line + "; every rank kept its state."

@@ -172,6 +172,13 @@ def heal(dead: list[int], replace: bool) -> dict:
     return healing.heal(dead, replace)
 
 
+def elastic_reset(restore: bool) -> int:
+    """After a heal (``restore``) or a resize: Horovod's elastic states synced, callbacks run."""
+    from ipydist.torch.horovod import elastic
+
+    return elastic.after_heal(restore)
+
+
 def resize(size: int) -> dict:
     """``Session.scale``: a world of ``size`` ranks (see :func:`ipydist.rank.heal.resize`)."""
     from ipydist.rank import heal as healing

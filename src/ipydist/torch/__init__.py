@@ -18,6 +18,7 @@ from ipydist.torch._mpi.backend import register as _register_mpi_backend
 from ipydist.torch._wire import call_check as call_check  # .set_enabled(False): check off
 from ipydist.torch._wire.compression import Compression
 from ipydist.torch._wire.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+from ipydist.torch.horovod import elastic
 from ipydist.torch.horovod.async_ops import (
     allgather_async,
     allreduce_async,
@@ -99,7 +100,7 @@ __all__ = [
     "alltoall_async", "Average", "barrier", "BlockMomentum", "broadcast", "broadcast_",
     "broadcast_async", "broadcast_async_", "broadcast_object", "broadcast_optimizer_state",
     "broadcast_parameters", "ccl_built", "Compression", "cross_rank", "cross_size",
-    "cuda_built", "ddl_built", "device", "DistributedOptimizer", "global_process_set",
+    "cuda_built", "ddl_built", "device", "DistributedOptimizer", "elastic", "global_process_set",
     "gloo_built", "gloo_enabled", "grouped_allgather", "grouped_allgather_async",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
     "grouped_allreduce_async_", "grouped_reducescatter", "grouped_reducescatter_async",
