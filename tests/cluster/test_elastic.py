@@ -218,3 +218,24 @@ after = (hvd.size(), kept, same_everywhere(flat()))
     assert elastic.pull("after") == [(NP, {"note": "defined before the kill", "step": 3}, True)
                                      ] * NP
     assert [r["pid"] for r in elastic.ranks][:2] == old_pids[:2]
+
+
+def test_a_rank_is_replaced_when_every_slot_was_taken(shell, capsys, magics, no_cluster):
+    """2 ranks on 2 cores start without oversubscribing, and mpiexec counts the dead rank's
+    slot as taken: the replacement still starts (it was refused: "All nodes which are
+    allocated for this job are already filled")."""
+    cores = os.cpu_count() or 1
+    shell.run_cell(f"%dist_start --np {min(cores, 2)} --elastic").raise_error()
+    session = magics.session
+    try:
+        session.run("import torch, ipydist.torch as hvd\nx = 5")
+        victim = session.size - 1
+        os.kill(session.ranks[victim]["pid"], signal.SIGKILL)
+        time.sleep(0.5)
+        result, _, err = run_cell(shell, capsys, "%everyrank y = (hvd.size(), x)")
+        result.raise_error()
+        assert "was replaced in" in err, err
+        assert session.pull("y") == [(session.size, 5)] * session.size
+    finally:
+        session.stop(quiet=True)
+        magics.session = None

@@ -40,7 +40,7 @@ def hosts(host_cluster):
 
 
 def notebook_side(cluster: HostCluster, body: str, rank_code: str = "",
-                  timeout: float = 240) -> dict:
+                  timeout: float = 240, elastic: bool = False) -> dict:
     """Run ``body`` on the login host with ``session`` started on both nodes (2 ranks each);
     ``body`` fills the dict ``out``, printed as the last line, and finds ``rank_code`` in
     ``RANK_CODE``."""
@@ -51,7 +51,8 @@ def notebook_side(cluster: HostCluster, body: str, rank_code: str = "",
         "from ipydist import Session",
         "out = {}",
         f"RANK_CODE = {textwrap.dedent(rank_code)!r}",
-        f"session = Session(hosts={hosts!r}, mpi_args={mpi_args!r}, timeout=180)",
+        f"session = Session(hosts={hosts!r}, mpi_args={mpi_args!r}, timeout=180, "
+        f"elastic={elastic})",
         "try:",
         "    session.start()",
         textwrap.indent(textwrap.dedent(body).strip("\n"), "    "),
@@ -322,3 +323,33 @@ def test_lightning_and_the_hugging_face_trainer_train_across_hosts(hosts):
     assert len({seen[3] for seen in lightning}) == 1, "identical parameters on every rank"
     hf = out["hf"]
     assert [seen[:2] for seen in hf] == [[4, 4]] * 4 and len({seen[2] for seen in hf}) == 1, hf
+
+
+def test_elastic_a_rank_killed_on_another_host_is_replaced_there(hosts):
+    """``--elastic`` across hosts: rank 3 (on the second host) SIGKILLed while the others wait
+    in an allreduce; the cluster heals, the replacement takes the free slot on that host, and
+    the next cell has 4 ranks with the variables kept."""
+    out = notebook_side(hosts, """
+        import time
+        from ipydist.errors import RankDied
+        session.run("import os, signal, time, torch, ipydist.torch as hvd\\nx = 7")
+        before = [r["pid"] for r in session.ranks]
+        t0 = time.time()
+        try:
+            session.run("if hvd.rank() == 3: os.kill(os.getpid(), signal.SIGKILL)\\n"
+                        "hvd.allreduce_(torch.ones(2)); time.sleep(30)")
+        except RankDied as e:
+            out["error"] = str(e)
+        out["ended"] = time.time() - t0
+        session.run("s = (hvd.size(), hvd.allreduce(torch.ones(1), op=hvd.Sum).item(), x)")
+        out["healed"] = time.time() - t0
+        out["s"] = session.pull("s")
+        out["hosts"] = [r["host"] for r in session.ranks]
+        out["kept"] = [r["pid"] for r in session.ranks][:3] == before[:3]
+    """, elastic=True)
+    names = [h.name for h in hosts.hosts]
+    assert "being replaced" in out["error"], out
+    assert out["s"] == [[4, 4.0, 7]] * 4, out
+    assert out["hosts"] == [names[0], names[0], names[1], names[1]] and out["kept"], out
+    print(f"\nipydist-measure: across hosts, cell ended {out['ended']:.2f} s after the kill, "
+          f"healed and the next cell done {out['healed']:.2f} s after it")

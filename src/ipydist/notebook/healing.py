@@ -15,7 +15,7 @@ import threading
 import time
 
 from ipydist import protocol
-from ipydist.notebook.launch import processes
+from ipydist.notebook.launch import mpiexec, processes
 from ipydist.specs import describe_ranks
 
 #: How long the heal may take (spawning a replacement, its torch import, its registration,
@@ -61,7 +61,12 @@ class Heal:
         survivors = [r for r in range(cluster.size) if r not in self.dead]
         known = set(cluster.client.ids)
         deadline = self.started + HEAL_SECONDS
-        request = cluster.view(survivors).apply_async(protocol.on_rank, "heal", self.dead, True)
+        # each replacement where its rank ran, unless that host lost every rank it had
+        alive_hosts = {cluster.ranks[r]["host"] for r in survivors}
+        hosts = [cluster.ranks[r]["host"] for r in self.dead]
+        hosts = hosts if all(h in alive_hosts for h in hosts) else None
+        request = cluster.view(survivors).apply_async(protocol.on_rank, "heal", self.dead, True,
+                                                      hosts, rank_env(cluster))
         take_new_ranks(cluster, request, known, len(self.dead), deadline)
         root = survivors[0]
         copied = copy_state(cluster, root, self.dead, cluster.size, deadline)
@@ -82,6 +87,12 @@ def _states(count: int) -> str:
     return f"{count} hvd.elastic state{'s' if count > 1 else ''}"
 
 
+def rank_env(cluster) -> list[str]:
+    """The names of the variables mpiexec gave the ranks (ipydist's, the user's ``--env``,
+    ipyparallel's connection folder): a spawned rank must get them too."""
+    return sorted({*cluster.plan.env, *mpiexec.IPP_ENV})
+
+
 def take_new_ranks(cluster, request, known: set[int], count: int, deadline: float) -> None:
     """Wait for ``request`` (the ranks' heal or resize) and for ``count`` engines not in
     ``known`` to register; attach them and give each its rank in ``cluster``."""
@@ -89,12 +100,15 @@ def take_new_ranks(cluster, request, known: set[int], count: int, deadline: floa
     new: list[int] = []
     while not (request.ready() and len(new) >= count):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"not done within {HEAL_SECONDS:g} s")
+            ended = "ended" if request.ready() else "had not ended"
+            raise TimeoutError(f"not done within {HEAL_SECONDS:g} s: the ranks' part {ended}, "
+                               f"{len(new)} of {count} new ranks registered")
         if not processes.alive(cluster.launcher_process()):
             raise RuntimeError("mpiexec ended")
+        if request.ready() and not request.successful():
+            request.get()  # a rank's error: the heal cannot go on
         new = sorted(set(client.ids) - known)
         time.sleep(0.05)
-    request.get()  # a rank's error, if any
     infos = [client[engine_id].apply_sync(protocol.on_rank, "attach") for engine_id in new]
     for engine_id, info in sorted(zip(new, infos), key=lambda pair: pair[1]["rank"]):
         cluster.replace_rank(info["rank"], engine_id, info)
@@ -129,7 +143,8 @@ def scale(cluster, size: int) -> str:
         what = f"{describe_ranks(range(size, was))} left"
     else:
         known = set(cluster.client.ids)
-        request = cluster.view(list(range(was))).apply_async(protocol.on_rank, "resize", size)
+        request = cluster.view(list(range(was))).apply_async(protocol.on_rank, "resize", size,
+                                                             rank_env(cluster))
         take_new_ranks(cluster, request, known, size - was, deadline)
         added = list(range(was, size))
         what = (f"{describe_ranks(added)} started, "

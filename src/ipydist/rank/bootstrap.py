@@ -23,6 +23,7 @@ from ipydist.specs import SpecError, parse_gpus
 def bootstrap(env: dict[str, str] | None = None):
     """Set up this rank from the :class:`~ipydist.protocol.RankConfig` in its environment."""
     watcher.install()  # first: its signal must be blocked in every thread started later
+    replacement.take_environment(sys.argv)  # a replacement's, from the rank that spawned it
     config = protocol.RankConfig.from_env(env)
     from mpi4py import MPI  # after the watcher: MPI_Init may start threads
 

@@ -165,11 +165,12 @@ def _give_up(out: dict, why: str) -> dict:
     return out
 
 
-def heal(dead: list[int], replace: bool) -> dict:
+def heal(dead: list[int], replace: bool, hosts: list[str] | None = None,
+         env: list[str] = ()) -> dict:
     """``--elastic``, after ``dead`` died: the world again (see :mod:`ipydist.rank.heal`)."""
     from ipydist.rank import heal as healing
 
-    return healing.heal(dead, replace)
+    return healing.heal(dead, replace, hosts, env)
 
 
 def elastic_reset(restore: bool) -> int:
@@ -179,11 +180,11 @@ def elastic_reset(restore: bool) -> int:
     return elastic.after_heal(restore)
 
 
-def resize(size: int) -> dict:
+def resize(size: int, env: list[str] = ()) -> dict:
     """``Session.scale``: a world of ``size`` ranks (see :func:`ipydist.rank.heal.resize`)."""
     from ipydist.rank import heal as healing
 
-    return healing.resize(size)
+    return healing.resize(size, env)
 
 
 def copy_state(root: int, to: list[int], was_size: int | None = None) -> dict:

@@ -23,13 +23,15 @@ import threading
 import time
 
 from ipydist import protocol
-from ipydist.rank.replacement import REPLACES_OPTION
+from ipydist.rank.replacement import REPLACES_OPTION, env_option
 
 
-def heal(dead: list[int], replace: bool) -> dict:
+def heal(dead: list[int], replace: bool, hosts: list[str] | None = None,
+         env: list[str] = ()) -> dict:
     """On every survivor at once: make the world again without ``dead``, with a replacement
-    for each when ``replace`` (else the survivors renumbered from 0), and this rank's runtime
-    and process group in it. Returns what the notebook reports."""
+    for each when ``replace`` (else the survivors renumbered from 0), started on ``hosts``
+    (where the dead ranks ran) when given, and this rank's runtime and process group in it.
+    Returns what the notebook reports."""
     from mpi4py import MPI
 
     from ipydist.rank import bootstrap
@@ -48,14 +50,15 @@ def heal(dead: list[int], replace: bool) -> dict:
         except MPI.Exception:
             pass  # revoked already (by another survivor)
     survivors = rt.comm.Shrink()
-    world = _with_spawned(survivors, sorted(dead), old_rank) if replace and dead else survivors
+    world = (_with_spawned(survivors, sorted(dead), old_rank, hosts, env) if replace and dead
+             else survivors)
     process_group.abandon()  # its connections to the dead are gone; the new world makes its own
     bootstrap.join(world, survivor=rt)
     return {"rank": topology.get().rank, "was": old_rank, "size": topology.get().size,
             "seconds": time.monotonic() - started, "pid": os.getpid()}
 
 
-def resize(size: int) -> dict:
+def resize(size: int, env: list[str] = ()) -> dict:
     """On every rank at once (``Session.scale``): a world of ``size`` ranks. Growing, the
     ranks spawn the new ones (numbered from the old size up); shrinking, the ranks from
     ``size`` up leave it, and end their process once they have replied."""
@@ -74,7 +77,7 @@ def resize(size: int) -> dict:
             threading.Timer(LEAVE_AFTER_SECONDS, os._exit, (0,)).start()
             return {"rank": rt.rank, "left": True, "pid": os.getpid()}
     else:
-        world = _with_spawned(rt.comm, list(range(rt.size, size)), rt.rank)
+        world = _with_spawned(rt.comm, list(range(rt.size, size)), rt.rank, None, env)
     process_group.abandon()  # the old world's; the new one makes its own
     bootstrap.join(world, survivor=rt)
     return {"rank": topology.get().rank, "left": False, "size": topology.get().size,
@@ -85,12 +88,24 @@ def resize(size: int) -> dict:
 LEAVE_AFTER_SECONDS = 0.5
 
 
-def _with_spawned(comm, numbers: list[int], my_rank: int):
+def _with_spawned(comm, numbers: list[int], my_rank: int, hosts: list[str] | None = None,
+                  env: list[str] = ()):
     """``comm``'s ranks and one new process for each of ``numbers``, which it takes as its
-    rank (collective over ``comm``): a world ordered by rank."""
+    rank (collective over ``comm``): a world ordered by rank. mpiexec counts a dead rank's
+    slot as taken, so the new ones may share a host's slots (``OVERSUBSCRIBE``); ``hosts``
+    names where they go. The variables named in ``env`` (what mpiexec gave the ranks: on
+    another host a spawned process gets none of them) are set in theirs as in this rank's
+    (:func:`ipydist.rank.replacement.env_option`)."""
+    from mpi4py import MPI
+
     args = ["-m", protocol.RANK_MODULE, REPLACES_OPTION + ",".join(map(str, numbers)),
-            *sys.argv[1:]]
-    inter = comm.Spawn(sys.executable, args=args, maxprocs=len(numbers), root=0)
+            env_option(env), *sys.argv[1:]]
+    info = MPI.Info.Create()
+    info.Set("map_by", "slot:OVERSUBSCRIBE")
+    if hosts:
+        info.Set("host", ",".join(dict.fromkeys(hosts)))
+    inter = comm.Spawn(sys.executable, args=args, maxprocs=len(numbers), root=0, info=info)
+    info.Free()
     merged = inter.Merge(high=False)
     world = merged.Split(0, key=my_rank)
     merged.Free()

@@ -6,6 +6,32 @@ from __future__ import annotations
 #: The option a replacement is spawned with: the ranks it replaces, in the order of its
 #: spawned job (the i-th process spawned takes the i-th number).
 REPLACES_OPTION = "--ipydist-replaces="
+#: The option that carries the environment mpiexec gave the ranks (base64 of JSON): on another
+#: host a spawned process gets none of it, and MPI's info values are too short to hold it.
+ENV_OPTION = "--ipydist-env="
+
+
+def env_option(names) -> str:
+    """:data:`ENV_OPTION` with this process's values of ``names``."""
+    import base64
+    import json
+    import os
+
+    given = {name: os.environ[name] for name in names if name in os.environ}
+    return ENV_OPTION + base64.b64encode(json.dumps(given).encode()).decode()
+
+
+def take_environment(argv: list[str]) -> None:
+    """Set the variables :func:`env_option` carried (removing it from ``argv``)."""
+    import base64
+    import json
+    import os
+
+    for i, arg in enumerate(argv):
+        if arg.startswith(ENV_OPTION):
+            del argv[i]
+            os.environ.update(json.loads(base64.b64decode(arg[len(ENV_OPTION):])))
+            return
 
 
 def take_replaced_ranks(argv: list[str]) -> list[int] | None:
