@@ -239,6 +239,7 @@ class Session:
     def stop(self, quiet: bool = False) -> None:
         """Stop engines, mpiexec and the controller, and make sure none of them is left."""
         cluster, self.cluster = self.cluster, None
+        self.healing = None  # a heal under way ends with the cluster
         if cluster is None:
             return
         was = cluster.size

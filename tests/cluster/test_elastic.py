@@ -121,28 +121,25 @@ def _report(line: str) -> None:
     print(f"ipydist-measure: {line}", file=sys.__stderr__, flush=True)
 
 
+def _kill_and_heal(shell, capsys, session, victim: int, label: str) -> None:
+    """The bars: the cell ends within 5 s of the kill, the heal and the next cell within 10."""
+    old_pids = [r["pid"] for r in session.ranks]
+    died, ended = _kill_mid_allreduce(shell, capsys, session, victim)
+    assert ended - died < 5.0, f"the cell ended {ended - died:.2f} s after the kill"
+    healed_after = _check_healed(shell, capsys, session, victim, died, old_pids)
+    _report(f"{label}cell ended {ended - died:.2f} s after the kill; healed and the next cell "
+            f"done {healed_after:.2f} s after it")
+    assert healed_after < 10.0
+
+
 @pytest.mark.parametrize("trial", range(TRIALS))
 def test_a_killed_rank_is_replaced_and_no_state_is_lost(shell, capsys, elastic, trial):
-    victim = 2
-    old_pids = [r["pid"] for r in elastic.ranks]
-    died, ended = _kill_mid_allreduce(shell, capsys, elastic, victim)
-    assert ended - died < 5.0, f"the cell ended {ended - died:.2f} s after the kill"
-    healed_after = _check_healed(shell, capsys, elastic, victim, died, old_pids)
-    _report(f"cell ended {ended - died:.2f} s after the kill; healed and the next cell done "
-            f"{healed_after:.2f} s after it")
-    assert healed_after < 10.0
+    _kill_and_heal(shell, capsys, elastic, victim=2, label="")
 
 
 @pytest.mark.parametrize("trial", range(TRIALS))
 def test_under_load_a_killed_rank_is_replaced(shell, capsys, elastic, hogs, trial):
-    victim = 1
-    old_pids = [r["pid"] for r in elastic.ranks]
-    died, ended = _kill_mid_allreduce(shell, capsys, elastic, victim)
-    assert ended - died < 5.0, f"the cell ended {ended - died:.2f} s after the kill"
-    healed_after = _check_healed(shell, capsys, elastic, victim, died, old_pids)
-    _report(f"loaded: cell ended {ended - died:.2f} s after the kill; healed and the next "
-            f"cell done {healed_after:.2f} s after it")
-    assert healed_after < 10.0
+    _kill_and_heal(shell, capsys, elastic, victim=1, label="loaded: ")
 
 
 def test_scale_4_to_2_to_4_keeps_the_model_and_splits_the_data_anew(shell, capsys, elastic):
