@@ -9,8 +9,9 @@
    SIGKILLed while the others run allreduces, again and again (a replacement of a replacement
    too); printed: the seconds from the kill to the end of the cell and to the end of the
    next cell, which waits for the heal and checks the parameters identical.
+3. ``Session.scale``: np -> np/2 -> np, a few times; the seconds each way.
 
-    .venv/bin/python benchmarks/elastic.py [--np 4] [--passes 5] [--heals 5]
+    .venv/bin/python benchmarks/elastic.py [--np 4] [--passes 5] [--heals 5] [--scales 3]
 """
 
 from __future__ import annotations
@@ -113,15 +114,37 @@ def heals(np: int, count: int) -> None:
           f"(max {max(healed):.2f}); parameters identical after each")
 
 
+def scales(np: int, count: int) -> None:
+    """``Session.scale`` np -> np/2 -> np, ``count`` times, a DistributedOptimizer on board."""
+    down, up = [], []
+    with ipydist.Session(np=np, gpus="none", elastic=True) as s:
+        s.run(MODEL, output="rank0")
+        for _ in range(count):
+            t0 = time.perf_counter()
+            s.scale(np // 2)
+            down.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            s.scale(np)
+            up.append(time.perf_counter() - t0)
+            s.run("step()\nsame = identical()", output="rank0")
+            assert s.pull("same") == [True] * np
+    print(f"\n{count} times np={np} -> {np // 2} -> {np}: shrinking took "
+          f"{statistics.median(down):.2f} s (median), growing {statistics.median(up):.2f} s "
+          f"(spawned ranks importing torch, rank 0's variables copied); parameters identical")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--np", type=int, default=4)
     parser.add_argument("--passes", type=int, default=5)
     parser.add_argument("--heals", type=int, default=5)
+    parser.add_argument("--scales", type=int, default=3)
     args = parser.parse_args(argv)
     ok = cost(args.np, args.passes) if args.passes else True
     if args.heals:
         heals(args.np, args.heals)
+    if args.scales:
+        scales(args.np, args.scales)
     return 0 if ok else 1
 
 
