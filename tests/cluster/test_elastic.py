@@ -121,15 +121,23 @@ def _report(line: str) -> None:
     print(f"ipydist-measure: {line}", file=sys.__stderr__, flush=True)
 
 
+#: Seconds from the kill to the end of the next cell (which waits for the heal): the issue's
+#: 10 s, quiet; under CPU hogs 15 s, since the replacement imports torch on busy cores (here
+#: 3.7-6.4 s over 10 loaded trials, and CI's machines have run the loaded tests up to 1.6x
+#: slower). ``make stress`` prints every trial's figure.
+HEALED_WITHIN = {"": 10.0, "loaded: ": 15.0}
+
+
 def _kill_and_heal(shell, capsys, session, victim: int, label: str) -> None:
-    """The bars: the cell ends within 5 s of the kill, the heal and the next cell within 10."""
+    """The bars: the cell ends within 5 s of the kill, the heal and the next cell within
+    HEALED_WITHIN."""
     old_pids = [r["pid"] for r in session.ranks]
     died, ended = _kill_mid_allreduce(shell, capsys, session, victim)
     assert ended - died < 5.0, f"the cell ended {ended - died:.2f} s after the kill"
     healed_after = _check_healed(shell, capsys, session, victim, died, old_pids)
     _report(f"{label}cell ended {ended - died:.2f} s after the kill; healed and the next cell "
             f"done {healed_after:.2f} s after it")
-    assert healed_after < 10.0
+    assert healed_after < HEALED_WITHIN[label]
 
 
 @pytest.mark.parametrize("trial", range(TRIALS))
