@@ -24,7 +24,7 @@ from ipydist.errors import ClusterError, RankDied, RankError
 from ipydist.notebook import healing, recovery, timeline, words
 from ipydist.notebook.cell import CellRun, RunResult, check_syntax, wait_until_idle
 from ipydist.notebook.cluster import Cluster
-from ipydist.notebook.launch import local_gpus, mpiexec, slurm
+from ipydist.notebook.launch import local_gpus, mpiexec, processes, slurm
 from ipydist.notebook.launch.hosts import choose as choose_hosts
 from ipydist.notebook.live.history import MetricHistory
 from ipydist.notebook.output import display
@@ -200,15 +200,14 @@ class Session:
         dead = self.cluster.dead_ranks() if self.cluster is not None else []
         if not dead:
             return ""
-        # mpiexec ends the job, and says what ended the rank as it goes; --elastic keeps it
-        output = self.cluster.mpiexec_output(wait_for_exit=0.0 if self.elastic else 2.0)
+        # mpiexec ends the job, saying what ended the rank as it goes (unless --elastic heals)
+        output = self.cluster.mpiexec_output(wait_for_exit=0.0 if self.can_heal else 2.0)
         return mpiexec.describe_death(output, self.cluster.dead_ranks(), self.words.restart,
-                                      self.cluster.plan.launcher, healing=self.elastic)
+                                      self.cluster.plan.launcher, healing=self.can_heal)
 
     def scale(self, np: int) -> None:
-        """Grow or shrink the running cluster to ``np`` ranks, keeping every rank's state: new
-        ranks get rank 0's variables (as a replacement does), the ranks from ``np`` up leave;
-        samplers and DistributedOptimizers follow the new size (``--elastic`` only)."""
+        """Grow or shrink the running ``--elastic`` cluster to ``np`` ranks, keeping every
+        rank's state (see :func:`ipydist.notebook.healing.scale`)."""
         cluster = self._require_running()
         np = parse_np(np)
         if not self.elastic:
@@ -219,10 +218,15 @@ class Session:
             print(f"ipydist: {healing.scale(cluster, np)}", file=sys.stderr, flush=True)
             self.np = np
 
+    @property
+    def can_heal(self) -> bool:
+        """``--elastic``, and mpiexec kept the job (it ends it when it loses a host)."""
+        return self.elastic and processes.alive(self.cluster.launcher_process())
+
     def start_heal(self) -> None:
         """``--elastic``: replace the ranks found dead (in a thread; see :meth:`healed`)."""
         dead = [info["rank"] for info in self.cluster.dead_ranks()]
-        if dead and self.healing is None:
+        if dead and self.healing is None and self.can_heal:
             self.healing = healing.Heal(self.cluster, dead, self.words.restart).start()
 
     def healed(self) -> None:
@@ -270,7 +274,7 @@ class Session:
             raise ClusterError(self.words.no_cluster())
         self.healed()
         if (alive or self.elastic) and (report := self.death_report()):
-            if not self.elastic:
+            if not self.can_heal:
                 raise RankDied(report)
             print(f"ipydist: {report}", file=sys.stderr, flush=True)
             self.start_heal()

@@ -59,6 +59,9 @@ class Heal:
     def _heal(self) -> list[str]:
         cluster = self.cluster
         survivors = [r for r in range(cluster.size) if r not in self.dead]
+        if not survivors or not processes.alive(cluster.launcher_process()):
+            raise RuntimeError("mpiexec ended the job, so no rank is left to heal around "
+                               "(a lost host's daemon ends it)")
         known = set(cluster.client.ids)
         deadline = self.started + HEAL_SECONDS
         # each replacement where its rank ran, unless that host lost every rank it had
