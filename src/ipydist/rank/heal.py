@@ -34,28 +34,22 @@ def heal(dead: list[int], replace: bool, hosts: list[str] | None = None,
     Returns what the notebook reports."""
     from mpi4py import MPI
 
-    from ipydist.rank import bootstrap
-    from ipydist.torch._core import process_group, resync, topology
+    from ipydist.torch._core import resync, topology
     from ipydist.torch._wire import handles
 
     started = time.monotonic()
     resync.abandon_pending()
     handles.abandon_all()
     rt = topology.get()
-    old_rank = rt.rank
-    for comm in {id(c): c for c in (rt.comm, rt.control_comm, rt.check_comm, rt.data_comm)
-                 if c is not None}.values():
+    for comm in (rt.comm, rt.control_comm, rt.check_comm, rt.data_comm):
         try:
             comm.Revoke()  # a survivor still waiting in one returns from it now
         except MPI.Exception:
             pass  # revoked already (by another survivor)
     survivors = rt.comm.Shrink()
-    world = (_with_spawned(survivors, sorted(dead), old_rank, hosts, env) if replace and dead
+    world = (_with_spawned(survivors, sorted(dead), rt.rank, hosts, env) if replace and dead
              else survivors)
-    process_group.abandon()  # its connections to the dead are gone; the new world makes its own
-    bootstrap.join(world, survivor=rt)
-    return {"rank": topology.get().rank, "was": old_rank, "size": topology.get().size,
-            "seconds": time.monotonic() - started, "pid": os.getpid()}
+    return _rejoin(world, rt, started)
 
 
 def resize(size: int, env: list[str] = ()) -> dict:
@@ -64,7 +58,6 @@ def resize(size: int, env: list[str] = ()) -> dict:
     ``size`` up leave it, and end their process once they have replied."""
     from mpi4py import MPI
 
-    from ipydist.rank import bootstrap
     from ipydist.torch._core import process_group, topology
 
     started = time.monotonic()
@@ -75,13 +68,22 @@ def resize(size: int, env: list[str] = ()) -> dict:
         if not stays:
             process_group.abandon()
             threading.Timer(LEAVE_AFTER_SECONDS, os._exit, (0,)).start()
-            return {"rank": rt.rank, "left": True, "pid": os.getpid()}
+            return {"rank": rt.rank, "left": True, "seconds": time.monotonic() - started}
     else:
         world = _with_spawned(rt.comm, list(range(rt.size, size)), rt.rank, None, env)
-    process_group.abandon()  # the old world's; the new one makes its own
+    return _rejoin(world, rt, started)
+
+
+def _rejoin(world, rt, started: float) -> dict:
+    """This rank's runtime and process group in ``world`` (the old group's connections are
+    dropped: some lead to ranks gone); what the notebook may show."""
+    from ipydist.rank import bootstrap
+    from ipydist.torch._core import process_group, topology
+
+    process_group.abandon()
     bootstrap.join(world, survivor=rt)
-    return {"rank": topology.get().rank, "left": False, "size": topology.get().size,
-            "seconds": time.monotonic() - started, "pid": os.getpid()}
+    return {"rank": topology.get().rank, "left": False,
+            "seconds": time.monotonic() - started}
 
 
 #: A rank that leaves the world ends its process this long after it replied.

@@ -27,21 +27,26 @@ def take_environment(argv: list[str]) -> None:
     import json
     import os
 
+    value = _take_option(argv, ENV_OPTION)
+    if value is not None:
+        os.environ.update(json.loads(base64.b64decode(value)))
+
+
+def _take_option(argv: list[str], prefix: str) -> str | None:
+    """The value of the option ``prefix...`` in ``argv``, removed from it (ipyparallel
+    parses the rest); None when it is not there."""
     for i, arg in enumerate(argv):
-        if arg.startswith(ENV_OPTION):
+        if arg.startswith(prefix):
             del argv[i]
-            os.environ.update(json.loads(base64.b64decode(arg[len(ENV_OPTION):])))
-            return
+            return arg[len(prefix):]
+    return None
 
 
 def take_replaced_ranks(argv: list[str]) -> list[int] | None:
-    """The ranks this process replaces (removing the option from ``argv``, which ipyparallel
-    parses next), or None for a rank mpiexec started."""
-    for i, arg in enumerate(argv):
-        if arg.startswith(REPLACES_OPTION):
-            del argv[i]
-            return [int(r) for r in arg[len(REPLACES_OPTION):].split(",") if r]
-    return None
+    """The ranks this process replaces (removing the option from ``argv``), or None for a
+    rank mpiexec started."""
+    value = _take_option(argv, REPLACES_OPTION)
+    return None if value is None else [int(r) for r in value.split(",") if r]
 
 
 def world(mpi, replaces: list[int]):

@@ -90,16 +90,14 @@ def rebind(variables: dict, rank: int, size: int, was_rank: int, was_size: int) 
                 sampler.rank, sampler.num_replicas) != (was_rank, was_size) or (
                 rank, size) == (was_rank, was_size):
             continue
-        sampler.rank, sampler.num_replicas = rank, size
-        length = len(sampler.dataset)
         if isinstance(sampler, ShardSampler):
-            sampler.num_samples = (length // size if sampler.drop_last
-                                   else math.ceil(length / size))
-        elif sampler.drop_last and length % size:  # torch's own arithmetic
-            sampler.num_samples = math.ceil((length - size) / size)
-        else:
-            sampler.num_samples = math.ceil(length / size)
-        sampler.total_size = sampler.num_samples * size
+            sampler.set_place(rank, size)
+        else:  # torch's sampler: its own arithmetic, as its __init__ does it
+            sampler.rank, sampler.num_replicas = rank, size
+            length = len(sampler.dataset)
+            sampler.num_samples = math.ceil(
+                ((length - size) if sampler.drop_last and length % size else length) / size)
+            sampler.total_size = sampler.num_samples * size
         changed.append(name)
     return changed
 

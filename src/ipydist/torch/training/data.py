@@ -46,20 +46,24 @@ class ShardSampler(Sampler[int]):
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank={rank}, but ranks are 0..{num_replicas - 1}")
         try:
-            length = len(dataset)
+            len(dataset)  # a length is what a shard needs
         except TypeError:
             raise TypeError(
                 f"shard needs a data set with a length (len()), not {type(dataset).__name__}; "
                 "an IterableDataset must split itself between ranks"
             ) from None
         self.dataset = dataset
-        self.num_replicas = num_replicas
-        self.rank = rank
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
         self.epoch = 0
-        if drop_last:
+        self.set_place(rank, num_replicas)
+
+    def set_place(self, rank: int, num_replicas: int) -> None:
+        """This rank's part among ``num_replicas`` (also after the world changed size)."""
+        length = len(self.dataset)
+        self.rank, self.num_replicas = rank, num_replicas
+        if self.drop_last:
             self.num_samples = length // num_replicas
         else:
             self.num_samples = math.ceil(length / num_replicas)
