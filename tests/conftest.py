@@ -37,16 +37,31 @@ def magics(shell):
     return shell.magics_manager.registry["DistMagics"]
 
 
-@pytest.fixture
-def cluster(shell, magics):
-    """A running 4-rank cluster in ``shell`` (started once, reused while it stays healthy)."""
+def _four_ranks(shell, magics, elastic: bool | None):
+    """A running 4-rank cluster in ``shell``, started with ``--elastic`` as asked (None: the
+    default), reused while it stays healthy."""
     s = magics.session
-    if s is None or not s.running or s.size != NP:
+    if s is None or not s.running or s.size != NP or s.elastic_asked is not elastic:
         if s is not None and s.running:
             s.stop(quiet=True)
-        result = shell.run_cell(f"%dist_start --np {NP}")
+        option = {None: "", True: " --elastic", False: " --no-elastic"}[elastic]
+        result = shell.run_cell(f"%dist_start --np {NP}{option}")
         result.raise_error()
     return magics.session
+
+
+@pytest.fixture
+def cluster(shell, magics):
+    """A running 4-rank cluster in ``shell``, as ``%dist_start`` makes by default (started once,
+    reused while it stays healthy)."""
+    return _four_ranks(shell, magics, None)
+
+
+@pytest.fixture
+def plain_cluster(shell, magics):
+    """A running 4-rank cluster started ``--no-elastic``: a rank that dies ends the job, as
+    plain mpiexec (and MPICH, and Slurm's srun) do."""
+    return _four_ranks(shell, magics, False)
 
 
 @pytest.fixture

@@ -137,9 +137,13 @@ class DistMagics(Magics):
         "ranks have not called (default: %(default)g; 0: never)",
     )
     @argument(
-        "--elastic", action="store_true",
+        "--elastic", action="store_true", default=None,
         help="the ranks outlive one that dies, which is replaced with rank 0's variables "
-        "(Open MPI's fault tolerance, ULFM; mpiexec only)",
+        "(Open MPI's fault tolerance, ULFM; mpiexec only). Default: on where the MPI has it",
+    )
+    @argument(
+        "--no-elastic", dest="elastic", action="store_false",
+        help="a rank that dies ends the job, as plain mpiexec does: %%dist_restart then",
     )
     @argument(
         "--no-init", action="store_true",
@@ -213,8 +217,8 @@ class DistMagics(Magics):
               help="the number of ranks to grow or shrink to")
     @line_magic
     def dist_scale(self, line: str = ""):
-        """Grow or shrink the running cluster (started with --elastic) to M ranks, keeping
-        every rank's state: new ranks get rank 0's variables, ranks from M up leave."""
+        """Grow or shrink the running (elastic) cluster to M ranks, keeping every rank's
+        state: new ranks get rank 0's variables, ranks from M up leave."""
         args = parse_argstring(self.dist_scale, line)
         try:
             self._session().scale(args.np)

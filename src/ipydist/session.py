@@ -24,7 +24,7 @@ from ipydist.errors import ClusterError, RankDied, RankError
 from ipydist.notebook import healing, recovery, timeline, words
 from ipydist.notebook.cell import CellRun, RunResult, check_syntax, wait_until_idle
 from ipydist.notebook.cluster import Cluster
-from ipydist.notebook.launch import local_gpus, mpiexec, processes, slurm
+from ipydist.notebook.launch import deaths, local_gpus, mpiexec, processes, slurm
 from ipydist.notebook.launch.hosts import choose as choose_hosts
 from ipydist.notebook.live.history import MetricHistory
 from ipydist.notebook.output import display
@@ -82,7 +82,7 @@ class Session:
         time_limit: str | None = None,
         account: str | None = None,
         slurm_args: str = "",
-        elastic: bool = False,
+        elastic: bool | None = None,
     ):
         #: ``--np`` as given (None: one per slot of the named hosts, else per GPU or core).
         self.np_given = None if np is None else parse_np(np)
@@ -114,7 +114,9 @@ class Session:
         self.startup_seconds: float | None = None
         #: The running cluster (None when stopped): its processes, client and ranks.
         self.cluster: Cluster | None = None
-        #: The ranks outlive one that dies, which is replaced (MPI's fault tolerance, ULFM).
+        #: ``--elastic`` as asked: None, on where the MPI has fault tolerance (ULFM).
+        self.elastic_asked = None if elastic is None else bool(elastic)
+        #: The ranks outlive one that dies, which is replaced (decided at start).
         self.elastic = bool(elastic)
         self.healing: healing.Heal | None = None  # a heal under way
         self._stop_at_exit_registered = False
@@ -139,6 +141,11 @@ class Session:
         if self.running:
             raise ClusterError(self.words.already_running(self.size))
         t0 = time.perf_counter()
+        if self.launcher == "slurm" and self.elastic_asked:
+            raise SpecError(
+                "--elastic with --launcher slurm: srun cannot replace a rank. Inside a Slurm "
+                "allocation, --launcher mpiexec starts Open MPI's daemons through Slurm and "
+                "heals; or leave --elastic out.")
         slurm.check_request(self.slurm, self.launcher, self._host_options())
         if self.launcher == "slurm":
             self.np, named = slurm.ranks_and_hosts(self.np_given, self.slurm)
@@ -161,7 +168,8 @@ class Session:
             plan = slurm.plan(self.np, slurm.mpi_flavor_of(self.mpi), self.slurm, rank_env, named)
         else:
             plan = mpiexec.plan(mpiexec.find_mpiexec(self.mpi), self.np, self.mpi_args,
-                                rank_env, hosts=named, elastic=self.elastic)
+                                rank_env, hosts=named, elastic=self.elastic_asked)
+        self.elastic = plan.elastic
         if not plan.multi_host:
             local_gpus.check_gpus_here(self.gpus, self.backend, self.np, self.gpus_per_rank)
         for note in plan.notes:  # information, not a warning: no red stderr block
@@ -202,7 +210,7 @@ class Session:
             return ""
         # mpiexec ends the job, saying what ended the rank as it goes (unless --elastic heals)
         output = self.cluster.mpiexec_output(wait_for_exit=0.0 if self.can_heal else 2.0)
-        return mpiexec.describe_death(output, self.cluster.dead_ranks(), self.words.restart,
+        return deaths.describe_death(output, self.cluster.dead_ranks(), self.words.restart,
                                       self.cluster.plan.launcher, healing=self.can_heal)
 
     def scale(self, np: int) -> None:
@@ -211,9 +219,10 @@ class Session:
         cluster = self._require_running()
         np = parse_np(np)
         if not self.elastic:
-            raise SpecError("scaling needs a cluster started with --elastic "
-                            "(Session(elastic=True)), which keeps the job when ranks leave: "
-                            f"stop this one ({self.words.stop}) and start one with it.")
+            raise SpecError("scaling needs an elastic cluster, which keeps the job when ranks "
+                            "leave, and this one is not (--no-elastic, or an MPI without fault "
+                            f"tolerance): stop this one ({self.words.stop}) and start one with "
+                            "Open MPI 5, without --no-elastic.")
         if np != self.size:
             print(f"ipydist: {healing.scale(cluster, np)}", file=sys.stderr, flush=True)
             self.np = np
@@ -376,8 +385,8 @@ class Session:
         death, report = None, ""
         if dead:
             output = cluster.mpiexec_output(wait_for_exit=2.0)
-            death = mpiexec.find_death(output, dead)
-            report = mpiexec.describe_death(output, dead, self.words.restart,
+            death = deaths.find_death(output, dead)
+            report = deaths.describe_death(output, dead, self.words.restart,
                                             cluster.plan.launcher)
         return status_table(grouped_by_host(self.ranks), states, memory, death, report,
                             cluster.plan.launcher)

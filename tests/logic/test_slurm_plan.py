@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from ipydist.notebook.launch import mpiexec, slurm
+from ipydist.notebook.launch import deaths, slurm
 from ipydist.notebook.launch.startup import StartWatch
 from ipydist.specs import SpecError, parse_launcher
 
@@ -109,7 +109,7 @@ def test_a_rank_that_srun_saw_die_is_named_with_its_signal():
     dead = [{"rank": r, "pid": 100 + r, "host": "node2"} for r in (2, 3)]
     output = ("srun: error: node2: task 3: Killed\nsrun: Terminating StepId=12.0\n"
               "srun: error: node2: task 2: Terminated\n")
-    text = mpiexec.describe_death(output, dead, "%dist_restart", "srun")
+    text = deaths.describe_death(output, dead, "%dist_restart", "srun")
     assert text.startswith("rank 3 (pid 103 on node2) died: killed by signal 9 (SIGKILL)")
     assert "srun then stopped rank 2." in text
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 from ipydist.notebook import words
-from ipydist.notebook.launch import mpiexec
+from ipydist.notebook.launch import deaths
 from ipydist.notebook.status import COLUMNS, status_table
 
 RANKS = [{"rank": r, "pid": 100 + r, "host": "a", "device": "cpu"} for r in range(4)]
@@ -24,8 +24,8 @@ MPICH_EXIT = ("=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES\n"
 
 
 def after(output: str, restart: str = words.MAGICS.restart, launcher: str = "mpiexec"):
-    death = mpiexec.find_death(output, RANKS)
-    report = mpiexec.describe_death(output, RANKS, restart, launcher)
+    death = deaths.find_death(output, RANKS)
+    report = deaths.describe_death(output, RANKS, restart, launcher)
     states = {r: "dead" for r in range(4)}
     return status_table(RANKS, states, {}, death, report, launcher)
 
@@ -72,7 +72,7 @@ def test_a_death_the_launcher_did_not_report_names_no_cause():
     table = after("")
     assert row(table, 0)["state"] == "died first"
     assert row(table, 3)["state"] == "stopped by mpiexec"
-    one = mpiexec.find_death("", RANKS[2:3])
+    one = deaths.find_death("", RANKS[2:3])
     lone = status_table(RANKS, {0: "idle", 1: "busy", 2: "dead", 3: "idle"},
                         {0: "90 MiB", 1: "91 MiB", 3: "93 MiB"}, one, "rank 2 died.")
     assert [row(lone, r)["state"] for r in range(4)] == ["idle", "busy", "died", "idle"]
@@ -85,4 +85,4 @@ def test_alive_ranks_show_no_note():
                          {r: f"{90 + r} MiB" for r in range(4)})
     assert table.note == "" and str(table).splitlines()[-1] == "4 ranks"
     assert [r[4] for r in table.rows] == ["idle"] * 4
-    assert mpiexec.find_death("anything", []) is None
+    assert deaths.find_death("anything", []) is None

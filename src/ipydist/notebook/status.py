@@ -11,7 +11,7 @@ from __future__ import annotations
 import html
 
 from ipydist.errors import wrap_message
-from ipydist.notebook.launch.mpiexec import Death
+from ipydist.notebook.launch.deaths import Death
 from ipydist.notebook.output import display
 from ipydist.specs import describe_ranks
 
@@ -43,7 +43,7 @@ def status_table(ranks: list[dict], states: dict[int, str], memory: dict[int, st
           launcher: str = "mpiexec") -> StatusTable:
     """The table of ``ranks`` (rank infos, in the order shown) in ``states`` (``"idle"``,
     ``"busy"`` or ``"dead"`` by rank), with each live rank's ``memory``; ``death`` is the rank
-    that died first and how (:func:`~ipydist.notebook.launch.mpiexec.find_death`), ``report``
+    that died first and how (:func:`~ipydist.notebook.launch.deaths.find_death`), ``report``
     the sentence that says so and what to do next."""
     dead = sorted(r for r, state in states.items() if state == "dead")
     rows = []

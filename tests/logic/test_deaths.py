@@ -1,0 +1,47 @@
+"""How a rank died under ``--elastic``: mpiexec keeps the job and says nothing, so the cause is
+read from its daemons' logging of their children's ends, by pid (lines as Open MPI 5.0.11's
+PRRTE prints them at ``odls_base_verbose 5``)."""
+
+from __future__ import annotations
+
+from ipydist.notebook.launch import deaths
+
+LOG = """\
+[vm:07239] [prterun-vm-7239@0,0] odls:constructing child list
+[vm:07239] [prterun-vm-7239@0,0] local:launch
+[vm:07239] [prterun-vm-7239@0,0] hwloc:set on child [prterun-vm-7239@1,1] cpuset 1
+[vm:07239] [prterun-vm-7239@0,0] odls:wait_local_proc child process [prterun-vm-7239@1,1] pid 7243 terminated
+[vm:07239] [prterun-vm-7239@0,0] odls:waitpid_fired child process [prterun-vm-7239@1,1] terminated with signal Killed
+[vm:07239] [prterun-vm-7239@0,0] odls:wait_local_proc child process [prterun-vm-7239@2,0] pid 7300 terminated
+[vm:07239] [prterun-vm-7239@0,0] odls:waitpid_fired child process [prterun-vm-7239@2,0] terminated with signal Segmentation fault
+[vm:07239] [prterun-vm-7239@0,0] odls:wait_local_proc child process [prterun-vm-7239@1,3] pid 7245 terminated
+[vm:07239] [prterun-vm-7239@0,0] odls:waitpid_fired child [prterun-vm-7239@1,3] exit code 3
+[vm:07239] [prterun-vm-7239@0,0] odls:waitpid_fired child process [prterun-vm-7239@1,3] terminated normally
+"""  # noqa: E501
+
+RANKS = [{"rank": r, "pid": pid, "host": "vm"} for r, pid in
+         [(0, 7242), (1, 7243), (2, 7300), (3, 7245)]]
+
+
+def test_each_dead_pid_gets_its_own_signal_or_exit_code():
+    ends = deaths.child_ends(LOG)
+    assert ends[7243].signal == 9 and ends[7300].signal == 11
+    assert ends[7245].exit_code == 3 and ends[7245].signal is None
+    assert 7242 not in ends  # still running: nothing logged
+
+
+def test_the_elastic_message_names_each_rank_s_cause():
+    text = deaths.describe_death(LOG, [RANKS[1], RANKS[2]], "%dist_restart", healing=True)
+    assert text.startswith(
+        "rank 1 (pid 7243 on vm) died: killed by signal 9 (SIGKILL); the out-of-memory killer "
+        "sends this one too; rank 2 (pid 7300 on vm) died: killed by signal 11 (SIGSEGV), a "
+        "segmentation fault. The other ranks keep their state: ranks 1-2 are being replaced"), text
+    # a pid the daemons did not log (another host whose log is lost): no cause, no guess
+    assert deaths.describe_death("", [RANKS[3]], "%dist_restart", healing=True).startswith(
+        "rank 3 (pid 7245 on vm) died. The other ranks")
+
+
+def test_the_logging_is_kept_out_of_what_a_failed_launch_shows():
+    kept = [ln for ln in LOG.splitlines() if not deaths.is_child_end_logging(ln)]
+    assert kept == []
+    assert not deaths.is_child_end_logging("prterun noticed that process rank 2 with PID 1 ...")
