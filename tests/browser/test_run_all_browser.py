@@ -146,8 +146,10 @@ def test_run_all_goes_through_the_failure_notebook(lab, front_end, page, console
     assert not _long_lines(warning.split("ranks in the allreduce")[0]), warning
 
     died = "\n".join(_cell(cells, "signal.SIGKILL)")["outputs"])
-    assert "RankDied" in died and "ranks 0-1 and 3" in died, died
+    assert "RankDied" in died and "rank 2 is being replaced" in died, died
     assert not _long_lines(died), died
+    healed = "\n".join(_cell(cells, "{ranks:g} ranks, epoch")["outputs"])
+    assert "rank 2 was replaced in" in healed and "[all ranks] 4 ranks, epoch" in healed, healed
     new = "\n".join(_cell(cells, "sum of ranks on the new cluster")["outputs"])
     assert "sum of ranks on the new cluster: 6" in new, new
 

@@ -78,8 +78,7 @@ class Heal:
         pids = ", ".join(str(cluster.ranks[r]["pid"]) for r in self.dead)
         line = (f"{describe_ranks(self.dead)} {'was' if one else 'were'} replaced in "
                 f"{time.monotonic() - self.started:.1f} s (pid {pids}), "
-                f"{'its' if one else 'their'} {copied} from rank {root}; the other ranks kept "
-                "theirs.")
+                f"{'its' if one else 'their'} {copied}; the other ranks kept theirs.")
         if states[0]:
             line += (f" {_states(states[0])} went back to {'its' if states[0] == 1 else 'their'}"
                      " last commit() on every rank, synced from rank 0, reset callbacks run.")
@@ -125,12 +124,13 @@ def copy_state(cluster, root: int, to: list[int], was_size: int, deadline: float
               if reply.get("failed")]
     if failed:
         raise RuntimeError(f"loading rank {root}'s variables failed on {'; '.join(failed)}")
-    text = f"variables and random states copied ({copied[root]['bytes'] / 2**20:.1f} MB)"
+    text = (f"variables and random states copied from rank {root} "
+            f"({copied[root]['bytes'] / 2**20:.1f} MB)")
     if copied[root]["skipped"]:
-        text += f" (not copied, as they do not pickle: {', '.join(copied[root]['skipped'])})"
+        text += f"; not copied, as they do not pickle: {', '.join(copied[root]['skipped'])}"
     rebound = sorted({name for reply in copied for name in reply["rebound"]})
     if rebound:
-        text += f" (rebound to the new rank's part of the data: {', '.join(rebound)})"
+        text += f"; given the new rank's part of the data: {', '.join(rebound)}"
     return text
 
 
@@ -150,8 +150,7 @@ def scale(cluster, size: int) -> str:
                                                              rank_env(cluster))
         take_new_ranks(cluster, request, known, size - was, deadline)
         added = list(range(was, size))
-        what = (f"{describe_ranks(added)} started, "
-                f"{copy_state(cluster, 0, added, was, deadline)} from rank 0")
+        what = f"{describe_ranks(added)} started, {copy_state(cluster, 0, added, was, deadline)}"
     rebound = cluster.view(list(range(min(was, size)))).apply_sync(
         protocol.on_rank, "resized", was)
     states = cluster.call("elastic_reset", False, timeout=HEAL_SECONDS)[0]
