@@ -177,6 +177,81 @@ now = (hvd.size(), hvd.rank(), kept, sampler.rank, sampler.num_replicas, len(sam
     assert elastic.pull("g") == [1.0] * NP
 
 
+#: The learners for slow links and a process set, beside SETUP's model: a replacement must get
+#: all of them (a BlockMomentum pickled as a plain SGD lost its block state; a process set
+#: missing on the replacement made the next recovery wait forever).
+LEARNERS = """
+def made():
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+    return m
+m1, m2 = made(), made()
+onebit = hvd.DistributedOptimizer(torch.optim.SGD(m1.parameters(), lr=0.01, momentum=0.9),
+                                  named_parameters=m1.named_parameters(),
+                                  compression=hvd.Compression.onebit)
+bmuf = hvd.BlockMomentum(torch.optim.SGD(m2.parameters(), lr=0.01), block_steps=3)
+evens = hvd.add_process_set([0, 2])
+gen = torch.Generator().manual_seed(hvd.rank())
+def steps(n):
+    for _ in range(n):
+        for m, o in ((m1, onebit), (m2, bmuf)):
+            o.zero_grad()
+            m(torch.randn(8, 8, generator=gen)).pow(2).mean().backward()
+            o.step()
+def flats():
+    return [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in (m1, m2)]
+steps(4)  # mid-block: 4 steps of 3-step blocks
+"""
+
+
+def test_one_bit_block_momentum_and_process_sets_live_on_in_the_replacement(shell, capsys,
+                                                                            elastic):
+    run_cell(shell, capsys, "%%everyrank\n" + LEARNERS)[0].raise_error()
+    os.kill(elastic.ranks[2]["pid"], signal.SIGKILL)
+    time.sleep(0.5)
+    result, _, err = run_cell(shell, capsys, """%%everyrank
+# mid-block each rank's own model differs by design; the block's global model may not
+synced = [same_everywhere(flats()[0]), same_everywhere(bmuf._blocks[0].global_model),
+          int(bmuf._steps_in_block)]
+steps(5)  # to the end of the third block: every rank at its start
+trained = [same_everywhere(f) for f in flats()] + [int(bmuf._steps_in_block)]
+in_set = (hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum, process_set=evens).item()
+          if evens.included() else None)
+""")
+    result.raise_error()
+    assert "rank 2 was replaced in" in err, err
+    assert elastic.pull("synced") == [[True, True, 1]] * NP  # rank 0's block state
+    assert elastic.pull("trained") == [[True, True, 0]] * NP
+    assert elastic.pull("in_set") == [2.0, None, 2.0, None]
+    # a failure in the next cell: the others are released from the learners' collectives,
+    # and the recovery (which makes the process set again) completes on every rank
+    t0 = time.monotonic()
+    result, _, _ = run_cell(shell, capsys, """%%everyrank
+if hvd.rank() == 1:
+    raise ValueError("bad batch")
+steps(3)
+""")
+    assert "rank 1 raised" in str(result.error_in_exec), result.error_in_exec
+    assert time.monotonic() - t0 < 15, "released and recovered"
+    run_cell(shell, capsys, "%everyrank ok = hvd.allreduce(torch.ones(1), op=hvd.Sum).item()"
+             )[0].raise_error()
+    assert elastic.pull("ok") == [float(NP)] * NP
+
+
+def test_shrinking_removes_the_process_sets_of_ranks_that_left(shell, capsys, elastic):
+    run_cell(shell, capsys, """%%everyrank
+low, spread = hvd.add_process_set([0, 1]), hvd.add_process_set([1, 3])
+""")[0].raise_error()
+    result, _, err = run_cell(shell, capsys, "%dist_scale --np 2")
+    result.raise_error()
+    assert "removed, as ranks in them left: the process set of ranks 1 and 3" in err, err
+    run_cell(shell, capsys, """%%everyrank
+got = (hvd.allreduce(torch.ones(1), op=hvd.Sum, process_set=low).item(),
+       spread.process_set_id)
+""")[0].raise_error()
+    assert elastic.pull("got") == [(2.0, None)] * 2
+
+
 def test_scale_needs_an_elastic_cluster(shell, capsys, plain_cluster):
     result, _, _ = run_cell(shell, capsys, "%dist_scale --np 2")
     assert "scaling needs an elastic cluster" in str(result.error_in_exec)

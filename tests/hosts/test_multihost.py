@@ -327,9 +327,9 @@ def test_lightning_and_the_hugging_face_trainer_train_across_hosts(hosts):
 
 
 def test_elastic_a_rank_killed_on_another_host_is_replaced_there(hosts):
-    """Elastic (the default) across hosts: rank 3 (on the second host) SIGKILLed while the others wait
-    in an allreduce; the cluster heals, the replacement takes the free slot on that host, and
-    the next cell has 4 ranks with the variables kept."""
+    """Elastic (the default) across hosts: rank 3 (on the second host) SIGKILLed while the
+    others wait in an allreduce; the cluster heals, the replacement takes the free slot on that
+    host, and the next cell has 4 ranks with the variables kept."""
     out = notebook_side(hosts, """
         import time
         from ipydist.errors import RankDied

@@ -151,13 +151,15 @@ def scale(cluster, size: int) -> str:
         take_new_ranks(cluster, request, known, size - was, deadline)
         added = list(range(was, size))
         what = f"{describe_ranks(added)} started, {copy_state(cluster, 0, added, was, deadline)}"
-    rebound = cluster.view(list(range(min(was, size)))).apply_sync(
+    replies = cluster.view(list(range(min(was, size)))).apply_sync(
         protocol.on_rank, "resized", was)
     states = cluster.call("elastic_reset", False, timeout=HEAL_SECONDS)[0]
     line = f"{was} ranks -> {size} in {time.monotonic() - started:.1f} s: {what}"
-    names = sorted({name for names in rebound for name in names})
+    names = sorted({name for reply in replies for name in reply["rebound"]})
     if names:
         line += f"; samplers now split the data {size} ways: {', '.join(names)}"
+    if removed := replies[0]["sets_removed"]:
+        line += f"; removed, as ranks in them left: {', '.join(removed)}"
     if states:
         line += f"; {_states(states)} synced from rank 0, reset callbacks run"
     return line + "; every rank kept its state."

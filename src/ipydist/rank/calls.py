@@ -195,9 +195,9 @@ def copy_state(root: int, to: list[int], was_size: int | None = None) -> dict:
     return state_copy.copy_from(root, to, was_size)
 
 
-def resized(was_size: int) -> list[str]:
-    """After a resize, on a rank that stayed (its number kept): its samplers and optimizers
-    follow the new size."""
+def resized(was_size: int) -> dict:
+    """After a resize, on a rank that stayed (its number kept): its samplers, optimizers and
+    process sets follow the new size."""
     from ipydist.rank import state_copy
 
     return state_copy.resized(was_size)

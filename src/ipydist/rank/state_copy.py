@@ -137,20 +137,22 @@ def copy_from(root: int, to: list[int], was_size: int | None = None) -> dict:
     from IPython import get_ipython
 
     from ipydist.torch._core import topology
+    from ipydist.torch.horovod import process_sets
 
     rt = topology.get()
     comm = rt.control_comm
     shell = get_ipython()
-    out: dict = {"skipped": [], "bytes": 0, "rebound": []}
+    out: dict = {"skipped": [], "bytes": 0, "rebound": [], "sets_removed": []}
     if rt.rank == root:
         payload, out["skipped"] = pack(user_variables(shell))
         out["bytes"] = len(payload)
         for rank in to:
-            comm.send((payload, random_states()), dest=rank, tag=71)
+            comm.send((payload, random_states(), process_sets.registry()), dest=rank, tag=71)
     elif rt.rank in to:
         import cloudpickle
 
-        payload, states = comm.recv(source=root, tag=71)
+        payload, states, known_sets = comm.recv(source=root, tag=71)
+        process_sets.adopt(known_sets)  # before loading: a variable may name a set
         try:
             variables = cloudpickle.loads(payload)
             out["rebound"] = rebind(variables, rt.rank, rt.size, root, was_size or rt.size)
@@ -159,15 +161,23 @@ def copy_from(root: int, to: list[int], was_size: int | None = None) -> dict:
         except Exception as e:  # said to the notebook after the others are let go
             out["failed"] = f"{type(e).__name__}: {e}"
     comm.Barrier()
+    if process_sets.any_added():  # the same answer on every rank now
+        out["sets_removed"] = process_sets.rejoin(rt.size)
     return out
 
 
-def resized(was_size: int) -> list[str]:
+def resized(was_size: int) -> dict:
     """On a rank that stayed through ``Session.scale``: its samplers and DistributedOptimizers
-    follow the world's new size."""
+    follow the world's new size; shrinking, its process sets are made in the new world (those
+    naming a rank that left are removed). Says which samplers and which sets."""
     from IPython import get_ipython
 
     from ipydist.torch._core import topology
+    from ipydist.torch.horovod import process_sets
 
     rt = topology.get()
-    return rebind(user_variables(get_ipython()), rt.rank, rt.size, rt.rank, was_size)
+    out = {"rebound": rebind(user_variables(get_ipython()), rt.rank, rt.size, rt.rank,
+                             was_size), "sets_removed": []}
+    if rt.size < was_size and process_sets.any_added():  # growing, copy_from did it
+        out["sets_removed"] = process_sets.rejoin(rt.size)
+    return out

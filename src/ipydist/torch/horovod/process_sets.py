@@ -180,6 +180,37 @@ def reconnect_all() -> None:
         _connect(process_set, rt)
 
 
+def registry() -> tuple[list[tuple[int, list[int]]], int]:
+    """The sets added, as (id, ranks) in the order they were made, and the next id: what a
+    rank new to the world (a replacement, one a resize added) needs to have them too."""
+    return [(set_id, s.ranks) for set_id, s in _sets.items()], _next_id
+
+
+def adopt(known: tuple[list[tuple[int, list[int]]], int]) -> None:
+    """On a rank new to the world, before rank 0's variables are loaded: the sets the others
+    have (:func:`registry`), by the same ids, so that a copied variable that names one (a
+    DistributedOptimizer's ``process_set``) is that set here. :func:`rejoin` connects them."""
+    global _next_id
+    sets, _next_id = known
+    for set_id, ranks in sets:
+        process_set = ProcessSet(ranks)
+        process_set.process_set_id = set_id
+        _sets[set_id] = process_set
+
+
+def rejoin(size: int) -> list[str]:
+    """After a heal or a resize, on every rank of the new world at once: the sets that name a
+    rank beyond ``size`` (ranks that left) are removed, the others get communicators in the
+    new world (those of the old one hold ranks that are gone). Returns the removed sets."""
+    gone = [s for s in _sets.values() if s.ranks[-1] >= size]
+    for process_set in gone:
+        del _sets[process_set.process_set_id]
+        _disconnect(process_set)
+        process_set.process_set_id = None
+    reconnect_all()
+    return [f"the process set of {describe_ranks(s.ranks)}" for s in gone]
+
+
 def _connect(process_set: ProcessSet, rt: topology.Runtime) -> None:
     """Its communicators (collective over the world: non-members take part and get none)."""
     ranks = process_set.ranks

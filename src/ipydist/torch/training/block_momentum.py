@@ -101,6 +101,19 @@ class _BlockMomentumMixin:
             raise ValueError(f"block_momentum must be in [0, 1), not {block_momentum}")
         if not block_learning_rate > 0.0:
             raise ValueError(f"block_learning_rate must be above 0, not {block_learning_rate}")
+        self._block_settings(block_steps, block_momentum, block_learning_rate, nesterov,
+                             reset_sgd_momentum)
+        for block in self._blocks:
+            # every rank starts from rank 0's model, or the global models would differ for good
+            broadcast_(block.global_model, root_rank=0)
+            block.start.copy_(block.global_model)
+            block.place_start()
+        self._track()
+
+    def _block_settings(self, block_steps, block_momentum, block_learning_rate, nesterov,
+                        reset_sgd_momentum) -> None:
+        """The settings, and a block state for each dtype and device of the parameters (no
+        collective)."""
         #: Local optimizer steps per block (the same on every rank).
         self.block_steps = block_steps
         self.block_momentum = float(block_momentum)
@@ -112,20 +125,32 @@ class _BlockMomentumMixin:
             for p in group["params"]:
                 kinds.setdefault((p.dtype, p.device), []).append(p)
         self._blocks = [BlockState.of(ps) for ps in kinds.values()]
-        for block in self._blocks:
-            # every rank starts from rank 0's model, or the global models would differ for good
-            broadcast_(block.global_model, root_rank=0)
-            block.start.copy_(block.global_model)
-            block.place_start()
         #: Local steps taken in this block (the same on every rank).
         self._steps_in_block = torch.zeros((), dtype=torch.int64)
         #: Bytes this rank has sent averaging models (as DistributedOptimizer's).
         self.bytes_sent = 0
+
+    def _track(self) -> None:
         # Kept in step by the recovery: after an interrupt every rank goes on from rank 0's
         # block (its local model and optimizer state too, tracked with the optimizer).
         resync.track_optimizer(self)
         resync.track_tensors(
             [t for block in self._blocks for t in block.tensors()] + [self._steps_in_block])
+
+    def __reduce__(self):
+        """Pickled as what makes it: the local optimizer's class, state and parameter groups,
+        the block settings and the block state (the same on every rank). Unpickling wraps a
+        new optimizer again without a collective: how a replacement rank (``--elastic``) gets
+        rank 0's BlockMomentum, in the block rank 0 is in (its local model is rank 0's)."""
+        base = next(c for c in type(self).__mro__ if issubclass(c, torch.optim.Optimizer)
+                    and not issubclass(c, _BlockMomentumMixin))
+        state = {"defaults": self.defaults, "state": self.state,
+                 "param_groups": self.param_groups}
+        settings = (self.block_steps, self.block_momentum, self.block_learning_rate,
+                    self.nesterov, self.reset_sgd_momentum)
+        blocks = [block.tensors() for block in self._blocks]
+        return _unpickle_block_momentum, (base, state, settings, blocks, self._steps_in_block,
+                                          self.bytes_sent)
 
     def step(self, closure=None):
         """A local step; the last one of a block also averages and filters the models."""
@@ -189,6 +214,21 @@ class _BlockMomentumMixin:
             "state": super().state_dict()["state"],
             "params": [b.flat_params() for b in self._blocks] if mid_block else None,
         }
+
+
+def _unpickle_block_momentum(base: type, state: dict, settings: tuple, blocks: list,
+                             steps_in_block: torch.Tensor, bytes_sent: int):
+    optimizer = base.__new__(base)
+    optimizer.__setstate__(state)
+    wrapped = wrap(optimizer, _BlockMomentumMixin)
+    wrapped._block_settings(*settings)
+    for block, saved in zip(wrapped._blocks, blocks):
+        for t, value in zip(block.tensors(), saved):
+            t.copy_(value)
+    wrapped._steps_in_block.copy_(steps_in_block)
+    wrapped.bytes_sent = bytes_sent
+    wrapped._track()
+    return wrapped
 
 
 def block_steps_of(block_size: int | None, batch_size: int | None, block_steps: int | None,
