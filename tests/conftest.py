@@ -37,14 +37,13 @@ def magics(shell):
     return shell.magics_manager.registry["DistMagics"]
 
 
-def _four_ranks(shell, magics, elastic: bool | None):
-    """A running 4-rank cluster in ``shell``, started with ``--elastic`` as asked (None: the
-    default), reused while it stays healthy."""
+def _four_ranks(shell, magics, option: str = ""):
+    """A running 4-rank cluster in ``shell`` that is not elastic (one host's default), started
+    with ``option``, reused while it stays healthy."""
     s = magics.session
-    if s is None or not s.running or s.size != NP or s.elastic_asked is not elastic:
+    if s is None or not s.running or s.size != NP or s.elastic:
         if s is not None and s.running:
             s.stop(quiet=True)
-        option = {None: "", True: " --elastic", False: " --no-elastic"}[elastic]
         result = shell.run_cell(f"%dist_start --np {NP}{option}")
         result.raise_error()
     return magics.session
@@ -52,16 +51,17 @@ def _four_ranks(shell, magics, elastic: bool | None):
 
 @pytest.fixture
 def cluster(shell, magics):
-    """A running 4-rank cluster in ``shell``, as ``%dist_start`` makes by default (started once,
-    reused while it stays healthy)."""
-    return _four_ranks(shell, magics, None)
+    """A running 4-rank cluster in ``shell``, as ``%dist_start`` makes it on one host (started
+    once, reused while it stays healthy)."""
+    return _four_ranks(shell, magics)
 
 
 @pytest.fixture
 def plain_cluster(shell, magics):
-    """A running 4-rank cluster started ``--no-elastic``: a rank that dies ends the job, as
-    plain mpiexec (and MPICH, and Slurm's srun) do."""
-    return _four_ranks(shell, magics, False)
+    """A running 4-rank cluster that is not elastic (``--no-elastic``, which one host's
+    default is too): a rank that dies ends the job, as plain mpiexec (and MPICH, and Slurm's
+    srun) do."""
+    return _four_ranks(shell, magics, " --no-elastic")
 
 
 @pytest.fixture

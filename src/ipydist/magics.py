@@ -139,11 +139,17 @@ class DistMagics(Magics):
     @argument(
         "--elastic", action="store_true", default=None,
         help="the ranks outlive one that dies, which is replaced with rank 0's variables "
-        "(Open MPI's fault tolerance, ULFM; mpiexec only). Default: on where the MPI has it",
+        "(Open MPI's fault tolerance, ULFM; mpiexec only). Default: on across hosts; on one "
+        "host it opens MPI's TCP port on every interface, so it is asked for",
     )
     @argument(
         "--no-elastic", dest="elastic", action="store_false",
         help="a rank that dies ends the job, as plain mpiexec does: %%dist_restart then",
+    )
+    @argument(
+        "--min-np", default=None, metavar="M",
+        help="elastic: when a dead rank's replacement cannot be started, go on with the "
+        "others if they are at least M (default: as many as started, so never fewer)",
     )
     @argument(
         "--no-init", action="store_true",
@@ -167,6 +173,7 @@ class DistMagics(Magics):
                 stall_warning=args.stall_warning, hosts=args.hosts, hostfile=args.hostfile,
                 launcher=args.launcher, partition=args.partition, time_limit=args.time,
                 account=args.account, slurm_args=args.slurm_args, elastic=args.elastic,
+                min_np=args.min_np,
             )
             session.words = words.MAGICS
             session.start()

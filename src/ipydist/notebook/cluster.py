@@ -238,6 +238,14 @@ class Cluster:
         self._views = {}
         self._rank_procs = []
 
+    def keep_ranks(self, ranks: list[int]) -> None:
+        """Only ``ranks`` are left, renumbered from 0 in their order (the world went on
+        without the others)."""
+        self.ranks = [{**self.ranks[old], "rank": new} for new, old in enumerate(ranks)]
+        self.engine_ids = [self.engine_ids[old] for old in ranks]
+        self._views = {}
+        self._rank_procs = []
+
     def drop_ranks(self, size: int) -> None:
         """The ranks from ``size`` up have left the cluster (``Session.scale``)."""
         del self.ranks[size:], self.engine_ids[size:]

@@ -26,10 +26,14 @@ HEAL_SECONDS = 60.0
 class Heal:
     """One heal, for the ranks ``dead`` of ``cluster``, run in a thread."""
 
-    def __init__(self, cluster, dead: list[int], restart: str):
+    def __init__(self, cluster, dead: list[int], words, min_np: int | None = None):
         self.cluster = cluster
         self.dead = sorted(dead)
-        self.restart = restart
+        self.words = words
+        self.restart = words.restart
+        #: The fewest ranks the cluster may go on with when a replacement cannot be started
+        #: (None: as many as it had, so it never goes on with fewer).
+        self.min_np = cluster.size if min_np is None else min_np
         self.started = time.monotonic()
         self.lines: list[str] = []
         self.failed: str | None = None
@@ -53,7 +57,10 @@ class Heal:
             self.lines = self._heal()
         except Exception as e:  # the cluster cannot be used: say what to do
             self.failed = str(e)
-            self.lines = [f"Replacing {describe_ranks(self.dead)} failed ({e}); run "
+            fewer = len(self.cluster.ranks) - len(self.dead)
+            hint = (f" (--min-np {fewer} would have let the others go on)"
+                    if "could not start a replacement" in str(e) and fewer >= 1 else "")
+            self.lines = [f"Replacing {describe_ranks(self.dead)} failed ({e}){hint}; run "
                           f"{self.restart} to start a fresh cluster."]
 
     def _heal(self) -> list[str]:
@@ -68,9 +75,14 @@ class Heal:
         alive_hosts = {cluster.ranks[r]["host"] for r in survivors}
         hosts = [cluster.ranks[r]["host"] for r in self.dead]
         hosts = hosts if all(h in alive_hosts for h in hosts) else None
+        fewer_ok = len(survivors) >= self.min_np
         request = cluster.view(survivors).apply_async(protocol.on_rank, "heal", self.dead, True,
-                                                      hosts, rank_env(cluster))
-        take_new_ranks(cluster, request, known, len(self.dead), deadline)
+                                                      hosts, rank_env(cluster), fewer_ok)
+        replies = take_new_ranks(cluster, request, known, len(self.dead), deadline)
+        if replies[0].get("not_replaced"):
+            return [self._went_on(replies, survivors)]
+        for rank in self.dead:  # for %dist_status
+            cluster.ranks[rank]["replacement"] = True
         root = survivors[0]
         copied = copy_state(cluster, root, self.dead, cluster.size, deadline)
         states = cluster.call("elastic_reset", True, timeout=max(deadline - time.monotonic(), 1))
@@ -84,6 +96,32 @@ class Heal:
                      " last commit() on every rank, synced from rank 0, reset callbacks run.")
         return [line]
 
+    def _went_on(self, replies: list[dict], survivors: list[int]) -> str:
+        """The replacements could not be started, and the survivors went on as the world
+        (renumbered from 0): the cluster follows, and says so."""
+        cluster, was = self.cluster, self.cluster.size
+        cluster.keep_ranks(survivors)
+        states = cluster.call("elastic_reset", True, timeout=HEAL_SECONDS)[0]
+        one = len(self.dead) == 1
+        line = (f"{describe_ranks(self.dead)} could not be replaced "
+                f"({replies[0]['not_replaced']}); the cluster goes on with {cluster.size} ranks "
+                f"(--min-np {self.min_np})")
+        moved = [(old, new) for new, old in enumerate(survivors) if old != new]
+        if moved:
+            line += (f": {describe_ranks([o for o, _ in moved])} "
+                     f"{'is' if len(moved) == 1 else 'are'} now "
+                     f"{describe_ranks([n for _, n in moved])}")
+        names = sorted({name for reply in replies for name in reply["rebound"]})
+        if names:
+            line += f"; samplers now split the data {cluster.size} ways: {', '.join(names)}"
+        if removed := replies[0]["sets_removed"]:
+            line += f"; removed, as ranks in them are gone: {', '.join(removed)}"
+        if states:
+            line += f"; {_states(states)} went back to their last commit(), reset callbacks run"
+        scale = self.words.scale.replace("N", str(was))
+        return (line + f"; every rank kept its state. {scale} starts "
+                f"{'it' if one else 'them'} again once the cause is gone.")
+
 
 def _states(count: int) -> str:
     return f"{count} hvd.elastic state{'s' if count > 1 else ''}"
@@ -95,12 +133,14 @@ def rank_env(cluster) -> list[str]:
     return sorted({*cluster.plan.env, *mpiexec.IPP_ENV})
 
 
-def take_new_ranks(cluster, request, known: set[int], count: int, deadline: float) -> None:
+def take_new_ranks(cluster, request, known: set[int], count: int, deadline: float
+                   ) -> list[dict]:
     """Wait for ``request`` (the ranks' heal or resize) and for ``count`` engines not in
-    ``known`` to register; attach them and give each its rank in ``cluster``."""
+    ``known`` to register; attach them and give each its rank in ``cluster``. Returns the
+    ranks' replies (when they say ``not_replaced``, no engine is waited for)."""
     client = cluster.client
     new: list[int] = []
-    while not (request.ready() and len(new) >= count):
+    while not (request.ready() and (len(new) >= count or _not_replaced(request))):
         if time.monotonic() > deadline:
             ended = "ended" if request.ready() else "had not ended"
             raise TimeoutError(f"not done within {HEAL_SECONDS:g} s: the ranks' part {ended}, "
@@ -111,9 +151,18 @@ def take_new_ranks(cluster, request, known: set[int], count: int, deadline: floa
             request.get()  # a rank's error: the heal cannot go on
         new = sorted(set(client.ids) - known)
         time.sleep(0.05)
+    replies = request.get()
+    if _not_replaced(request):
+        return replies
     infos = [client[engine_id].apply_sync(protocol.on_rank, "attach") for engine_id in new]
     for engine_id, info in sorted(zip(new, infos), key=lambda pair: pair[1]["rank"]):
         cluster.replace_rank(info["rank"], engine_id, info)
+    return replies
+
+
+def _not_replaced(request) -> bool:
+    """Whether the ranks' heal went on without replacements (they could not be started)."""
+    return request.successful() and bool(request.get()[0].get("not_replaced"))
 
 
 def copy_state(cluster, root: int, to: list[int], was_size: int, deadline: float) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import html
 
 from ipydist.errors import wrap_message
+from ipydist.notebook.launch import deaths
 from ipydist.notebook.launch.deaths import Death
 from ipydist.notebook.output import display
 from ipydist.specs import describe_ranks
@@ -38,6 +39,39 @@ class StatusTable(display.Table):
         return super()._repr_html_() + note
 
 
+def cluster_status(cluster, restart: str) -> StatusTable:
+    """The table of ``cluster``'s ranks as they are now (``restart``: how the user starts a
+    fresh cluster, for the note after a death)."""
+    states, memory = {}, {}
+    for info in cluster.ranks:
+        states[info["rank"]], proc = cluster.rank_state(info["rank"])
+        if proc is not None:
+            try:
+                memory[info["rank"]] = f"{proc.memory_info().rss / 2**20:.0f} MiB"
+            except Exception:  # it died between the two looks
+                pass
+    dead = [info for info in cluster.ranks if states[info["rank"]] == "dead"]
+    death, report = None, ""
+    if dead:
+        output = cluster.mpiexec_output(wait_for_exit=2.0)
+        death = deaths.find_death(output, dead)
+        report = deaths.describe_death(output, dead, restart, cluster.plan.launcher)
+    return status_table(grouped_by_host(cluster.ranks), states, memory, death, report,
+                        cluster.plan.launcher)
+
+
+def start_table(ranks: list[dict], seconds: float) -> display.Table:
+    """The table after a start. Its caption is short: in HTML a caption is as wide as the
+    table, so a longer one wraps (the columns already say the backend and the ranks)."""
+    rows = [[i["rank"], i["host"], i["pid"], i["device"], i["backend"], i["transport"]]
+            for i in grouped_by_host(ranks)]
+    hosts = len({i["host"] for i in ranks})
+    where = f" on {hosts} hosts" if hosts > 1 else ""
+    caption = f"{len(ranks)} ranks{where} ready in {seconds:.1f} s"
+    return display.Table(["rank", "host", "pid", "device", "backend", "transport"], rows,
+                         caption)
+
+
 def status_table(ranks: list[dict], states: dict[int, str], memory: dict[int, str],
           death: Death | None = None, report: str = "",
           launcher: str = "mpiexec") -> StatusTable:
@@ -57,6 +91,9 @@ def status_table(ranks: list[dict], states: dict[int, str], memory: dict[int, st
     caption = f"{len(ranks)} ranks"
     if dead:
         caption += f"; {describe_ranks(dead)} dead"
+    if replaced := sorted(i["rank"] for i in ranks if i.get("replacement")):
+        caption += (f"; {describe_ranks(replaced)} "
+                    f"{'is a replacement' if len(replaced) == 1 else 'are replacements'}")
     return StatusTable(COLUMNS, rows, caption, report if dead else "")
 
 

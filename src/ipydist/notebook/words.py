@@ -16,6 +16,8 @@ class Words:
     cell: str
     #: how a cell is interrupted after S seconds
     timeout: str
+    #: how the cluster is grown or shrunk to N ranks
+    scale: str = "%dist_scale --np N"
 
     def no_cluster(self) -> str:
         return f"no cluster is running: start one with {self.start}."
@@ -29,4 +31,4 @@ MAGICS = Words(start="%dist_start --np N", stop="%dist_stop", restart="%dist_res
                cell="an %%everyrank cell", timeout="%%everyrank --timeout S")
 PYTHON = Words(start="Session(np=N).start()", stop="Session.stop()",
                restart="Session.restart()", cell="code passed to Session.run()",
-               timeout="Session.run(code, timeout=S)")
+               timeout="Session.run(code, timeout=S)", scale="Session.scale(np=N)")

@@ -27,10 +27,13 @@ from ipydist.rank.replacement import REPLACES_OPTION, env_option
 
 
 def heal(dead: list[int], replace: bool, hosts: list[str] | None = None,
-         env: list[str] = ()) -> dict:
+         env: list[str] = (), fewer_ok: bool = False) -> dict:
     """On every survivor at once: make the world again without ``dead``, with a replacement
     for each when ``replace`` (else the survivors renumbered from 0), started on ``hosts``
     (where the dead ranks ran) when given, and this rank's runtime and process group in it.
+    A replacement that cannot be started (MPI's spawn fails, on every survivor alike) fails
+    the heal, unless ``fewer_ok``: then the survivors go on as the world, renumbered from 0,
+    their samplers, optimizers and process sets following (``not_replaced`` says why).
     Returns what the notebook reports."""
     from mpi4py import MPI
 
@@ -47,9 +50,21 @@ def heal(dead: list[int], replace: bool, hosts: list[str] | None = None,
         except MPI.Exception:
             pass  # revoked already (by another survivor)
     survivors = rt.comm.Shrink()
-    world = (_with_spawned(survivors, sorted(dead), rt.rank, hosts, env) if replace and dead
-             else survivors)
-    return _rejoin(world, rt, started)
+    world, not_replaced = survivors, None
+    if replace and dead:
+        try:
+            world = _with_spawned(survivors, sorted(dead), rt.rank, hosts, env)
+        except MPI.Exception as e:
+            not_replaced = f"MPI could not start a replacement: {e.Get_error_string()}"
+            if not fewer_ok:
+                raise RuntimeError(not_replaced) from None
+    out = _rejoin(world, rt, started)
+    if world is survivors:
+        from ipydist.rank import state_copy
+
+        out.update(state_copy.renumbered(rt.rank, rt.size, sorted(dead)))
+        out["not_replaced"] = not_replaced
+    return out
 
 
 def resize(size: int, env: list[str] = ()) -> dict:

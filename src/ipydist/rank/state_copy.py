@@ -181,3 +181,21 @@ def resized(was_size: int) -> dict:
     if rt.size < was_size and process_sets.any_added():  # growing, copy_from did it
         out["sets_removed"] = process_sets.rejoin(rt.size)
     return out
+
+
+def renumbered(was_rank: int, was_size: int, gone: list[int]) -> dict:
+    """On a survivor of a world that went on without ``gone`` (renumbered from 0): its
+    samplers and DistributedOptimizers follow its new rank and the new size, and its process
+    sets are made again (renumbered; those naming a rank that is gone removed). Collective.
+    Says which samplers and which sets."""
+    from IPython import get_ipython
+
+    from ipydist.torch._core import topology
+    from ipydist.torch.horovod import process_sets
+
+    rt = topology.get()
+    out = {"rebound": rebind(user_variables(get_ipython()), rt.rank, rt.size, was_rank,
+                             was_size), "sets_removed": []}
+    if process_sets.any_added():
+        out["sets_removed"] = process_sets.rejoin(rt.size, gone=gone)
+    return out

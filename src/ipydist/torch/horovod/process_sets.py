@@ -198,17 +198,23 @@ def adopt(known: tuple[list[tuple[int, list[int]]], int]) -> None:
         _sets[set_id] = process_set
 
 
-def rejoin(size: int) -> list[str]:
+def rejoin(size: int, gone: Iterable[int] = ()) -> list[str]:
     """After a heal or a resize, on every rank of the new world at once: the sets that name a
-    rank beyond ``size`` (ranks that left) are removed, the others get communicators in the
-    new world (those of the old one hold ranks that are gone). Returns the removed sets."""
-    gone = [s for s in _sets.values() if s.ranks[-1] >= size]
-    for process_set in gone:
+    rank beyond ``size`` (ranks that left) or one of ``gone`` (dead ranks the world went on
+    without, the others renumbered from 0) are removed, the others are renumbered and get
+    communicators in the new world (those of the old one hold ranks that are gone). Returns
+    the removed sets, by their old ranks."""
+    gone = sorted(set(gone))
+    removed = [s for s in _sets.values()
+               if s.ranks[-1] >= size + len(gone) or set(s.ranks) & set(gone)]
+    for process_set in removed:
         del _sets[process_set.process_set_id]
         _disconnect(process_set)
         process_set.process_set_id = None
+    for process_set in _sets.values():  # a rank's new number: less the gone below it
+        process_set.ranks = [r - sum(g < r for g in gone) for r in process_set.ranks]
     reconnect_all()
-    return [f"the process set of {describe_ranks(s.ranks)}" for s in gone]
+    return [f"the process set of {describe_ranks(s.ranks)}" for s in removed]
 
 
 def _connect(process_set: ProcessSet, rt: topology.Runtime) -> None:
