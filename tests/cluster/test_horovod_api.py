@@ -193,9 +193,9 @@ outcome = (got.dtype, got.tolist(), received.tolist(), equal.tolist(), errors)
 
 
 def test_gradients_flow_through_the_collectives(shell, capsys, cluster, transport):
-    """Horovod's gradients: allreduce's is the same allreduce; allgather's is this rank's
-    rows of the summed gradient; broadcast's is the summed gradient at the root, zero
-    elsewhere; alltoall's goes back the way the rows came."""
+    """Current Horovod's gradients: allreduce's is the same allreduce; allgather's is this
+    rank's rows of the averaged gradient; broadcast's is the averaged gradient at the root,
+    zero elsewhere; alltoall's goes back the way the rows came."""
     run_ok(shell, capsys, """%%everyrank
 import torch, ipydist.torch as hvd
 r, n = hvd.rank(), hvd.size()
@@ -210,7 +210,7 @@ gathered = hvd.allgather(x)
 (gathered * torch.arange(gathered.shape[0]).unsqueeze(1)).sum().backward()
 g_gather = x.grad[:, 0].tolist()
 x = torch.ones(2, requires_grad=True)
-hvd.broadcast(x, root_rank=1).sum().backward()
+(hvd.broadcast(x, root_rank=1) * (r + 1)).sum().backward()
 g_bcast = x.grad.tolist()
 x = torch.arange(float(n), requires_grad=True)
 out = hvd.alltoall(x)
@@ -222,8 +222,9 @@ outcome = (g_sum, g_avg, g_gather, g_bcast, g_a2a)
     for rank, (g_sum, g_avg, g_gather, g_bcast, g_a2a) in enumerate(pulled(shell, "outcome")):
         assert g_sum == [float(n)] * 3 and g_avg == [1.0] * 3
         offset = rank * (rank + 1) // 2  # rows of the ranks before
-        assert g_gather == [float(n * (offset + i)) for i in range(rank + 1)]
-        assert g_bcast == ([float(n)] * 2 if rank == 1 else [0.0, 0.0])
+        assert g_gather == [float(offset + i) for i in range(rank + 1)]  # the same on all
+        mean = sum(range(1, n + 1)) / n  # rank r's gradient was r + 1
+        assert g_bcast == ([mean] * 2 if rank == 1 else [0.0, 0.0])
         assert g_a2a == [float(j + 1) for j in range(n)]  # rank j weighted its row by j + 1
 
 

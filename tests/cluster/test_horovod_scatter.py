@@ -52,8 +52,9 @@ outcome = (x.grad[:, 0].tolist(), y.grad.tolist())
 """)
     n = NP
     for grads, summed in pulled(shell, "outcome"):
-        assert grads == [(j + 1) / n for j in range(n) for _ in range(2)]
-        assert summed == [3.0] * n
+        # current Horovod: the gathered gradient, times n for Sum, times the scale factors
+        assert grads == [float(j + 1) for j in range(n) for _ in range(2)]
+        assert summed == [3.0 * n] * n
 
 
 def test_grouped_allgather_and_reducescatter(shell, capsys, cluster, transport):

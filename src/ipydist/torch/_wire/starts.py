@@ -208,7 +208,8 @@ def start_reducescatter(tensor: torch.Tensor, op: ReduceOp, prescale: float = 1.
     rows (:func:`shares`, in rank order); the input is unchanged."""
     tensor = tensor.detach()
     if op is Adasum:
-        raise ValueError("reducescatter takes Average, Sum, Min, Max or Product, not Adasum")
+        raise RuntimeError(  # Horovod's type for it
+            "reducescatter takes Average, Sum, Min, Max or Product, not Adasum")
     if tensor.dim() == 0:
         raise ValueError("reducescatter shares a tensor's first dimension among the ranks: "
                          "give it a tensor with at least one dimension")

@@ -1,7 +1,11 @@
-"""Gradients through the collectives, as Horovod defines them: the gradient of an allreduce is
-the same allreduce of the gradient; of an allgather, this rank's rows of the summed gradient;
-of a broadcast, the summed gradient at the root and zero elsewhere. Each backward is itself a
-collective: every rank runs it, as every rank ran the forward."""
+"""Gradients through the collectives, as current Horovod defines them (``horovod/torch/
+mpi_ops.py``): the gradient of an allreduce is the same allreduce of the gradient; of an
+allgather, this rank's rows of the *averaged* gradient; of a broadcast, the averaged gradient
+at the root and zero elsewhere; of a reducescatter, the gathered gradient, times the number of
+ranks for ``Sum`` and times the pre- and postscale factors. (Averages, not sums: when every
+rank computes the same loss from the same gathered or broadcast tensor, the gradient is that
+of one copy, as in a single process: Horovod averages since 0.22, #2654; ipydist summed.)
+Each backward is itself a collective: every rank runs it, as every rank ran the forward."""
 
 from __future__ import annotations
 
@@ -18,8 +22,8 @@ from ipydist.torch._wire.starts import (
 )
 
 
-def _summed(grad: torch.Tensor, group) -> torch.Tensor:
-    return start_allreduce(grad.detach().clone().contiguous(), Sum, group=group).wait()
+def _averaged(grad: torch.Tensor, group) -> torch.Tensor:
+    return start_allreduce(grad.detach().clone().contiguous(), Average, group=group).wait()
 
 
 def _my_index(group) -> int:
@@ -56,7 +60,7 @@ class Allgather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         me = _my_index(ctx.group)
-        mine = _summed(grad, ctx.group).narrow(0, sum(ctx.counts[:me]), ctx.counts[me])
+        mine = _averaged(grad, ctx.group).narrow(0, sum(ctx.counts[:me]), ctx.counts[me])
         return mine.reshape(ctx.shape), None
 
 
@@ -74,8 +78,8 @@ class Reducescatter(torch.autograd.Function):
             raise RuntimeError(f"reducescatter with op {op.name} has no gradient here: use "
                                "Average or Sum for tensors that require grad")
         whole = start_allgather(grad.contiguous(), group=ctx.group)[0].wait()
-        if op is Average:
-            scale /= topology.get().size if ctx.group is None else ctx.group.size
+        if op is Sum:
+            scale *= topology.get().size if ctx.group is None else ctx.group.size
         return (whole * scale if scale != 1.0 else whole), None, None, None, None
 
 
@@ -87,10 +91,10 @@ class Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        summed = _summed(grad, ctx.group)
+        averaged = _averaged(grad, ctx.group)
         if topology.get().rank != ctx.root:
-            summed.zero_()
-        return summed, None, None
+            averaged.zero_()
+        return averaged, None, None
 
 
 class Alltoall(torch.autograd.Function):

@@ -214,7 +214,7 @@ class Bucket:
               sparse_as_dense: bool = False) -> None:
         """Write the averaged gradients into the parameters' ``grad`` where some rank had one
         (``flags``: the values of what :meth:`receive` asked to read, in its order); a sparse
-        one (it was sent dense) comes back sparse, unless ``sparse_as_dense``. Only once the
+        one (it was sent dense) comes back sparse, as Horovod hands it back. Only once the
         group is known usable (:func:`unpack`)."""
         values, had = self.staged
         read = iter(flags)
@@ -232,7 +232,7 @@ class Bucket:
         for p, value, had in zip(self.params, values, had_grad):
             if had:
                 if p.grad is None or p.grad.is_sparse:
-                    if p.grad is not None and not sparse_as_dense:
+                    if p.grad is not None:
                         sparse.append(p)
                     p.grad = value.view_as(p).to(p.dtype, copy=True)
                 else:
@@ -257,7 +257,7 @@ class Bucket:
                 p.grad.copy_(sent)
             if scale != 1.0:
                 p.grad.mul_(scale)
-            if was_sparse and not sparse_as_dense:
+            if was_sparse:
                 p.grad = p.grad.to_sparse(1)
         self.abandon()
 

@@ -44,7 +44,7 @@ from ipydist.torch.horovod.process_sets import ProcessSet, comms_for, global_pro
 from ipydist.torch.training import buckets, momentum_correction
 from ipydist.torch.training import optimizer_options as options
 from ipydist.torch.training.optimizer_state import CheckpointMixin
-from ipydist.torch.training.wrapping import wrap
+from ipydist.torch.training.wrapping import OutsideTheSet, wrap
 
 #: Default bucket size, DDP's; benchmarks/train_step.py sweeps it (see the README).
 DEFAULT_BUCKET_CAP_MB = 25.0
@@ -128,6 +128,12 @@ class _DistributedMixin(CheckpointMixin):
             if old is not None:
                 old.remove()
             setattr(p, _HOOK_ATTR, hook and p.register_post_accumulate_grad_hook(hook))
+
+    @property
+    def _parameter_names(self) -> dict:
+        """Horovod's attribute, which code written for it reads: each parameter -> its name."""
+        return {p: name for group in self.param_groups for p in group["params"]
+                if (name := self._names.get(id(p))) is not None}
 
     def _ipydist_resized(self) -> None:
         """The world changed size (``Session.scale``): average over the new number."""
@@ -380,11 +386,14 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name, a factory like Horovod
     Horovod's arguments: ``process_set`` averages among a process set's ranks (only they step
     it); ``num_groups=n`` fuses the gradients into about n buckets, ``groups`` (lists of
     parameters) fuses each list into buckets of its own, where the default is buckets of
-    ``bucket_cap_mb``; sparse gradients (``nn.Embedding(sparse=True)``) are averaged densely,
-    and come back sparse unless ``sparse_as_dense``.
+    ``bucket_cap_mb``; sparse gradients (``nn.Embedding(sparse=True)``) are averaged densely
+    and come back sparse, as the optimizer gave them (SparseAdam needs them so). A rank outside
+    ``process_set`` may make it too, as in Horovod: its steps average nothing.
     """
     if is_distributed(optimizer):
         raise ValueError("this optimizer is already a DistributedOptimizer")
+    if process_set is not global_process_set and process_set.included() is False:
+        return wrap(optimizer, OutsideTheSet)
     wrapped = wrap(optimizer, _DistributedMixin)
     wrapped._ipydist_setup(
         named_parameters, compression, backward_passes_per_step, op,

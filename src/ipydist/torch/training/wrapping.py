@@ -3,6 +3,7 @@ class, so that LR schedulers, ``isinstance`` checks and its ``step`` keep workin
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -23,3 +24,28 @@ def wrap(optimizer: torch.optim.Optimizer, mixin: type) -> torch.optim.Optimizer
             stacklevel=3,
         )
     return wrapped
+
+
+class OutsideTheSet:
+    """A DistributedOptimizer on a rank outside its process set, mixed in as ``wrap`` does.
+
+    Horovod lets every rank make ``DistributedOptimizer(opt, process_set=ps)``, members of
+    ``ps`` or not (its own test does, with the even ranks' set on every rank), and a rank
+    outside the set then trains alone: its steps average nothing and it takes part in no
+    collective of the set. The methods code calls on a DistributedOptimizer do nothing here.
+    """
+
+    wrapper_name = "DistributedOptimizer"
+    #: Nothing is sent, as nothing is averaged.
+    bytes_sent = 0
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: this rank averages with no one."""
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        yield
+
+    @property
+    def _parameter_names(self) -> dict:
+        return {}
