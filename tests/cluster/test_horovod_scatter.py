@@ -3,7 +3,13 @@ allreduce, on a real 4-rank cluster and both wires of CPU tensors (MPI and gloo)
 
 from __future__ import annotations
 
+import contextlib
+import io
+
+import pytest
 from helpers import NP, pulled, run_cell, run_ok
+
+import ipydist
 
 
 def test_reducescatter_shares_rows_as_horovod_does(shell, capsys, cluster, transport):
@@ -115,3 +121,29 @@ hvd.grouped_allreduce([torch.ones(s) for s in shapes])
 after = hvd.grouped_allreduce([torch.ones(2)], op=hvd.Sum)[0].tolist()
 """)
     assert all(a == [float(NP)] * 2 for a in pulled(shell, "after"))
+
+
+@pytest.mark.parametrize("wire", ["mpi", "gloo"])
+def test_gradients_as_horovod_defines_them_on_two_ranks(wire):
+    """The same gradients on 2 ranks (Horovod's CI size), each wire: allgather's averaged,
+    broadcast's averaged at the root, reducescatter's gathered and times 2 for Sum."""
+    with contextlib.redirect_stdout(io.StringIO()), ipydist.Session(np=2) as s:
+        s.run(f"""
+import torch, ipydist.torch as hvd
+from ipydist.torch._core import topology
+topology.get().transport = {wire!r}
+r = hvd.rank()
+x = torch.ones(r + 1, requires_grad=True)
+(hvd.allgather(x) * torch.tensor([1.0, 2.0, 3.0]) * (r + 1)).sum().backward()
+g_gather = x.grad.tolist()
+x = torch.ones(2, requires_grad=True)
+(hvd.broadcast(x, root_rank=0) * (r + 1)).sum().backward()
+g_bcast = x.grad.tolist()
+x = torch.ones(4, requires_grad=True)
+hvd.reducescatter(x, op=hvd.Sum).sum().backward()
+g_scatter = x.grad.tolist()
+out = (g_gather, g_bcast, g_scatter)
+""", output="rank0")
+        # the gathered rows weighted 1, 2, 3 by rank 0 and 2, 4, 6 by rank 1: averaged
+        assert s.pull("out") == [([1.5], [1.5, 1.5], [2.0] * 4),
+                                 ([3.0, 4.5], [0.0, 0.0], [2.0] * 4)]
