@@ -140,28 +140,37 @@ def test_launcher_slurm_inside_an_allocation_uses_srun_in_it(slurm):
     assert out["job"] is None
 
 
+#: Rank 3 (on node2) SIGKILLed through ipyparallel's nanny, which may land after a quick cell
+#: ended: cells that take a moment, until one meets the death (or 10 s); ``t0`` and
+#: ``out["error"]`` are set.
+KILL_RANK_3 = """
+import signal, time
+session.signal(signal.SIGKILL, ranks=[3])
+t0 = time.monotonic()
+while "error" not in out and time.monotonic() - t0 < 10:
+    try:
+        session.run("import time; time.sleep(0.5)", timeout=30)
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+"""
+
+
 def test_inside_an_allocation_mpiexec_heals_a_rank_killed_on_a_node(slurm):
     """srun cannot replace a rank (``--launcher slurm --elastic`` is refused, saying this):
     inside an allocation ``--launcher mpiexec`` starts Open MPI's daemons through Slurm, on
     the allocation's nodes, and a rank killed on the second node is replaced there."""
-    out = notebook_side(slurm, ["salloc", "-N2", "-n4"], program("timeout=120", """
-        import signal, time
+    body = textwrap.dedent("""
         session.run(SUM + "\\nkept = 'before'")
         before = [r["pid"] for r in session.ranks]
-        session.signal(signal.SIGKILL, ranks=[3])
-        t0 = time.monotonic()
-        while "error" not in out and time.monotonic() - t0 < 10:
-            try:
-                session.run("import time; time.sleep(0.5)", timeout=30)
-            except Exception as e:
-                out["error"] = f"{type(e).__name__}: {e}"
+    """) + KILL_RANK_3 + textwrap.dedent("""
         session.run(SUM)
         out["healed"] = time.monotonic() - t0
         out["sums"] = session.pull("s")
         out["kept"] = session.pull("kept")
         out["hosts"] = [r["host"] for r in session.ranks]
         out["survivors"] = [r["pid"] for r in session.ranks][:3] == before[:3]
-    """))
+    """)
+    out = notebook_side(slurm, ["salloc", "-N2", "-n4"], program("timeout=120", body))
     print(f"\nipydist-measure: slurm allocation, mpiexec: healed and a cell done "
           f"{out['healed']:.2f} s after the kill")
     assert out["error"].startswith("RankDied: rank 3 (pid ") and "being replaced" in \
@@ -171,24 +180,16 @@ def test_inside_an_allocation_mpiexec_heals_a_rank_killed_on_a_node(slurm):
 
 
 def test_a_rank_killed_on_a_node_is_reported_with_its_host_and_a_restart_works(slurm):
-    out = notebook_side(slurm, [], program("np=4, launcher='slurm', timeout=120", """
-        import signal, time
+    body = textwrap.dedent("""
         first_job = session.cluster.slurm_job
-        session.signal(signal.SIGKILL, ranks=[3])
-        t0 = time.monotonic()
-        # the signal travels to node2 through ipyparallel's nanny, so a quick cell can end
-        # before it lands: cells that take a moment, until one meets the death (or 10 s)
-        while "error" not in out and time.monotonic() - t0 < 10:
-            try:
-                session.run("import time; time.sleep(0.5)", timeout=30)
-            except Exception as e:
-                out["error"] = f"{type(e).__name__}: {e}"
+    """) + KILL_RANK_3 + textwrap.dedent("""
         out["seconds"] = time.monotonic() - t0
         session.restart()
         out["jobs"] = [first_job, session.cluster.slurm_job]
         session.run(SUM)
         out["sums"] = session.pull("s")
-    """))
+    """)
+    out = notebook_side(slurm, [], program("np=4, launcher='slurm', timeout=120", body))
     print(f"\nipydist-measure: slurm rank death reported in {out['seconds']:.2f} s")
     assert out["error"].startswith("RankDied: rank 3 (pid "), out["error"]
     assert " on node2) died: killed by signal 9 (SIGKILL)" in out["error"], out["error"]

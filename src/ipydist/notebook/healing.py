@@ -111,16 +111,23 @@ class Heal:
             line += (f": {describe_ranks([o for o, _ in moved])} "
                      f"{'is' if len(moved) == 1 else 'are'} now "
                      f"{describe_ranks([n for _, n in moved])}")
-        names = sorted({name for reply in replies for name in reply["rebound"]})
-        if names:
-            line += f"; samplers now split the data {cluster.size} ways: {', '.join(names)}"
-        if removed := replies[0]["sets_removed"]:
-            line += f"; removed, as ranks in them are gone: {', '.join(removed)}"
+        line += _followed(replies, cluster.size, "are gone")
         if states:
             line += f"; {_states(states)} went back to their last commit(), reset callbacks run"
         scale = self.words.scale.replace("N", str(was))
         return (line + f"; every rank kept its state. {scale} starts "
                 f"{'it' if one else 'them'} again once the cause is gone.")
+
+
+def _followed(replies: list[dict], size: int, gone: str) -> str:
+    """What followed the new size on the ranks that stayed (their ``rebound`` samplers,
+    ``sets_removed``), as clauses of the line that says what happened."""
+    text = ""
+    if names := sorted({name for reply in replies for name in reply["rebound"]}):
+        text += f"; samplers now split the data {size} ways: {', '.join(names)}"
+    if removed := replies[0]["sets_removed"]:
+        text += f"; removed, as ranks in them {gone}: {', '.join(removed)}"
+    return text
 
 
 def _states(count: int) -> str:
@@ -204,11 +211,7 @@ def scale(cluster, size: int) -> str:
         protocol.on_rank, "resized", was)
     states = cluster.call("elastic_reset", False, timeout=HEAL_SECONDS)[0]
     line = f"{was} ranks -> {size} in {time.monotonic() - started:.1f} s: {what}"
-    names = sorted({name for reply in replies for name in reply["rebound"]})
-    if names:
-        line += f"; samplers now split the data {size} ways: {', '.join(names)}"
-    if removed := replies[0]["sets_removed"]:
-        line += f"; removed, as ranks in them left: {', '.join(removed)}"
+    line += _followed(replies, size, "left")
     if states:
         line += f"; {_states(states)} synced from rank 0, reset callbacks run"
     return line + "; every rank kept its state."
