@@ -57,10 +57,7 @@ class Heal:
             self.lines = self._heal()
         except Exception as e:  # the cluster cannot be used: say what to do
             self.failed = str(e)
-            fewer = len(self.cluster.ranks) - len(self.dead)
-            hint = (f" (--min-np {fewer} would have let the others go on)"
-                    if "could not start a replacement" in str(e) and fewer >= 1 else "")
-            self.lines = [f"Replacing {describe_ranks(self.dead)} failed ({e}){hint}; run "
+            self.lines = [f"Replacing {describe_ranks(self.dead)} failed ({e}); run "
                           f"{self.restart} to start a fresh cluster."]
 
     def _heal(self) -> list[str]:
@@ -75,11 +72,13 @@ class Heal:
         alive_hosts = {cluster.ranks[r]["host"] for r in survivors}
         hosts = [cluster.ranks[r]["host"] for r in self.dead]
         hosts = hosts if all(h in alive_hosts for h in hosts) else None
-        fewer_ok = len(survivors) >= self.min_np
         request = cluster.view(survivors).apply_async(protocol.on_rank, "heal", self.dead, True,
-                                                      hosts, rank_env(cluster), fewer_ok)
+                                                      hosts, rank_env(cluster))
         replies = take_new_ranks(cluster, request, known, len(self.dead), deadline)
-        if replies[0].get("not_replaced"):
+        if not_replaced := replies[0].get("not_replaced"):
+            if len(survivors) < self.min_np:
+                raise RuntimeError(f"{not_replaced} (--min-np {len(survivors)} would have let "
+                                   "the others go on)")
             return [self._went_on(replies, survivors)]
         for rank in self.dead:  # for %dist_status
             cluster.ranks[rank]["replacement"] = True
@@ -159,8 +158,6 @@ def take_new_ranks(cluster, request, known: set[int], count: int, deadline: floa
         new = sorted(set(client.ids) - known)
         time.sleep(0.05)
     replies = request.get()
-    if _not_replaced(request):
-        return replies
     infos = [client[engine_id].apply_sync(protocol.on_rank, "attach") for engine_id in new]
     for engine_id, info in sorted(zip(new, infos), key=lambda pair: pair[1]["rank"]):
         cluster.replace_rank(info["rank"], engine_id, info)

@@ -166,11 +166,11 @@ def _give_up(out: dict, why: str) -> dict:
 
 
 def heal(dead: list[int], replace: bool, hosts: list[str] | None = None,
-         env: list[str] = (), fewer_ok: bool = False) -> dict:
+         env: list[str] = ()) -> dict:
     """``--elastic``, after ``dead`` died: the world again (see :mod:`ipydist.rank.heal`)."""
     from ipydist.rank import heal as healing
 
-    return healing.heal(dead, replace, hosts, env, fewer_ok)
+    return healing.heal(dead, replace, hosts, env)
 
 
 def elastic_reset(restore: bool) -> int:

@@ -27,13 +27,13 @@ from ipydist.rank.replacement import REPLACES_OPTION, env_option
 
 
 def heal(dead: list[int], replace: bool, hosts: list[str] | None = None,
-         env: list[str] = (), fewer_ok: bool = False) -> dict:
+         env: list[str] = ()) -> dict:
     """On every survivor at once: make the world again without ``dead``, with a replacement
     for each when ``replace`` (else the survivors renumbered from 0), started on ``hosts``
     (where the dead ranks ran) when given, and this rank's runtime and process group in it.
-    A replacement that cannot be started (MPI's spawn fails, on every survivor alike) fails
-    the heal, unless ``fewer_ok``: then the survivors go on as the world, renumbered from 0,
-    their samplers, optimizers and process sets following (``not_replaced`` says why).
+    When a replacement cannot be started (MPI's spawn fails, on every survivor alike), the
+    survivors go on as the world, renumbered from 0, their samplers, optimizers and process
+    sets following (``not_replaced`` says why; the notebook decides whether that will do).
     Returns what the notebook reports."""
     from mpi4py import MPI
 
@@ -56,8 +56,6 @@ def heal(dead: list[int], replace: bool, hosts: list[str] | None = None,
             world = _with_spawned(survivors, sorted(dead), rt.rank, hosts, env)
         except MPI.Exception as e:
             not_replaced = f"MPI could not start a replacement: {e.Get_error_string()}"
-            if not fewer_ok:
-                raise RuntimeError(not_replaced) from None
     out = _rejoin(world, rt, started)
     if world is survivors:
         from ipydist.rank import state_copy
