@@ -12,7 +12,11 @@ coordinator. Each checked call first describes itself in a header of HEADER_WORD
 chooses), and the ranks all-gather their headers: one small collective, the same size whatever
 the call, so even ranks in two different kinds of call meet in it safely. Every rank then sees
 every header and reaches the same verdict, so on a mismatch all of them raise the same
-RuntimeError, no data has moved, and the process group is fine for the next call.
+RuntimeError, no data has moved, and the process group is fine for the next call. One
+disagreement is not a mismatch: ranks in a barrier meeting operations that other ranks started
+with an ``*_async`` function, which Horovod's name matching lets pass. The barrier then waits
+on, and those operations are put off (:class:`Deferred`) and started again before their rank's
+next collective (:func:`restart_deferred`).
 
 Under mpiexec the exchange is an MPI all-gather on a communicator kept for it (a few
 microseconds where a gloo collective takes a fraction of a millisecond), polled from Python so
@@ -30,7 +34,9 @@ from __future__ import annotations
 import enum
 import os
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -38,7 +44,15 @@ import torch.distributed as dist
 
 from ipydist import protocol
 from ipydist.torch._core import events, process_group, topology, waiting
-from ipydist.torch._wire.signature import CARRIED, HEADER_WORDS, KIND, KINDS, disagreement, header
+from ipydist.torch._wire.signature import (
+    CARRIED,
+    HEADER_WORDS,
+    KIND,
+    KINDS,
+    barrier_lets_pass,
+    disagreement,
+    header,
+)
 
 _enabled = os.environ.get(protocol.CHECK_COLLECTIVES_ENV, "1").strip() != "0"
 #: (device, world size) -> (every rank's header, as one tensor and as a list of its rows),
@@ -48,6 +62,66 @@ _CPU = torch.device("cpu")
 #: Headers already built, by the arguments of :func:`header` (at most _HEADERS_KEPT).
 _headers: dict[tuple, np.ndarray] = {}
 _HEADERS_KEPT = 512
+
+
+class Deferred(Exception):  # noqa: N818 (a signal, caught by handles.start, not an error)
+    """The ``*_async`` call being started met a barrier on another rank: nothing of it moved,
+    and it starts again later (``handles.Later``)."""
+
+
+#: Whether the call being started now may be put off by a barrier (an ``*_async`` start).
+_deferrable = False
+#: Calls put off by a barrier, oldest first: each has ``group`` (the process set's
+#: communicators, None for the world) and ``restart()``.
+_later: deque = deque()
+_restarting = False
+
+
+@contextmanager
+def deferrable(on: bool = True) -> Iterator[None]:
+    """Mark the checks made inside as those of an ``*_async`` start, which a barrier on
+    another rank puts off instead of failing (``signature.barrier_lets_pass``)."""
+    global _deferrable
+    before, _deferrable = _deferrable, on
+    try:
+        yield
+    finally:
+        _deferrable = before
+
+
+def defer(later) -> None:
+    """Keep ``later`` to start again before this rank's next collective among its ranks."""
+    _later.append(later)
+
+
+def restart_deferred(group=None, deferrable_now: bool = True) -> bool:
+    """Start again, oldest first, the calls a barrier put off among ``group`` (None: the
+    world); False if one was put off again (it and those after it stay put off). They come
+    before any later collective, so every rank's calls keep their order. With
+    ``deferrable_now`` False (a handle polled or synchronized: the caller will wait for it),
+    a barrier on another rank is a mismatch and raises."""
+    global _restarting
+    if _restarting or not _later:
+        return True
+    _restarting = True
+    try:
+        for later in [w for w in _later if w.group is group]:
+            with deferrable(deferrable_now):
+                try:
+                    later.restart()
+                except Deferred:
+                    return False
+                finally:
+                    if later.started is not None or later.failure is not None:
+                        _later.remove(later)
+        return True
+    finally:
+        _restarting = False
+
+
+def forget_deferred() -> None:
+    """Drop the calls put off (a failed or interrupted cell voided them)."""
+    _later.clear()
 
 
 def enabled() -> bool:
@@ -88,6 +162,8 @@ def announce(words: np.ndarray) -> Announced | None:
     """
     rt = topology.get()
     if not _enabled or rt is None or rt.size == 1 or rt.check_comm is None or rt.broken:
+        return None
+    if _later and not restart_deferred():  # they come first; one still put off: check later
         return None
     every = np.empty((rt.size, HEADER_WORDS), dtype=np.int64)
     found = Announced(rt.check_comm.Iallgather(words, every), words, every)
@@ -146,6 +222,8 @@ def check(kind: str, tensor: torch.Tensor | None = None, *, dtype: torch.dtype |
     waiting.check_usable()
     if rt.announced:
         settle()
+    if _later and kind != "barrier" and not restart_deferred(group) and _deferrable:
+        raise Deferred  # one before it was put off again: so is this one, to keep the order
     group = rt if group is None else group
     if group.size == 1 or not (_enabled or carried is not None):
         return None if carried is None else [carried]
@@ -154,7 +232,7 @@ def check(kind: str, tensor: torch.Tensor | None = None, *, dtype: torch.dtype |
         device = tensor.device if device is None else device
         shape = tensor.shape if shape is None else shape
     key = (kind, dtype, device, tuple(shape) if shape is not None else None, op, root,
-           prescale, postscale, extra, carried or 0)
+           prescale, postscale, extra, carried or 0, _deferrable)
     mine = _headers.get(key)
     if mine is None:  # a training loop repeats a few calls: build each header once
         if len(_headers) >= _HEADERS_KEPT:
@@ -167,6 +245,11 @@ def check(kind: str, tensor: torch.Tensor | None = None, *, dtype: torch.dtype |
                           None if group is rt else group.size)
     if _enabled:
         problem = disagreement(headers)
+        while problem is not None and barrier_lets_pass(headers):
+            if kind != "barrier":
+                raise Deferred
+            headers = _exchange(group, mine)  # the others put theirs off: wait on for them
+            problem = disagreement(headers)
         if problem is not None:
             raise RuntimeError(problem)
     return None if carried is None else [h[CARRIED] for h in headers]
@@ -180,6 +263,7 @@ def exchange_joined(first: bool) -> list[list[int]]:
     waiting.check_usable()
     if rt.announced:
         settle()
+    restart_deferred()
     return _exchange(rt, np.asarray(header("join", carried=int(first)), dtype=np.int64))
 
 

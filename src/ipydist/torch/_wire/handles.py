@@ -20,7 +20,7 @@ from typing import Any
 
 from ipydist.torch._core import events, waiting
 from ipydist.torch._core.marks import waits_for_peers
-from ipydist.torch._wire import transport
+from ipydist.torch._wire import call_check, transport
 
 
 @dataclass(eq=False)
@@ -63,6 +63,60 @@ class Pending:
         return self.finish()
 
 
+class Later:
+    """An ``*_async`` operation whose check met a barrier on another rank: nothing of it has
+    moved. It starts again before this rank's next collective among the same ranks, or when
+    its handle is polled or synchronized (``call_check.restart_deferred``)."""
+
+    def __init__(self, begin: Callable[[], Pending], name: str | None, group) -> None:
+        self.begin, self.name, self.group = begin, name, group
+        self.started: Pending | None = None
+        self.failure: BaseException | None = None
+        self.restarting = False  # its own name is not a duplicate while it starts again
+
+    def restart(self) -> None:
+        self.restarting = True
+        try:
+            self.started = self.begin()
+        except call_check.Deferred:
+            raise
+        except BaseException as e:
+            self.failure = e
+            raise
+        finally:
+            self.restarting = False
+
+    def _now(self) -> Pending:
+        if self.started is None and self.failure is None:
+            call_check.restart_deferred(self.group, deferrable_now=False)
+        if self.failure is not None:
+            raise self.failure
+        assert self.started is not None  # restarted, or restart_deferred raised
+        return self.started
+
+    def poll(self) -> bool:
+        return self._now().poll()
+
+    def wait(self) -> Any:
+        return self._now().wait()
+
+
+def start(begin: Callable[[], Pending], kind: str, name: str | None, group=None) -> int:
+    """Start the operation ``begin`` starts, as an ``*_async`` function does, and return its
+    handle. Horovod matches operations by name, so another rank waiting in a barrier lets it
+    pass (a rank may start an operation, then wait in a barrier, while another starts it only
+    after the barrier): then it is put off (:class:`Later`), and started again before this
+    rank's next collective among ``group``'s ranks. ``kind`` and ``name`` name it as the
+    start does, so that a second operation of that name is refused meanwhile."""
+    with call_check.deferrable():
+        try:
+            return register(begin())
+        except call_check.Deferred:
+            later = Later(begin, f"{kind}.{name}" if name else None, group)
+            call_check.defer(later)
+            return register(later)  # type: ignore[arg-type]
+
+
 _pending: dict[int, Pending] = {}
 _abandoned: set[int] = set()
 _numbers = itertools.count(1)
@@ -72,7 +126,8 @@ def check_name(name: str | None) -> None:
     """Refuse a name that an operation still in flight has (Horovod does: two operations of
     one name would be matched to each other across ranks). Called before anything starts,
     so every rank refuses at the same call."""
-    if name is not None and any(p.name == name for p in _pending.values()):
+    if name is not None and any(p.name == name and not getattr(p, "restarting", False)
+                                for p in _pending.values()):
         raise ValueError(
             f"an operation named {name!r} is still in flight: synchronize() its handle "
             "first, or give this one another name")
@@ -115,3 +170,4 @@ def abandon_all() -> None:
     """Forget every operation in flight (a failed or interrupted cell voided them)."""
     _abandoned.update(_pending)
     _pending.clear()
+    call_check.forget_deferred()

@@ -25,9 +25,12 @@ MAX_DIMS = 6
 KIND, DTYPE, DEVICE, NDIM = 0, 1, 2, 3
 DIMS = slice(4, 4 + MAX_DIMS)
 MORE_DIMS = 4 + MAX_DIMS
-OP, ROOT, PRESCALE, POSTSCALE, EXTRA, CARRIED = range(MORE_DIMS + 1, MORE_DIMS + 7)
-HEADER_WORDS = CARRIED + 1
+OP, ROOT, PRESCALE, POSTSCALE, EXTRA, CARRIED, FLAGS = range(MORE_DIMS + 1, MORE_DIMS + 8)
+HEADER_WORDS = FLAGS + 1
 JOIN = KINDS.index("join") + 1
+BARRIER = KINDS.index("barrier") + 1
+#: A flag: the call was started by an ``*_async`` function, so a barrier may let it pass.
+DEFERRABLE = 1
 #: The calls a rank waiting in ``hvd.join()`` takes part in (with a neutral tensor), knowing
 #: all it needs from their header.
 SERVED_BY_JOINED = ("allreduce", "optimizer step", "barrier")
@@ -108,8 +111,9 @@ def from_bits(bits: int) -> float:
 def header(kind: str, dtype: torch.dtype | None = None, device: torch.device | None = None,
            shape: Sequence[int] | None = None, op: enum.Enum | str | None = None,
            root: int = -1, prescale: float = 1.0, postscale: float = 1.0, extra: int = 0,
-           carried: int = 0) -> list[int]:
-    """The words that describe one call; ``carried`` travels along and is not compared."""
+           carried: int = 0, deferrable: bool = False) -> list[int]:
+    """The words that describe one call; ``carried`` and ``deferrable`` travel along and are
+    not compared."""
     words = [0] * HEADER_WORDS
     words[KIND] = KINDS.index(kind) + 1
     words[DTYPE] = _known_code(dtype) if dtype is not None else 0
@@ -124,7 +128,19 @@ def header(kind: str, dtype: torch.dtype | None = None, device: torch.device | N
     words[POSTSCALE] = _float_bits(postscale)
     words[EXTRA] = int(extra)
     words[CARRIED] = int(carried)
+    words[FLAGS] = DEFERRABLE if deferrable else 0
     return words
+
+
+def barrier_lets_pass(headers: Sequence[Sequence[int]]) -> bool:
+    """Whether ranks in a barrier met operations other ranks started ``*_async`` (and nothing
+    else): Horovod matches operations by name, so a barrier does not wait for operations in
+    flight, and a rank may start one, then wait in the barrier, while another rank starts it
+    only after the barrier. Every rank sees the same headers: those in the barrier exchange
+    again, those starting an operation put it off (``call_check.Deferred``)."""
+    kinds = [h[KIND] for h in headers]
+    return BARRIER in kinds and any(k != BARRIER for k in kinds) and all(
+        k == BARRIER or h[FLAGS] & DEFERRABLE for k, h in zip(kinds, headers))
 
 
 def plan_hash(parts: Sequence) -> int:

@@ -4,6 +4,8 @@ for later.
 Each start (:mod:`ipydist.torch._wire.starts`) checks the call with the other ranks and posts its
 data nonblocking, so an async operation truly overlaps what the caller does next, and
 ``hvd.poll(handle)`` never waits; ``hvd.synchronize(handle)`` waits and returns the result.
+One started while another rank waits in ``hvd.barrier()`` is put off until after it
+(``handles.start``), as Horovod's name matching lets it pass.
 """
 
 from __future__ import annotations
@@ -39,10 +41,9 @@ def allreduce_async(tensor: torch.Tensor, average=None, name: str | None = None,
                     postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set) -> int:
     """Start an allreduce of a copy of ``tensor``; ``synchronize(handle)`` returns it."""
-    op = resolve(average, op)
-    return handles.register(start_allreduce(tensor.detach().clone(), op, prescale_factor,
-                                            postscale_factor, name,
-                                            group=comms_for(process_set)))
+    op, group, copy = resolve(average, op), comms_for(process_set), tensor.detach().clone()
+    return handles.start(lambda: start_allreduce(copy, op, prescale_factor, postscale_factor,
+                                                 name, group=group), "allreduce", name, group)
 
 
 def allreduce_async_(tensor: torch.Tensor, average=None, name: str | None = None,
@@ -50,30 +51,35 @@ def allreduce_async_(tensor: torch.Tensor, average=None, name: str | None = None
                      postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set) -> int:
     """Start an allreduce of ``tensor`` in place; leave it alone until ``synchronize``."""
-    op = resolve(average, op)
-    return handles.register(_returning(
+    op, group = resolve(average, op), comms_for(process_set)
+    return handles.start(lambda: _returning(
         start_allreduce(tensor.detach(), op, prescale_factor, postscale_factor, name,
-                        group=comms_for(process_set)), tensor))
+                        group=group), tensor), "allreduce", name, group)
 
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> int:
     """Start an allgather; ``synchronize(handle)`` returns the concatenation."""
-    return handles.register(start_allgather(tensor, name, comms_for(process_set))[0])
+    group = comms_for(process_set)
+    return handles.start(lambda: start_allgather(tensor, name, group)[0], "allgather", name,
+                         group)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> int:
     """Start a broadcast into a copy of ``tensor``; ``synchronize(handle)`` returns it."""
-    return handles.register(start_broadcast(tensor.detach().clone(), root_rank, name,
-                                            comms_for(process_set)))
+    group, copy = comms_for(process_set), tensor.detach().clone()
+    return handles.start(lambda: start_broadcast(copy, root_rank, name, group), "broadcast",
+                         name, group)
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> int:
     """Start a broadcast into ``tensor`` in place."""
-    return handles.register(_returning(start_broadcast(tensor.detach(), root_rank, name,
-                                                       comms_for(process_set)), tensor))
+    group = comms_for(process_set)
+    return handles.start(lambda: _returning(start_broadcast(tensor.detach(), root_rank, name,
+                                                            group), tensor),
+                         "broadcast", name, group)
 
 
 def _returning(pending: Pending, result) -> Pending:
@@ -92,11 +98,16 @@ def _returning(pending: Pending, result) -> Pending:
 def alltoall_async(tensor: torch.Tensor, splits=None, name: str | None = None,
                    process_set: ProcessSet = global_process_set) -> int:
     """Start an alltoall; ``synchronize(handle)`` returns what :func:`alltoall` returns."""
-    pending, received = start_alltoall(tensor, splits, name, comms_for(process_set))
-    if splits is not None:
-        wait = pending.finish
-        pending.finish = lambda: (wait(), torch.tensor(received, dtype=torch.int32))
-    return handles.register(pending)
+    group = comms_for(process_set)
+
+    def begin() -> Pending:
+        pending, received = start_alltoall(tensor, splits, name, group)
+        if splits is not None:
+            wait = pending.finish
+            pending.finish = lambda: (wait(), torch.tensor(received, dtype=torch.int32))
+        return pending
+
+    return handles.start(begin, "alltoall", name, group)
 
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
@@ -104,9 +115,10 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
                         process_set: ProcessSet = global_process_set,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
     """Start a reducescatter; ``synchronize(handle)`` returns this rank's share."""
-    return handles.register(start_reducescatter(tensor, resolve(None, op), prescale_factor,
-                                                postscale_factor, name,
-                                                comms_for(process_set)))
+    op, group = resolve(None, op), comms_for(process_set)
+    return handles.start(lambda: start_reducescatter(tensor, op, prescale_factor,
+                                                     postscale_factor, name, group),
+                         "reducescatter", name, group)
 
 
 def grouped_allreduce_async(tensors, average=None, name: str | None = None,
@@ -114,10 +126,11 @@ def grouped_allreduce_async(tensors, average=None, name: str | None = None,
                             postscale_factor: float = 1.0,
                             process_set: ProcessSet = global_process_set) -> int:
     """Start allreduces of copies of ``tensors``; ``synchronize`` returns them as a list."""
-    op = resolve(average, op)
-    return handles.register(start_grouped_allreduce(
-        [t.detach().clone() for t in tensors], op, prescale_factor, postscale_factor, name,
-        comms_for(process_set)))
+    op, group = resolve(average, op), comms_for(process_set)
+    copies = [t.detach().clone() for t in tensors]
+    return handles.start(lambda: start_grouped_allreduce(
+        copies, op, prescale_factor, postscale_factor, name, group),
+        "grouped_allreduce", name, group)
 
 
 def grouped_allreduce_async_(tensors, average=None, name: str | None = None,
@@ -125,17 +138,18 @@ def grouped_allreduce_async_(tensors, average=None, name: str | None = None,
                              postscale_factor: float = 1.0,
                              process_set: ProcessSet = global_process_set) -> int:
     """Start allreduces of ``tensors`` in place."""
-    op = resolve(average, op)
-    tensors = list(tensors)
-    return handles.register(_returning(start_grouped_allreduce(
-        [t.detach() for t in tensors], op, prescale_factor, postscale_factor, name,
-        comms_for(process_set)), tensors))
+    op, group, tensors = resolve(average, op), comms_for(process_set), list(tensors)
+    return handles.start(lambda: _returning(start_grouped_allreduce(
+        [t.detach() for t in tensors], op, prescale_factor, postscale_factor, name, group),
+        tensors), "grouped_allreduce", name, group)
 
 
 def grouped_allgather_async(tensors, name: str | None = None,
                             process_set: ProcessSet = global_process_set) -> int:
     """Start an allgather of each tensor; ``synchronize`` returns the list of results."""
-    return handles.register(start_grouped("allgather", tensors, name, comms_for(process_set)))
+    group, tensors = comms_for(process_set), list(tensors)
+    return handles.start(lambda: start_grouped("allgather", tensors, name, group),
+                         "grouped_allgather", name, group)
 
 
 def grouped_reducescatter_async(tensors, name: str | None = None,
@@ -144,9 +158,10 @@ def grouped_reducescatter_async(tensors, name: str | None = None,
                                 prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0) -> int:
     """Start a reducescatter of each tensor; ``synchronize`` returns the list of shares."""
-    return handles.register(start_grouped("reducescatter", tensors, name,
-                                          comms_for(process_set), resolve(None, op),
-                                          prescale_factor, postscale_factor))
+    op, group, tensors = resolve(None, op), comms_for(process_set), list(tensors)
+    return handles.start(lambda: start_grouped("reducescatter", tensors, name, group, op,
+                                               prescale_factor, postscale_factor),
+                         "grouped_reducescatter", name, group)
 
 
 def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None,
