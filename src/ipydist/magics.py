@@ -190,6 +190,9 @@ class DistMagics(Magics):
         "--output", default="all", choices=["all", "rank0"],
         help="whose output (printed and rich) to show: every rank's (default), or rank 0's only",
     )
+    @argument("--debug-rank", default=None, metavar="SPEC",
+              help="where breakpoint() stops at a pdb prompt: 2, 0,2 or 1-3 (default: every "
+                   "rank, one at a time); on other ranks it is ignored, with a line saying so")
     @argument("--from-mode", action="store_true", help=argparse.SUPPRESS)
     @line_cell_magic
     def everyrank(self, line: str = "", cell: str | None = None):
@@ -202,7 +205,8 @@ class DistMagics(Magics):
         if args.from_mode:  # the output says where the cell ran
             print(f"[%dist_mode everyrank: ranks {format_ranks(range(session.size))}]")
         try:
-            result = session.run(code, ranks=args.ranks, timeout=args.timeout, output=args.output)
+            result = session.run(code, ranks=args.ranks, timeout=args.timeout,
+                                 output=args.output, debug_ranks=args.debug_rank)
         except (RankDied, ReplyLost):  # one-line errors of their own
             raise
         except _USER_ERRORS as e:
@@ -213,6 +217,27 @@ class DistMagics(Magics):
             raise UsageError(f"syntax error in the cell{where}: {e.msg}{text}\nNothing ran.") \
                 from None
         return _cell_value(result, args.output)
+
+    @magic_arguments()
+    @argument("--rank", type=int, default=None, metavar="R",
+              help="the rank to debug (default: the lowest rank that raised in the last cell)")
+    @argument("--commands", nargs="+", default=None, metavar="CMD",
+              help='pdb commands to run instead of a prompt, then q: --commands "p x" w')
+    @line_magic
+    def dist_debug(self, line: str = ""):
+        """pdb on a rank's last error, at a prompt here (like %debug): q ends it, and the
+        rank is left as it was."""
+        args = parse_argstring(self.dist_debug, line)
+        try:
+            self._session().debug(args.rank, args.commands)
+        except (ValueError, TimeoutError) as e:
+            raise UsageError(str(e)) from None
+
+    @line_magic
+    def dist_stack(self, line: str = ""):
+        """Where each rank is now, its cell's stack, collapsed where ranks agree (works
+        while a cell runs, from a console or subshell of this kernel)."""
+        return self._session().stacks()
 
     @line_magic
     def dist_status(self, line: str = ""):

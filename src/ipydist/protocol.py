@@ -153,6 +153,16 @@ CELL_KEY = "ipydist.cell"
 #: Key, in a cell's execute request metadata, of the notebook's number of the cell (``In [N]``),
 #: which the rank takes as its own so that a traceback's ``Cell In[N]`` is the cell one sees.
 CELL_NUMBER_KEY = "ipydist.cell_number"
+#: Key, in a cell's execute request metadata, of the ranks whose ``breakpoint()`` stops at a
+#: pdb prompt in the notebook (a list), or None where nobody can type (a headless run).
+DEBUG_RANKS_KEY = "ipydist.debug_ranks"
+#: Data-message key of a rank's pdb, stopped in a cell: ``{"seq", "rank", "output"}`` and
+#: ``"prompt"`` (it waits for a command) or ``"ended": True`` (the cell goes on).
+DEBUG_KEY = "ipydist.debug"
+#: The message types of the notebook's questions on an engine's control channel, which a
+#: rank answers while its cell runs (see ``ipydist.rank.debugging.control``), and of the answers.
+CONTROL_REQUEST = "ipydist_request"
+CONTROL_REPLY = "ipydist_reply"
 
 # A metrics batch is a dict:
 #   "seq": int             batch number on this rank, from 0 (the notebook orders by it)

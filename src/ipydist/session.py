@@ -21,7 +21,7 @@ import weakref
 
 from ipydist import protocol
 from ipydist.errors import ClusterError, RankDied, RankError
-from ipydist.notebook import healing, recovery, timeline, words
+from ipydist.notebook import debugging, healing, recovery, timeline, words
 from ipydist.notebook.cell import CellRun, RunResult, check_syntax, wait_until_idle
 from ipydist.notebook.cluster import Cluster
 from ipydist.notebook.launch import deaths, local_gpus, mpiexec, processes, slurm
@@ -123,6 +123,8 @@ class Session:
         #: be started (None: never fewer than the cluster has).
         self.min_np = None if min_np is None else parse_np(min_np, "--min-np")
         self.healing: healing.Heal | None = None  # a heal under way
+        #: The ranks whose code raised in the last cell (``debug()``'s default is the lowest).
+        self.failed_ranks: list[int] = []
         self._stop_at_exit_registered = False
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -309,8 +311,11 @@ class Session:
         ranks: str | list[int] | None = None,
         timeout: float | None = None,
         output: str = "all",
+        debug_ranks: str | list[int] | None = None,
     ) -> RunResult:
         """Run ``code`` on the ranks (all by default), streaming their output as it comes.
+        ``breakpoint()`` stops at a pdb prompt on ``debug_ranks`` (default: all), one rank at
+        a time, where a person can type; elsewhere it is ignored, with a line saying so.
 
         Raises :class:`RankError` naming the ranks that raised, with the first one's traceback.
         """
@@ -328,9 +333,14 @@ class Session:
             released, cluster.recovery_owed = cluster.recovery_owed, None
             for note in recovery.recover(cluster, released, self.words.restart):
                 print(f"ipydist: before this cell: {note}", file=sys.stderr, flush=True)
+        stopping = None if debug_ranks is None else parse_ranks(debug_ranks, self.size)
         started = time.perf_counter()
+        self.failed_ranks = []
         try:
-            return CellRun(self, code, targets, output, timeout, started).wait()
+            return CellRun(self, code, targets, output, timeout, started, stopping).wait()
+        except RankError as e:
+            self.failed_ranks = [r for r in e.failures if r not in e.released] or list(e.failures)
+            raise
         except RankDied:
             if self.elastic:
                 self.start_heal()
@@ -339,6 +349,18 @@ class Session:
     def signal(self, sig: int, ranks: list[int] | None = None) -> None:
         """Send ``sig`` to ranks: directly to local pids, through ipyparallel's nanny otherwise."""
         self._require_running(alive=False).signal(sig, ranks)
+
+    def debug(self, rank: int | None = None, commands: list[str] | None = None) -> str:
+        """pdb on ``rank``'s last error (default: the lowest rank that raised in the last
+        cell): at a prompt, or running ``commands`` then ``q``; the rank is left as it was.
+        Returns what pdb printed. Where nobody can type, prints the frames with their
+        variables instead."""
+        return debugging.debug_rank(self, self._require_running(), rank, commands)
+
+    def stacks(self, ranks: str | list[int] | None = None) -> debugging.Stacks:
+        """Where each rank is now, asked while its cell runs (collapsed where ranks agree)."""
+        cluster = self._require_running(alive=False)
+        return debugging.Stacks(debugging.stacks(cluster, parse_ranks(ranks, self.size)))
 
     # --- variables ---------------------------------------------------------------------------
 

@@ -427,6 +427,13 @@ def test_a_raising_rank_is_named_and_the_others_are_released(failures):
 
 
 @stress
+def test_the_rank_that_failed_is_looked_at_with_dist_debug(failures):
+    text = _text(_cell(failures[0], '%dist_debug --rank 3 --commands "p t" w'))
+    assert "(Pdb rank 3) p t\ntensor([1., 1., 1., 1.])\n" in text, text
+    assert "(Pdb rank 3) w\n" in text and "(Pdb rank 3) q\n" in text, text
+
+
+@stress
 def test_an_interrupted_cell_releases_every_rank_and_training_goes_on(failures):
     nb = failures[0]
     error = _error(_cell(nb, "%%everyrank --timeout 3"))
@@ -452,6 +459,9 @@ def test_a_stall_warning_appears_and_the_cell_then_completes(failures):
         r"^ipydist stall warning: ranks? [\d,-]+ ha(s|ve) waited \d+ s in all_reduce, while "
         r"rank 0 is still running other code", one_line(_stream(cell, "stderr"))), (
         _stream(cell, "stderr"))
+    assert re.search(r"^rank 0: running: <cell> \(cell \d+, line 2\)$", _stream(cell, "stderr"),
+                     re.M), _stream(cell, "stderr")
+    assert re.search(r"^ranks 1-3: waiting in all_reduce: ", _stream(cell, "stderr"), re.M)
     assert _stream(cell, "stdout") == "[all ranks] ranks in the allreduce: 4\n"
     assert not _failed(cell)
 

@@ -46,7 +46,8 @@ API_PAGE = (DOCS / "api.md").read_text()
 #: counts as documented only where a page says something of it.
 PAGES = {p.name: p.read_text() for p in sorted(DOCS.glob("*.md")) if p.name != "api.md"}
 MAGICS = ["dist_start", "everyrank", "dist_mode", "dist_status", "dist_pull", "dist_push",
-          "dist_stop", "dist_restart", "dist_timeline", "dist_scale"]
+          "dist_stop", "dist_restart", "dist_timeline", "dist_scale", "dist_debug",
+          "dist_stack"]
 README_MAX_LINES = 300
 
 

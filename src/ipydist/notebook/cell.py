@@ -24,13 +24,13 @@ from ipydist.errors import (
     ReplyLost,
     wrap_message,
 )
-from ipydist.notebook import ipp, recovery
+from ipydist.notebook import debugging, ipp, recovery
 from ipydist.notebook.live.view import LiveView
 from ipydist.notebook.output import display, rich
 from ipydist.notebook.output.iopub import IOPubCollector
 from ipydist.notebook.output.lines import LineMerger, Redraw
 from ipydist.notebook.stall import StallWatch
-from ipydist.protocol import CELL_NUMBER_KEY
+from ipydist.protocol import CELL_NUMBER_KEY, DEBUG_RANKS_KEY
 from ipydist.specs import describe_ranks
 
 #: How often the wait loop wakes to show output and metrics.
@@ -57,7 +57,7 @@ class CellRun:
     """One cell on ``targets``, sent as it starts, until every rank has replied."""
 
     def __init__(self, session, code: str, targets: list[int], output: str,
-                 timeout: float | None, started: float):
+                 timeout: float | None, started: float, debug_ranks: list[int] | None = None):
         self.session = session
         self.cluster = session.cluster
         self.targets = targets
@@ -66,8 +66,14 @@ class CellRun:
         self.timeout = timeout
         self.collector = IOPubCollector(targets)
         number = _execution_count()
+        # where breakpoint() stops: on debug_ranks (all by default), if a person can type
+        stopping = (targets if debug_ranks is None else debug_ranks) if (
+            debugging.can_prompt()) else None
         self.ar = ipp.execute(self.cluster.view(targets), code, self.collector.watch,
-                              {CELL_NUMBER_KEY: number} if number else None)
+                              {DEBUG_RANKS_KEY: stopping,
+                               **({CELL_NUMBER_KEY: number} if number else {})})
+        self.breakpoints = debugging.Breakpoints(
+            self.cluster, lambda: self._emit(self.merger.ready(now=float("inf"))))
         self.shown = targets if output == "all" else targets[:1]
         self.merger = LineMerger(self.shown)
         self.displays = rich.DisplayBook(self.shown)
@@ -96,6 +102,8 @@ class CellRun:
             next_alive_check = time.monotonic() + FIRST_ALIVE_CHECK_SECONDS
             while not self._all_done():
                 self._show()
+                if self.breakpoints.waiting:
+                    self._paused(self.breakpoints.serve())
                 self._contain_failure()
                 self._warn_of_stall()
                 if time.monotonic() >= next_alive_check:
@@ -252,13 +260,26 @@ class CellRun:
         if blocked or now >= self.first_failure[1] + self.failure_grace:
             self._release(running, now)
 
+    def _paused(self, seconds: float) -> None:
+        """A person typed at a pdb prompt for ``seconds``: the cell's clocks stop meanwhile
+        (its --timeout, the failure grace, how long ranks have waited in a collective)."""
+        if self.deadline is not None:
+            self.deadline += seconds
+        if self.first_failure is not None:
+            self.first_failure = (self.first_failure[0], self.first_failure[1] + seconds)
+        self.stalls.waiting = {rank: (name, since + seconds)
+                               for rank, (name, since) in self.stalls.waiting.items()}
+
     def _warn_of_stall(self) -> None:
         if not self.stalls.waiting:
             return
         doing = ipp.outcomes(self.ar, self.targets)
         if warning := self.stalls.check(time.monotonic(), doing):
             self._emit(self.merger.ready(now=float("inf")))  # what came before goes first
-            print("\n".join(wrap_message(warning)), file=sys.stderr, flush=True)
+            where = debugging.collapse(debugging.stacks(self.cluster, self.targets))
+            print("\n".join([*wrap_message(warning), f"Where each rank is now "
+                             f"({self.session.words.stack}):", where]), file=sys.stderr,
+                  flush=True)
 
     def _wait_for_output(self) -> None:
         """The ranks replied; their output may still be on its way (a backlog of a million
@@ -289,6 +310,8 @@ class CellRun:
                     self.ended.setdefault(ev.rank, time.monotonic())
             elif ev.kind == "metrics":
                 self.session.metrics.accept(ev.rank, ev.content)
+            elif ev.kind == "debug":
+                self.breakpoints.accept(ev.rank, ev.content)
             elif ev.kind == "display_data" and ev.rank in self.shown:
                 if item := self.displays.take(ev.rank, ev.content):
                     self.merger.put(ev.rank, item)  # after what the rank printed before it

@@ -252,13 +252,14 @@ class Cluster:
         self._views = {}
         self._rank_procs = []
 
-    def call(self, name: str, *args, timeout: float):
-        """``ipydist.rank.calls.<name>(*args)`` on every rank; the replies in rank order.
+    def call(self, name: str, *args, timeout: float, ranks: list[int] | None = None):
+        """``ipydist.rank.calls.<name>(*args)`` on every rank (or on ``ranks``); the replies
+        in rank order.
 
         Raises TimeoutError naming the ranks that did not answer within ``timeout``; their
         request is cancelled where it has not begun, so nothing queues behind it.
         """
-        ranks = list(range(self.size))
+        ranks = list(range(self.size)) if ranks is None else list(ranks)
         ar = self.view(ranks).apply_async(protocol.on_rank, name, *args)
         if not ar.wait(timeout):
             late = ipp.still_running(ar, ranks)

@@ -88,3 +88,11 @@ def execute(view, code: str, on_future, metadata: dict | None = None) -> AsyncRe
     if isinstance(view.targets, int):
         futures = futures[0]
     return AsyncResult(client, futures, fname="execute", targets=targets, owner=True)
+
+
+def ask_on_control(client, engine_id: int, msg_type: str, content: dict):
+    """Send a request of ``msg_type`` to one engine on its control channel, which its own
+    thread serves even while a cell runs; returns the future of its reply message (the client
+    matches replies to requests by id, as it does for its own control requests)."""
+    ident = client._engines[engine_id].encode()
+    return client._send(client._control_stream, msg_type, content=content, ident=ident)

@@ -18,6 +18,9 @@ class Words:
     timeout: str
     #: how the cluster is grown or shrunk to N ranks
     scale: str = "%dist_scale --np N"
+    #: how every rank's stack is shown, and how a rank's last error is debugged
+    stack: str = "%dist_stack"
+    debug: str = "%dist_debug --rank R"
 
     def no_cluster(self) -> str:
         return f"no cluster is running: start one with {self.start}."
@@ -31,4 +34,5 @@ MAGICS = Words(start="%dist_start --np N", stop="%dist_stop", restart="%dist_res
                cell="an %%everyrank cell", timeout="%%everyrank --timeout S")
 PYTHON = Words(start="Session(np=N).start()", stop="Session.stop()",
                restart="Session.restart()", cell="code passed to Session.run()",
-               timeout="Session.run(code, timeout=S)", scale="Session.scale(np=N)")
+               timeout="Session.run(code, timeout=S)", scale="Session.scale(np=N)",
+               stack="Session.stacks()", debug="Session.debug(rank, commands)")

@@ -16,7 +16,14 @@ import torch.distributed as dist
 from IPython import get_ipython
 
 from ipydist import protocol
-from ipydist.rank import cell_numbers, consensus, frameworks, released_errors, watcher
+from ipydist.rank import (
+    cell_numbers,
+    consensus,
+    frameworks,
+    released_errors,
+    watcher,
+)
+from ipydist.rank.debugging import control, debugger
 from ipydist.torch._core import events, process_group, resync, shims, topology, waiting
 from ipydist.torch._wire import handles
 from ipydist.torch.horovod import process_sets
@@ -30,6 +37,8 @@ def attach() -> dict:
     cell_numbers.attach(get_ipython())
     released_errors.attach(get_ipython())
     released_errors.warm_up()
+    control.install(get_ipython().kernel)
+    debugger.install(get_ipython())
     _not_a_prompt()
     frameworks.install(topology.get().local_size)
     return info()
@@ -44,6 +53,16 @@ def _not_a_prompt() -> None:
     for name in ("ps1", "ps2", "ps3"):
         if hasattr(sys, name):
             delattr(sys, name)
+
+
+def debug(command: str | None) -> dict:
+    """``%dist_debug``: one step of post-mortem debugging of this rank's last error."""
+    return debugger.post_mortem(command)
+
+
+def error_frames() -> str:
+    """Where nobody can type at a pdb prompt: this rank's last error's frames and locals."""
+    return debugger.frames_with_locals()
 
 
 def info() -> dict:

@@ -123,14 +123,20 @@ def _watch() -> None:
         try:
             if got:
                 _on_release()
-            elif report := collectives.sample(_main_frame(), time.monotonic()):
+            elif report := collectives.sample(main_frame(), time.monotonic()):
                 channel.publish(STATE_KEY, report)
         except Exception as e:  # never let the watcher die
             log(str(e))
 
 
-def _main_frame():
+def main_frame():
+    """The main thread's current frame (None before :func:`install`)."""
     return sys._current_frames().get(_main_ident) if _main_ident else None
+
+
+def in_cell() -> bool:
+    """Whether the main thread runs a cell's code now."""
+    return _in_cell
 
 
 def _on_release() -> dict | None:
@@ -169,7 +175,7 @@ def _settle(seconds: float) -> tuple[str | None, bool]:
     start = time.monotonic()
     deadline = start + seconds
     while True:
-        frame = _main_frame()
+        frame = main_frame()
         found = stack_sampler.collective_frame(frame)
         what = found[1] if found else None
         if what is not None:

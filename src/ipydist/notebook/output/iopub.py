@@ -15,11 +15,11 @@ from typing import Any
 
 from ipyparallel.serialize import deserialize_object
 
-from ipydist.protocol import CELL_KEY, STATE_KEY, is_metrics_key
+from ipydist.protocol import CELL_KEY, DEBUG_KEY, STATE_KEY, is_metrics_key
 
 #: Data-message keys the ranks send, and the kind of event each becomes (besides the metrics
 #: batches, each under its own key: see :data:`ipydist.protocol.METRICS_KEY`).
-_DATA_EVENTS = {STATE_KEY: "state", CELL_KEY: "cell"}
+_DATA_EVENTS = {STATE_KEY: "state", CELL_KEY: "cell", DEBUG_KEY: "debug"}
 
 
 def _data_kind(key: str) -> str | None:
@@ -30,6 +30,7 @@ def _data_kind(key: str) -> str | None:
 class Event:
     rank: int
     # "stdout" | "stderr" | "display_data" | "execute_result" | "metrics" | "state" | "cell"
+    # | "debug"
     kind: str
     content: Any
 

@@ -1,0 +1,215 @@
+"""The notebook's half of debugging a rank: pdb prompts for ``breakpoint()`` in a running cell,
+post-mortem on a rank's last error (``%dist_debug``), and every rank's stack (``%dist_stack``).
+
+The person types at ``input()``, which in a Jupyter kernel is a request on the stdin channel
+(JupyterLab, Notebook 7 and VS Code show a box under the cell; a terminal IPython reads its
+terminal). The rank side is :mod:`ipydist.rank.debugging.debugger`; stacks and commands for a
+cell that runs go on the engines' control channel (:mod:`ipydist.rank.debugging.control`),
+post-mortem commands as ordinary requests, since no cell runs then.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import TimeoutError as FutureTimeout
+
+from ipydist import protocol
+from ipydist.notebook import ipp
+from ipydist.specs import describe_ranks
+
+#: How long ``%dist_stack`` waits for the ranks' answers (a rank that does not answer in
+#: time is named as such: its control thread is stuck, or it is gone).
+STACK_SECONDS = 2.0
+#: How long a pdb command typed at a post-mortem prompt may run on the rank.
+COMMAND_SECONDS = 120.0
+
+
+def can_prompt() -> bool:
+    """Whether a person can answer ``input()`` here: the Jupyter request allows stdin, or a
+    terminal is attached (a notebook run headless, by nbclient or ``ipydist run``, has none)."""
+    try:
+        from IPython import get_ipython
+
+        kernel = getattr(get_ipython(), "kernel", None)
+    except ImportError:
+        kernel = None
+    if kernel is not None:
+        return bool(getattr(kernel, "_allow_stdin", False))
+    return bool(sys.stdin is not None and sys.stdin.isatty())
+
+
+def ask(prompt: str) -> str:
+    """One line typed by the person; ``c`` (go on) when input has ended."""
+    try:
+        return input(prompt)
+    except EOFError:
+        return "c"
+
+
+# --- breakpoint() in a running cell --------------------------------------------------------
+
+class Breakpoints:
+    """The pdb prompts of one cell, one rank at a time: :meth:`accept` takes what the ranks'
+    debuggers send, :meth:`serve` asks the person and sends the command on."""
+
+    def __init__(self, cluster, before_output: Callable[[], None],
+                 ask: Callable[[str], str] = ask):
+        self.cluster = cluster
+        self.before_output = before_output
+        self.ask = ask
+        self.waiting: list[tuple[int, dict]] = []  # ranks at a prompt, in the order they came
+        self._seen: dict[int, int] = {}
+
+    def accept(self, rank: int, state: dict) -> None:
+        if state.get("seq", 0) <= self._seen.get(rank, 0):
+            return  # the same message, found twice (its own and the request's metadata)
+        self._seen[rank] = state.get("seq", 0)
+        if state.get("prompt"):
+            self.waiting.append((rank, state))
+        elif state.get("output"):
+            self.before_output()
+            print(state["output"], end="", flush=True)
+
+    def serve(self) -> float:
+        """Ask for the command of every rank at a prompt; the seconds spent asking (the cell's
+        clocks stop meanwhile: no stall warning, release or timeout for a person typing)."""
+        spent = 0.0
+        while self.waiting:
+            rank, state = self.waiting.pop(0)
+            self.before_output()
+            print(state.get("output", ""), end="", flush=True)
+            t0 = time.monotonic()
+            try:
+                command = self.ask(state["prompt"])
+            finally:
+                spent += time.monotonic() - t0
+            if not self._deliver(rank, command):
+                print(f"ipydist: rank {rank} is no longer at its prompt", file=sys.stderr,
+                      flush=True)
+        return spent
+
+    def _deliver(self, rank: int, command: str) -> bool:
+        future = ipp.ask_on_control(self.cluster.client, self.cluster.engine_ids[rank],
+                                    protocol.CONTROL_REQUEST,
+                                    {"what": "debug", "command": command})
+        try:
+            reply = future.result(timeout=STACK_SECONDS)
+        except FutureTimeout:
+            return False
+        return bool(reply["content"].get("delivered"))
+
+
+# --- post-mortem ---------------------------------------------------------------------------
+
+def post_mortem(cluster, rank: int, commands: list[str] | None = None,
+                ask: Callable[[str], str] = ask, echo: bool = True) -> str:
+    """pdb on ``rank``'s last error: prompts (``ask``) until ``q`` or ``c``, or runs
+    ``commands`` (then ``q``). Returns what pdb printed, prompts and commands included."""
+    transcript = []
+
+    def step(command: str | None) -> dict:
+        reply = cluster.call("debug", command, timeout=COMMAND_SECONDS, ranks=[rank])[0]
+        if echo:
+            print(reply["output"], end="", flush=True)
+        transcript.append(reply["output"])
+        return reply
+
+    reply = step(None)
+    pending = list(commands) if commands is not None else None
+    while not reply["ended"]:
+        if pending is not None:
+            command = pending.pop(0) if pending else "q"
+            if echo:
+                print(f"{reply['prompt']}{command}", flush=True)
+        else:
+            try:
+                command = ask(reply["prompt"])
+            except KeyboardInterrupt:
+                command = "q"
+        transcript.append(f"{reply['prompt']}{command}\n")
+        reply = step(command)
+    return "".join(transcript)
+
+
+def debug_rank(session, cluster, rank: int | None, commands: list[str] | None) -> str:
+    """``Session.debug``: post-mortem on ``rank`` (default: the lowest that raised last)."""
+    if rank is None:
+        if not session.failed_ranks:
+            raise ValueError("no rank raised in the last cell: name one with "
+                             f"{session.words.debug}")
+        rank = min(session.failed_ranks)
+    if not 0 <= int(rank) < cluster.size:
+        raise ValueError(f"rank {rank}: the ranks are 0..{cluster.size - 1}")
+    if commands is None and not can_prompt():
+        frames = cluster.call("error_frames", timeout=COMMAND_SECONDS, ranks=[rank])[0]
+        text = (f"ipydist: nobody can type at a pdb prompt here (no stdin: a notebook run "
+                f"headless); rank {rank}'s last error, its frames and their variables:\n{frames}")
+        print(text, end="", flush=True)
+        return text
+    return post_mortem(cluster, int(rank), commands)
+
+
+# --- every rank's stack --------------------------------------------------------------------
+
+class Stacks:
+    """Every rank's stack (``Session.stacks()``): ``by_rank`` as the ranks said it, shown
+    collapsed where ranks agree."""
+
+    def __init__(self, by_rank: dict[int, dict | None]):
+        self.by_rank = by_rank
+
+    def __str__(self) -> str:
+        return collapse(self.by_rank)
+
+    def _repr_pretty_(self, p, cycle) -> None:
+        p.text(str(self))
+
+
+def stacks(cluster, ranks: list[int], timeout: float = STACK_SECONDS) -> dict[int, dict | None]:
+    """rank -> where its main thread is (``ipydist.rank.debugging.stacks.main_stack``), asked on the
+    control channel of every rank at once; None for a rank that did not answer in time."""
+    futures = {rank: ipp.ask_on_control(cluster.client, cluster.engine_ids[rank],
+                                        protocol.CONTROL_REQUEST, {"what": "stack"})
+               for rank in ranks}
+    deadline = time.monotonic() + timeout
+    found: dict[int, dict | None] = {}
+    for rank, future in futures.items():
+        try:
+            reply = future.result(timeout=max(0.0, deadline - time.monotonic()))["content"]
+        except FutureTimeout:
+            reply = None
+        found[rank] = reply if reply is not None and reply.get("status") == "ok" else None
+    return found
+
+
+def collapse(found: dict[int, dict | None]) -> str:
+    """Every rank's stack as lines, ranks whose stacks agree on one line:
+    ``ranks 0-2: waiting in all_reduce: allreduce (collectives.py:72) ← <cell> (cell 5,
+    line 14)``. Innermost frame first."""
+    groups: dict[tuple, list[int]] = {}
+    for rank in sorted(found):
+        groups.setdefault(_key(found[rank]), []).append(rank)
+    return "\n".join(f"{describe_ranks(ranks)}: {_text(key)}" for key, ranks in groups.items())
+
+
+def _key(stack: dict | None) -> tuple:
+    if stack is None:
+        return ("no answer",)
+    frames = tuple(tuple(f) for f in stack.get("frames", ()))
+    return (stack.get("state", "running"), stack.get("collective"), frames)
+
+
+def _text(key: tuple) -> str:
+    if key == ("no answer",):
+        return f"no answer within {STACK_SECONDS:g} s"
+    state, collective, frames = key
+    if state == "idle":
+        return "idle (no cell running)"
+    where = " ← ".join(f"{function} ({place})" for function, place in frames) or "(no frames)"
+    if state == "debugger":
+        return f"at a pdb prompt: {where}"
+    if collective:
+        return f"waiting in {collective}: {where}"
+    return f"running: {where}"

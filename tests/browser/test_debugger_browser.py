@@ -1,0 +1,78 @@
+"""``breakpoint()`` in an ``%%everyrank`` cell in JupyterLab, in a real browser: the pdb prompt of
+the rank appears in the cell's stdin box, takes ``p x``, shows the rank's value, and ``c`` lets
+the cell finish. The screenshot of the prompt is the one the docs show
+(``IPYDIST_UPDATE_SCREENSHOT=1`` copies it to docs/debugging.png).
+
+Needs ``/usr/bin/chromium`` (``scripts/ensure-chromium.sh``, which ``make test`` runs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import nbformat
+import pytest
+from helpers import CHROMIUM
+from lab_server import ARTIFACTS, REPO, browser_page, open_notebook, run_all_cells, serve
+
+NOTEBOOK = "debugging.ipynb"
+SCREENSHOT = ARTIFACTS / "debugger-prompt.png"
+DOCS_SCREENSHOT = REPO / "docs" / "debugging.png"
+CELLS = [
+    "%load_ext ipydist\n%dist_start --np 2",
+    "%%everyrank\nimport ipydist.torch as hvd\nx = 100 + hvd.rank()\n"
+    "if hvd.rank() == 1:\n    breakpoint()\nprint('x is', x)",
+    "%dist_stop",
+]
+
+pytestmark = pytest.mark.skipif(
+    not Path(CHROMIUM).exists(),
+    reason=f"{CHROMIUM} is missing: run scripts/ensure-chromium.sh (make test does)",
+)
+
+
+def _notebook():
+    quickstart = REPO / "notebooks" / "01-quickstart.ipynb"
+    kernel = json.loads(quickstart.read_text())["metadata"]["kernelspec"]
+    return nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS],
+                                    metadata={"kernelspec": kernel})
+
+
+#: The text of the breakpoint cell's output area.
+OUTPUT = """() => document.querySelectorAll('.jp-NotebookPanel .jp-Notebook .jp-CodeCell')[1]
+    ?.querySelector('.jp-OutputArea')?.innerText ?? ''"""
+
+
+def test_the_rank_prompt_appears_in_the_stdin_box_and_takes_commands(tmp_path):
+    console: list[str] = []
+    with serve(tmp_path, {NOTEBOOK: _notebook()}) as lab, \
+            browser_page(console, "browser-debugger", []) as page:
+        open_notebook(page, lab, NOTEBOOK, console)
+        run_all_cells(page)
+        box = page.locator(".jp-Stdin-input:visible").last  # the prompt waiting now
+        box.wait_for(timeout=120_000)
+        prompt = page.locator(".jp-Stdin-prompt").last.text_content()
+        assert prompt.strip() == "(Pdb rank 1)", prompt
+        assert re.search(r"> cell \d+, line 4, in <module>\(\)", page.evaluate(OUTPUT))
+        box.fill("p x")
+        box.press("Enter")
+        page.wait_for_function(f"() => ({OUTPUT})().includes('101')", timeout=60_000)
+        box = page.locator(".jp-Stdin-input:visible").last
+        box.wait_for(timeout=60_000)
+        box.scroll_into_view_if_needed()
+        page.locator(".jp-NotebookPanel .jp-Notebook .jp-CodeCell").nth(1).screenshot(
+            path=str(SCREENSHOT))
+        if os.environ.get("IPYDIST_UPDATE_SCREENSHOT"):
+            shutil.copy(SCREENSHOT, DOCS_SCREENSHOT)
+        box.fill("c")
+        box.press("Enter")
+        page.wait_for_function(f"() => /x is 101/.test(({OUTPUT})())", timeout=60_000)
+        text = page.evaluate(OUTPUT)
+        assert re.search(r"\[rank 0\] x is 100", text) and "x is 101" in text, text
+        assert "(Pdb rank 1)  p x" in text or "(Pdb rank 1) p x" in text, text
+        # a prompt is shown once, by its input box, not also at the end of pdb's output
+        assert not re.search(r"\(Pdb rank 1\) +[^pc\s]", text), text
