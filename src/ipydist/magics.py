@@ -12,7 +12,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from ipydist import protocol
 from ipydist.errors import ClusterError, LaunchError, RankDied, ReplyLost
-from ipydist.notebook import expected_errors, words
+from ipydist.notebook import debugging, expected_errors, words
 from ipydist.notebook.stall import STALL_WARNING_SECONDS
 from ipydist.session import DEFAULT_START_TIMEOUT, TIMELINE_FILE, Session
 from ipydist.specs import SpecError, format_ranks, parse_np
@@ -229,7 +229,7 @@ class DistMagics(Magics):
         rank is left as it was."""
         args = parse_argstring(self.dist_debug, line)
         try:
-            self._session().debug(args.rank, args.commands)
+            self._session().debug(args.rank, debugging.unquoted(args.commands))
         except (ValueError, TimeoutError) as e:
             raise UsageError(str(e)) from None
 

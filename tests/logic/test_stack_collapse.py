@@ -14,8 +14,8 @@ def test_ranks_that_agree_share_a_line_innermost_frame_first():
     text = collapse({0: IN_ALLREDUCE, 1: IN_ALLREDUCE, 2: IN_ALLREDUCE, 3: LOADING,
                      4: IN_ALLREDUCE, 5: IN_ALLREDUCE})
     assert text.splitlines() == [
-        "ranks 0-2 and 4-5: waiting in all_reduce: allreduce_ (collectives.py:72) ← train "
-        "(cell 5, line 14)",
+        "ranks 0-2 and 4-5: waiting in all_reduce: allreduce_ (collectives.py:72)",
+        "    ← train (cell 5, line 14)",  # wrapped at 88 columns, as ipydist's messages are
         "rank 3: running: load_batch (cell 5, line 9) ← train (cell 5, line 14)",
     ]
 
@@ -38,3 +38,10 @@ def test_a_prompt_found_twice_is_asked_once():
     desk.accept(2, dict(prompt))
     desk.accept(1, {"seq": 1, "rank": 1, "output": "", "prompt": "(Pdb rank 1) "})
     assert [rank for rank, _ in desk.waiting] == [2, 1]
+
+
+def test_dist_debug_commands_lose_the_quotes_that_kept_them_whole():
+    from ipydist.notebook.debugging import unquoted
+
+    assert unquoted(['"p t"', "w", "'p x[\"a\"]'"]) == ["p t", "w", 'p x["a"]']
+    assert unquoted(None) is None

@@ -10,12 +10,15 @@ post-mortem commands as ordinary requests, since no cell runs then.
 
 from __future__ import annotations
 
+import shlex
 import sys
+import textwrap
 import time
 from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from ipydist import protocol
+from ipydist.errors import MESSAGE_WIDTH
 from ipydist.notebook import ipp
 from ipydist.specs import describe_ranks
 
@@ -133,6 +136,14 @@ def post_mortem(cluster, rank: int, commands: list[str] | None = None,
     return "".join(transcript)
 
 
+def unquoted(commands: list[str] | None) -> list[str] | None:
+    """``%dist_debug --commands``' words as typed, without the quotes that kept one whole
+    (IPython's magic arguments keep them)."""
+    if commands is None:
+        return None
+    return [shlex.split(c)[0] if c[:1] in "'\"" and len(c) > 1 else c for c in commands]
+
+
 def debug_rank(session, cluster, rank: int | None, commands: list[str] | None) -> str:
     """``Session.debug``: post-mortem on ``rank`` (default: the lowest that raised last)."""
     if rank is None:
@@ -185,13 +196,30 @@ def stacks(cluster, ranks: list[int], timeout: float = STACK_SECONDS) -> dict[in
 
 
 def collapse(found: dict[int, dict | None]) -> str:
-    """Every rank's stack as lines, ranks whose stacks agree on one line:
+    """Every rank's stack, ranks whose stacks agree together (wrapped as ipydist's messages
+    are, continued lines indented):
     ``ranks 0-2: waiting in all_reduce: allreduce (collectives.py:72) ← <cell> (cell 5,
     line 14)``. Innermost frame first."""
     groups: dict[tuple, list[int]] = {}
     for rank in sorted(found):
         groups.setdefault(_key(found[rank]), []).append(rank)
-    return "\n".join(f"{describe_ranks(ranks)}: {_text(key)}" for key, ranks in groups.items())
+    return "\n".join(_wrapped(f"{describe_ranks(ranks)}: {_text(key)}")
+                     for key, ranks in groups.items())
+
+
+def _wrapped(line: str) -> str:
+    """``line`` in lines of at most MESSAGE_WIDTH, broken before a caller's ``←`` where it
+    can be, and at spaces where it cannot; continued lines indented."""
+    first, *callers = line.split(" ← ")
+    lines = [first]
+    for caller in callers:
+        if len(lines[-1]) + 3 + len(caller) <= MESSAGE_WIDTH:
+            lines[-1] += " ← " + caller
+        else:
+            lines.append("    ← " + caller)
+    return "\n".join(part for text in lines for part in textwrap.wrap(
+        text, MESSAGE_WIDTH, subsequent_indent="    ", break_long_words=False,
+        break_on_hyphens=False, drop_whitespace=False) or [text])
 
 
 def _key(stack: dict | None) -> tuple:

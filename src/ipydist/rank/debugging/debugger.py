@@ -138,9 +138,11 @@ class RankPdb(pdb.Pdb):
         super().user_call(frame, argument_list)
 
     def user_return(self, frame, return_value) -> None:
-        super().user_return(frame, return_value)
-        if frame.f_code.co_name == "<module>":  # a cell's locals are the user's namespace:
-            frame.f_locals.pop("__return__", None)  # pdb's note of the value stays out of it
+        try:
+            super().user_return(frame, return_value)
+        finally:  # (an interrupt at the prompt too)
+            if frame.f_code.co_name == "<module>":  # a cell's locals are the user's names:
+                frame.f_locals.pop("__return__", None)  # pdb's note of the value stays out
 
     def _cmdloop(self) -> None:
         # pdb's own loop catches KeyboardInterrupt and prompts again: here an interrupt is
