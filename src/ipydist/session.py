@@ -19,13 +19,13 @@ import sys
 import time
 import weakref
 
-from ipydist import protocol
 from ipydist.errors import ClusterError, RankDied, RankError
 from ipydist.notebook import debugging, healing, recovery, timeline, words
-from ipydist.notebook.cell import CellRun, RunResult, check_syntax, wait_until_idle
+from ipydist.notebook.cell import CellRun, RunResult
+from ipydist.notebook.cell_checks import check_syntax, wait_until_idle
 from ipydist.notebook.cluster import Cluster
-from ipydist.notebook.launch import deaths, local_gpus, mpiexec, processes, slurm
-from ipydist.notebook.launch.hosts import choose as choose_hosts
+from ipydist.notebook.launch import deaths, local_gpus, processes, slurm
+from ipydist.notebook.launch.planning import plan_launch
 from ipydist.notebook.live.history import MetricHistory
 from ipydist.notebook.output import display
 from ipydist.notebook.stall import STALL_WARNING_SECONDS
@@ -33,7 +33,6 @@ from ipydist.notebook.status import cluster_status, start_table
 from ipydist.specs import (
     SpecError,
     describe_ranks,
-    format_gpus,
     parse_backend,
     parse_env,
     parse_gpus,
@@ -147,42 +146,7 @@ class Session:
         if self.running:
             raise ClusterError(self.words.already_running(self.size))
         t0 = time.perf_counter()
-        if self.launcher == "slurm" and self.elastic_asked:
-            raise SpecError(
-                "--elastic with --launcher slurm: srun cannot replace a rank. Inside a Slurm "
-                "allocation, --launcher mpiexec starts Open MPI's daemons through Slurm and "
-                "heals; or leave --elastic out.")
-        slurm.check_request(self.slurm, self.launcher, self._host_options())
-        if self.launcher == "slurm":
-            self.np, named = slurm.ranks_and_hosts(self.np_given, self.slurm)
-        else:
-            named = choose_hosts(self.hosts, self.hostfile, shlex.split(self.mpi_args))
-            if named is not None:
-                self.np = self.np_given or named.slots
-                if self.np > named.slots and "--oversubscribe" not in self.mpi_args:
-                    raise SpecError(
-                        f"--np {self.np}: {named.source} gives {named.slots} slots. Name more "
-                        "slots (nodeA:4), or pass --mpi-args=--oversubscribe to share them.")
-        route = named.route if named is not None else None
-        config = protocol.RankConfig(
-            gpus=format_gpus(self.gpus), gpus_per_rank=self.gpus_per_rank,
-            backend=self.backend, transport=self.transport,
-            init=self.init,
-            notebook_addr=route.address if route else "")
-        rank_env = {**config.to_env(), **self.env}
-        if self.launcher == "slurm":
-            plan = slurm.plan(self.np, slurm.mpi_flavor_of(self.mpi), self.slurm, rank_env, named)
-        else:
-            plan = mpiexec.plan(mpiexec.find_mpiexec(self.mpi), self.np, self.mpi_args,
-                                rank_env, hosts=named, elastic=self.elastic_asked)
-        self.elastic = plan.elastic
-        if self.min_np is not None and self.min_np > self.np:
-            raise SpecError(f"--min-np {self.min_np}: more than the {self.np} ranks to start; "
-                            "give at most --np, or leave it out.")
-        if self.min_np is not None and not self.elastic:
-            raise SpecError(f"--min-np {self.min_np}: the cluster cannot go on without a rank "
-                            "unless it is elastic: add --elastic (Open MPI's fault tolerance), "
-                            "or leave --min-np out.")
+        plan = plan_launch(self)
         if not plan.multi_host:
             local_gpus.check_gpus_here(self.gpus, self.backend, self.np, self.gpus_per_rank)
         for note in plan.notes:  # information, not a warning: no red stderr block
@@ -209,12 +173,6 @@ class Session:
             print(f"{hosts} hosts; the controller listens on {self.cluster.plan.route}, the "
                   "address that reaches them")
         return self
-
-    def _host_options(self) -> list[str]:
-        """The mpiexec options given, which --launcher slurm has no use for."""
-        given = [("--hosts", self.hosts), ("--hostfile", self.hostfile),
-                 ("--mpi-args", self.mpi_args)]
-        return [option for option, value in given if value]
 
     def death_report(self) -> str:
         """Which rank died and how, for the cell's error; empty when every rank is alive."""

@@ -10,7 +10,6 @@ too, and interrupts the ranks.
 
 from __future__ import annotations
 
-import functools
 import sys
 import time
 from dataclasses import dataclass, field
@@ -362,41 +361,3 @@ class _Failure:
 
 def _as_failure(reply: Exception):
     return reply if hasattr(reply, "ename") else _Failure(reply)
-
-
-# --- before a cell is sent ---------------------------------------------------------------
-
-@functools.cache
-def _transformer():
-    from IPython.core.inputtransformer2 import TransformerManager
-
-    return TransformerManager()
-
-
-#: How long a cell waits for ranks still busy with an earlier request before it says so.
-BUSY_WAIT_SECONDS = 2.0
-
-
-def wait_until_idle(cluster, targets: list[int], restart: str) -> None:
-    """A cell sent to a rank still busy (an earlier cell that did not stop when released, or
-    a recovery that has not ended) would queue behind it and seem to hang: say so instead."""
-    deadline = time.monotonic() + BUSY_WAIT_SECONDS
-    while busy := cluster.busy_ranks(targets):
-        if time.monotonic() > deadline:
-            one = len(busy) == 1
-            raise ClusterError(
-                f"{describe_ranks(busy)} {'is' if one else 'are'} still running an earlier "
-                "request (a cell that did not stop when released, or a recovery), so this cell "
-                f"would wait behind it. Wait for {'it' if one else 'them'} to finish, "
-                f"or run {restart}.")
-        time.sleep(0.05)
-
-
-@functools.lru_cache(maxsize=256)
-def check_syntax(code: str) -> None:
-    """Raise SyntaxError here, before the cell reaches any rank (IPython syntax allowed).
-
-    Cached by source: a cell run again (a training loop re-run after a change elsewhere) is
-    not parsed again. A cell that raised is not cached, so it is reported every time.
-    """
-    compile(_transformer().transform_cell(code), "<everyrank cell>", "exec")
