@@ -20,6 +20,7 @@ import textwrap
 import time
 
 import pytest
+from helpers import stress
 from slurm_cluster import SlurmCluster, unavailable
 
 REASON = unavailable()
@@ -155,6 +156,8 @@ while "error" not in out and time.monotonic() - t0 < 10:
 """
 
 
+@stress  # failed once in 4 full runs of make test (mpiexec ended during the heal, and a rank
+# and its nanny outlived the job on node1 for 10 s); 4 of 4 alone: under investigation
 def test_inside_an_allocation_mpiexec_heals_a_rank_killed_on_a_node(slurm):
     """srun cannot replace a rank (``--launcher slurm --elastic`` is refused, saying this):
     inside an allocation ``--launcher mpiexec`` starts Open MPI's daemons through Slurm, on
