@@ -55,10 +55,13 @@ def metrics(ranks: bool = False):
 
 
 def load_ipython_extension(ipython) -> None:
-    """``%load_ext ipydist``: register the magics."""
+    """``%load_ext ipydist``: register the magics, and answer completion and help for code
+    that runs on the ranks from rank 0."""
     from ipydist.magics import DistMagics
+    from ipydist.notebook import completion
 
     ipython.register_magics(DistMagics)
+    completion.install(ipython, ipython.magics_manager.registry["DistMagics"])
 
 
 def unload_ipython_extension(ipython) -> None:

@@ -60,6 +60,19 @@ def debug(command: str | None) -> dict:
     return debugger.post_mortem(command)
 
 
+def complete(code: str, cursor_pos: int) -> dict:
+    """Completions of ``code`` at ``cursor_pos`` in this rank's namespace, as this rank's
+    kernel answers a ``complete_request`` (jedi through IPython's completer)."""
+    return get_ipython().kernel.do_complete(code, cursor_pos)
+
+
+def inspect_name(code: str, cursor_pos: int, detail_level: int,
+                 omit_sections: list) -> dict:
+    """Help on the name at ``cursor_pos``, as this rank's kernel answers ``inspect_request``
+    (``found`` False where the name is not defined here)."""
+    return get_ipython().kernel.do_inspect(code, cursor_pos, detail_level, set(omit_sections))
+
+
 def error_frames() -> str:
     """Where nobody can type at a pdb prompt: this rank's last error's frames and locals."""
     return debugger.frames_with_locals()

@@ -1,0 +1,39 @@
+"""Which code of a cell rank 0 completes, and how its answers are put back into the cell
+(pure logic of ``ipydist.notebook.completion``)."""
+
+from __future__ import annotations
+
+from ipydist.notebook.completion import headed, rank_code, shifted
+
+CELL = "%%everyrank --ranks 0\nmodel.para"
+
+
+def test_the_body_of_an_everyrank_cell_goes_to_rank_0_with_its_offset():
+    body, offset = rank_code(CELL, len(CELL), everyrank_mode=False)
+    assert body == "model.para" and offset == len("%%everyrank --ranks 0\n")
+    assert rank_code("\n  " + CELL, len(CELL) + 3, False) == ("model.para", len(CELL) - 7)
+
+
+def test_the_magic_line_and_other_cells_stay_with_the_notebook():
+    assert rank_code(CELL, len("%%everyrank --ra"), False) is None  # its options
+    assert rank_code("%%everyrank", 11, False) is None
+    assert rank_code("x = mod", 7, False) is None
+    assert rank_code("x = mod", 7, everyrank_mode=True) == ("x = mod", 0)
+    assert rank_code("%dist_status", 6, everyrank_mode=True) is None
+
+
+def test_positions_move_back_into_the_cell():
+    reply = {"matches": ["parameters"], "cursor_start": 6, "cursor_end": 10, "status": "ok",
+             "metadata": {"_jupyter_types_experimental": [
+                 {"start": 6, "end": 10, "text": "parameters", "type": "function"}]}}
+    moved = shifted(reply, 22)
+    assert (moved["cursor_start"], moved["cursor_end"]) == (28, 32)
+    assert moved["metadata"]["_jupyter_types_experimental"][0]["start"] == 28
+    assert reply["cursor_start"] == 6, "the rank's reply is left as it was"
+
+
+def test_help_names_the_rank():
+    found = headed({"status": "ok", "found": True, "data": {"text/plain": "Linear(...)"}}, 0)
+    assert found["data"]["text/plain"] == "[rank 0]\nLinear(...)"
+    missing = {"status": "ok", "found": False, "data": {}}
+    assert headed(missing, 0) is missing
