@@ -12,14 +12,12 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from ipydist import protocol
 from ipydist.errors import ClusterError, LaunchError, RankDied, ReplyLost
-from ipydist.notebook import debugging, expected_errors, words
+from ipydist.notebook import completion, debugging, expected_errors, words
 from ipydist.notebook.stall import STALL_WARNING_SECONDS
 from ipydist.session import DEFAULT_START_TIMEOUT, TIMELINE_FILE, Session
 from ipydist.specs import SpecError, format_ranks, parse_np
 
 _USER_ERRORS = (SpecError, LaunchError, ClusterError)
-#: In ``%dist_mode everyrank``, cells that begin with these still run in the notebook.
-_RUN_HERE = ("%dist_", "%everyrank", "%%everyrank")
 #: Marks a cell that ``%dist_mode everyrank`` turned into an ``%%everyrank`` cell.
 _MODE_FLAG = "--from-mode"
 
@@ -302,7 +300,7 @@ class DistMagics(Magics):
         """Input transformer of ``%dist_mode everyrank``: the cell becomes an ``%%everyrank``
         cell, unless it is empty or begins with one of ipydist's magics."""
         first = next((line.strip() for line in lines if line.strip()), "")
-        if not first or first.startswith(_RUN_HERE):
+        if not first or first.startswith(completion.RUN_HERE):
             return lines
         return [f"%%everyrank {_MODE_FLAG}\n", *lines]
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 #: How long a completion or help request waits for rank 0's answer.
 ANSWER_SECONDS = 2.0
-#: Cells under ``%dist_mode everyrank`` that begin with these run in the notebook.
+#: Cells under ``%dist_mode everyrank`` that begin with these run in the notebook (the
+#: mode's input transformer leaves them alone, and completion answers them here).
 RUN_HERE = ("%dist_", "%everyrank", "%%everyrank")
 
 

@@ -94,14 +94,8 @@ class Breakpoints:
         return spent
 
     def _deliver(self, rank: int, command: str) -> bool:
-        future = ipp.ask_on_control(self.cluster.client, self.cluster.engine_ids[rank],
-                                    protocol.CONTROL_REQUEST,
-                                    {"what": "debug", "command": command})
-        try:
-            reply = future.result(timeout=STACK_SECONDS)
-        except FutureTimeout:
-            return False
-        return bool(reply["content"].get("delivered"))
+        reply = ask_ranks(self.cluster, [rank], {"what": "debug", "command": command})[rank]
+        return bool(reply and reply.get("delivered"))
 
 
 # --- post-mortem ---------------------------------------------------------------------------
@@ -181,17 +175,25 @@ class Stacks:
 def stacks(cluster, ranks: list[int], timeout: float = STACK_SECONDS) -> dict[int, dict | None]:
     """rank -> where its main thread is (``ipydist.rank.debugging.stacks.main_stack``), asked on the
     control channel of every rank at once; None for a rank that did not answer in time."""
+    return {rank: reply if reply is not None and reply.get("status") == "ok" else None
+            for rank, reply in ask_ranks(cluster, ranks, {"what": "stack"}, timeout).items()}
+
+
+def ask_ranks(cluster, ranks: list[int], request: dict,
+              timeout: float = STACK_SECONDS) -> dict[int, dict | None]:
+    """rank -> the content of its answer to ``request`` on its control channel (which a rank
+    answers while it runs a cell), asked of every rank at once; None for a rank that did not
+    answer within ``timeout`` seconds in all."""
     futures = {rank: ipp.ask_on_control(cluster.client, cluster.engine_ids[rank],
-                                        protocol.CONTROL_REQUEST, {"what": "stack"})
+                                        protocol.CONTROL_REQUEST, request)
                for rank in ranks}
     deadline = time.monotonic() + timeout
     found: dict[int, dict | None] = {}
     for rank, future in futures.items():
         try:
-            reply = future.result(timeout=max(0.0, deadline - time.monotonic()))["content"]
+            found[rank] = future.result(timeout=max(0.0, deadline - time.monotonic()))["content"]
         except FutureTimeout:
-            reply = None
-        found[rank] = reply if reply is not None and reply.get("status") == "ok" else None
+            found[rank] = None
     return found
 
 

@@ -30,7 +30,10 @@ def is_machinery(filename: str) -> bool:
 
 def place(filename: str, line: int) -> str:
     """``cell N, line L`` for the code of a cell, else ``file.py:L``."""
-    number = _cell_number(filename)
+    return _place(filename, line, _cell_number(filename))
+
+
+def _place(filename: str, line: int, number: int | None) -> str:
     if number is not None:
         return f"cell {number}, line {line}"
     return f"{os.path.basename(filename)}:{line}"
@@ -85,12 +88,13 @@ def _frames(frame) -> list[list[str]]:
     frames = []
     while frame is not None:
         path = frame.f_code.co_filename.replace("\\", "/")
-        in_cell = _cell_number(frame.f_code.co_filename) is not None
+        number = _cell_number(frame.f_code.co_filename)
+        in_cell = number is not None
         if in_cell or not is_machinery(path):
             if "/ipydist/rank/" not in path:  # the debugger's own frames
                 frames.append([frame.f_code.co_name if not in_cell or frame.f_code.co_name
                                != "<module>" else "<cell>",
-                               place(frame.f_code.co_filename, frame.f_lineno)])
+                               _place(frame.f_code.co_filename, frame.f_lineno, number)])
         frame = frame.f_back
     cells = [i for i, (_, where) in enumerate(frames) if where.startswith("cell ")]
     if cells:  # nothing outward of the cell's own code (runpy's, the engine's)

@@ -79,7 +79,7 @@ class Later:
         try:
             self.started = self.begin()
         except call_check.Deferred:
-            raise
+            raise  # put off again (a barrier still waits): not a failure, it starts later
         except BaseException as e:
             self.failure = e
             raise
