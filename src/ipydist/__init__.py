@@ -58,7 +58,7 @@ def load_ipython_extension(ipython) -> None:
     """``%load_ext ipydist``: register the magics, and answer completion and help for code
     that runs on the ranks from rank 0."""
     from ipydist.magics import DistMagics
-    from ipydist.notebook import completion
+    from ipydist.notebook.introspection import completion
 
     ipython.register_magics(DistMagics)
     completion.install(ipython, ipython.magics_manager.registry["DistMagics"])

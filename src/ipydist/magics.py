@@ -6,15 +6,17 @@ import argparse
 import os
 import sys
 
+import IPython.core.page
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from ipydist import protocol
 from ipydist.errors import ClusterError, LaunchError, RankDied, ReplyLost
-from ipydist.notebook import completion, debugging, expected_errors, words
-from ipydist.notebook.stall import STALL_WARNING_SECONDS
-from ipydist.session import DEFAULT_START_TIMEOUT, TIMELINE_FILE, Session
+from ipydist.notebook import expected_errors, words
+from ipydist.notebook.introspection import completion, debugging
+from ipydist.notebook.start_options import start_options
+from ipydist.session import TIMELINE_FILE, Session
 from ipydist.specs import SpecError, format_ranks, parse_np
 
 _USER_ERRORS = (SpecError, LaunchError, ClusterError)
@@ -62,98 +64,7 @@ class DistMagics(Magics):
             raise UsageError(words.MAGICS.no_cluster())
         return self.session
 
-    @magic_arguments()
-    @argument(
-        "--np", default=None, metavar="N",
-        help="number of ranks (default: the kernel's --np, else one per GPU, else one per CPU "
-        "core); more ranks than cores works: they share the cores",
-    )
-    @argument(
-        "--gpus", default="auto", metavar="SPEC",
-        help="auto: one GPU per rank, by local rank, when the host has GPUs; none: CPU only; "
-        "a list such as 0,1: only these GPUs",
-    )
-    @argument(
-        "--gpus-per-rank", default=1, metavar="N",
-        help="GPUs each rank sees (default: 1): the host's GPUs are dealt out N to a rank, "
-        "each rank numbering its own from cuda:0, for a model split across them",
-    )
-    @argument("--backend", default="auto", metavar="NAME",
-              help="the torch.distributed backend (DDP's): auto (NCCL when ranks have GPUs, "
-              "else gloo), nccl, gloo, or mpi (ipydist's, over mpi4py: CPU tensors, 2-20x "
-              "faster than gloo on one host)")
-    @argument("--transport", default="auto", metavar="NAME",
-              help="the wire of ipydist's collectives on CPU tensors: auto (MPI, where mpiexec "
-              "or srun started the ranks: 2-20x faster than gloo on one host), mpi, or gloo")
-    @argument("--mpi", default=None, metavar="PATH",
-              help="the mpiexec to use (default: $IPYDIST_MPIEXEC, the one next to this "
-              "Python, then $PATH)")
-    @argument(
-        "--hosts", default=None, metavar="SPEC",
-        help="hosts to run on, with slots: nodeA:4,nodeB:4 (a host without :N has one slot; "
-        "--np defaults to the slots)",
-    )
-    @argument(
-        "--hostfile", default=None, metavar="FILE",
-        help="hosts to run on, one per line: 'nodeA slots=4' (Open MPI) or 'nodeA:4' (MPICH); "
-        "inside a Slurm allocation the default is its nodes",
-    )
-    @argument(
-        "--launcher", default="mpiexec", metavar="NAME",
-        help="mpiexec (default; over ssh across hosts) or slurm: srun in this Slurm "
-        "allocation, or outside one salloc for a new allocation, then srun in it",
-    )
-    @argument("--partition", default=None, metavar="NAME",
-              help="with --launcher slurm outside an allocation: the partition to ask for")
-    @argument("--time", default=None, metavar="LIMIT",
-              help="with --launcher slurm outside an allocation: the job's time limit, "
-              "as Slurm writes it (30, 1:00:00, 1-0)")
-    @argument("--account", default=None, metavar="NAME",
-              help="with --launcher slurm outside an allocation: the account to charge")
-    @argument(
-        "--slurm-args", default="", metavar='"..."',
-        help='with --launcher slurm: extra arguments for salloc (new allocation) or srun '
-        '(inside one), e.g. --slurm-args="--nodes=2 --gres=gpu:4"',
-    )
-    @argument(
-        "--mpi-args", default="", metavar='"..."',
-        help='extra mpiexec arguments, written with = and quotes, e.g. '
-        '--mpi-args="--hostfile hosts"',
-    )
-    @argument(
-        "--timeout", type=float, default=DEFAULT_START_TIMEOUT, metavar="S",
-        help="seconds to wait for every rank to start (default: %(default)g); a launch that "
-        "fails sooner ends at once with MPI's own message",
-    )
-    @argument(
-        "--env", nargs="+", action="extend", default=[], metavar="K=V",
-        help="environment variables for every rank",
-    )
-    @argument(
-        "--stall-warning", type=float, default=STALL_WARNING_SECONDS, metavar="S",
-        help="warn under the cell when ranks have waited S seconds in a collective that other "
-        "ranks have not called (default: %(default)g; 0: never)",
-    )
-    @argument(
-        "--elastic", action="store_true", default=None,
-        help="the ranks outlive one that dies, which is replaced with rank 0's variables "
-        "(Open MPI's fault tolerance, ULFM; mpiexec only). Default: on across hosts; on one "
-        "host it opens MPI's TCP port on every interface, so it is asked for",
-    )
-    @argument(
-        "--no-elastic", dest="elastic", action="store_false",
-        help="a rank that dies ends the job, as plain mpiexec does: %%dist_restart then",
-    )
-    @argument(
-        "--min-np", default=None, metavar="M",
-        help="elastic: when a dead rank's replacement cannot be started, go on with the "
-        "others if they are at least M (default: as many as started, so never fewer)",
-    )
-    @argument(
-        "--no-init", action="store_true",
-        help="do not create the torch.distributed process group: your code calls "
-        "init_process_group itself",
-    )
+    @start_options
     @line_magic
     def dist_start(self, line: str = ""):
         """Start a cluster of ranks launched by mpiexec (or Slurm), with torch.distributed ready
@@ -214,6 +125,8 @@ class DistMagics(Magics):
             text = f"\n    {e.text.rstrip()}" if e.text else ""
             raise UsageError(f"syntax error in the cell{where}: {e.msg}{text}\nNothing ran.") \
                 from None
+        for page in result.pages:  # obj? in the cell: the first rank's help, in the pager
+            IPython.core.page.page(completion.headed(page, result.ranks[0]))
         return _cell_value(result, args.output)
 
     @magic_arguments()

@@ -160,7 +160,8 @@ DEBUG_RANKS_KEY = "ipydist.debug_ranks"
 #: ``"prompt"`` (it waits for a command) or ``"ended": True`` (the cell goes on).
 DEBUG_KEY = "ipydist.debug"
 #: The message types of the notebook's questions on an engine's control channel, which a
-#: rank answers while its cell runs (see ``ipydist.rank.debugging.control``), and of the answers.
+#: rank answers while its cell runs (see ``ipydist.rank.introspection.control``), and of the
+#: answers.
 CONTROL_REQUEST = "ipydist_request"
 CONTROL_REPLY = "ipydist_reply"
 

@@ -20,10 +20,11 @@ import time
 import weakref
 
 from ipydist.errors import ClusterError, RankDied, RankError
-from ipydist.notebook import debugging, healing, recovery, timeline, words
+from ipydist.notebook import healing, recovery, timeline, words
 from ipydist.notebook.cell import CellRun, RunResult
 from ipydist.notebook.cell_checks import check_syntax, wait_until_idle
 from ipydist.notebook.cluster import Cluster
+from ipydist.notebook.introspection import debugging
 from ipydist.notebook.launch import deaths, local_gpus, processes, slurm
 from ipydist.notebook.launch.planning import plan_launch
 from ipydist.notebook.live.history import MetricHistory

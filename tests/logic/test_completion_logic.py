@@ -1,9 +1,9 @@
 """Which code of a cell rank 0 completes, and how its answers are put back into the cell
-(pure logic of ``ipydist.notebook.completion``)."""
+(pure logic of ``ipydist.notebook.introspection.completion``)."""
 
 from __future__ import annotations
 
-from ipydist.notebook.completion import headed, rank_code, shifted
+from ipydist.notebook.introspection.completion import answering_rank, headed, rank_code, shifted
 
 CELL = "%%everyrank --ranks 0\nmodel.para"
 
@@ -33,7 +33,15 @@ def test_positions_move_back_into_the_cell():
 
 
 def test_help_names_the_rank():
-    found = headed({"status": "ok", "found": True, "data": {"text/plain": "Linear(...)"}}, 0)
-    assert found["data"]["text/plain"] == "[rank 0]\nLinear(...)"
-    missing = {"status": "ok", "found": False, "data": {}}
-    assert headed(missing, 0) is missing
+    found = headed({"text/plain": "Linear(...)", "text/html": "<pre>Linear</pre>"}, 2)
+    assert found["text/plain"] == "[rank 2]\nLinear(...)"
+    assert found["text/html"].startswith("<p><b>rank 2</b></p>")
+
+
+def test_the_first_of_the_cells_ranks_answers():
+    assert answering_rank("%%everyrank\nmodel.", 4) == 0
+    assert answering_rank("%%everyrank --ranks 2-3\nmodel.", 4) == 2
+    assert answering_rank("%%everyrank --output rank0 --ranks=3\nx", 4) == 3
+    assert answering_rank("model.", 4) == 0, "%dist_mode everyrank: every rank"
+    assert answering_rank("%%everyrank --ranks 9\nx", 4) == 0, "a wrong spec: rank 0"
+    assert answering_rank("%%everyrank\nf('--ranks 3')", 4) == 0, "only the magic's line"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ipydist.notebook.debugging import Breakpoints, collapse
+from ipydist.notebook.introspection.debugging import Breakpoints, collapse
 
 IN_ALLREDUCE = {"state": "running", "collective": "all_reduce",
                 "frames": [["allreduce_", "collectives.py:72"], ["train", "cell 5, line 14"]]}
@@ -41,7 +41,7 @@ def test_a_prompt_found_twice_is_asked_once():
 
 
 def test_dist_debug_commands_lose_the_quotes_that_kept_them_whole():
-    from ipydist.notebook.debugging import unquoted
+    from ipydist.notebook.introspection.debugging import unquoted
 
     assert unquoted(['"p t"', "w", "'p x[\"a\"]'"]) == ["p t", "w", 'p x["a"]']
     assert unquoted(None) is None

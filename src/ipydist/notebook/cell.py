@@ -23,7 +23,8 @@ from ipydist.errors import (
     ReplyLost,
     wrap_message,
 )
-from ipydist.notebook import debugging, ipp, recovery
+from ipydist.notebook import ipp, recovery
+from ipydist.notebook.introspection import debugging
 from ipydist.notebook.live.view import LiveView
 from ipydist.notebook.output import display, rich
 from ipydist.notebook.output.iopub import IOPubCollector
@@ -50,6 +51,8 @@ class RunResult:
     ranks: list[int]
     execute_results: dict[int, dict] = field(default_factory=dict)
     elapsed: float = 0.0
+    #: What the first rank's cell put in its pager (``obj?``), as mime bundles.
+    pages: list[dict] = field(default_factory=list)
 
 
 class CellRun:
@@ -151,6 +154,7 @@ class CellRun:
             raise RankError(failures, first=first, released=self.released, notes=notes)
         if self.lost:
             raise ReplyLost(self._lost_note())
+        self.result.pages = ipp.pages(replies.get(self.targets[0]))
         return self.result
 
     @property

@@ -54,6 +54,14 @@ def replies(async_result, targets: list[int]) -> dict[int, object]:
             if child.done()}
 
 
+def pages(reply) -> list[dict]:
+    """What a rank's cell put in its pager (``obj?``, ``%pdoc``): the mime bundles of the
+    ``page`` payloads of its execute reply, which ipyparallel keeps but does not show."""
+    content = getattr(reply, "_content", None) or {}
+    return [p["data"] for p in content.get("payload") or ()
+            if p.get("source") == "page" and isinstance(p.get("data"), dict)]
+
+
 def abort(client, msg_ids: list[str], ranks: list[int]) -> None:
     """Ask ``ranks`` to skip these requests if they have not begun them (the engine answers
     "aborted" when it reaches one); a request already running goes on."""

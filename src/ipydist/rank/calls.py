@@ -23,7 +23,7 @@ from ipydist.rank import (
     released_errors,
     watcher,
 )
-from ipydist.rank.debugging import control, debugger
+from ipydist.rank.introspection import control, debugger
 from ipydist.torch._core import events, process_group, resync, shims, topology, waiting
 from ipydist.torch._wire import handles
 from ipydist.torch.horovod import process_sets
@@ -58,19 +58,6 @@ def _not_a_prompt() -> None:
 def debug(command: str | None) -> dict:
     """``%dist_debug``: one step of post-mortem debugging of this rank's last error."""
     return debugger.post_mortem(command)
-
-
-def complete(code: str, cursor_pos: int) -> dict:
-    """Completions of ``code`` at ``cursor_pos`` in this rank's namespace, as this rank's
-    kernel answers a ``complete_request`` (jedi through IPython's completer)."""
-    return get_ipython().kernel.do_complete(code, cursor_pos)
-
-
-def inspect_name(code: str, cursor_pos: int, detail_level: int,
-                 omit_sections: list) -> dict:
-    """Help on the name at ``cursor_pos``, as this rank's kernel answers ``inspect_request``
-    (``found`` False where the name is not defined here)."""
-    return get_ipython().kernel.do_inspect(code, cursor_pos, detail_level, set(omit_sections))
 
 
 def error_frames() -> str:

@@ -1,5 +1,5 @@
 """The notebook's questions that a rank answers while its cell runs: where it is (its stack),
-and the command typed at its pdb prompt.
+the command typed at its pdb prompt, and completion and help on its names.
 
 An engine's cells run on its shell channel, one request at a time, so a busy rank takes no
 other request there. Its control channel has a thread of its own (ipykernel's, through which
@@ -12,7 +12,7 @@ request by the request's id.
 from __future__ import annotations
 
 from ipydist import protocol
-from ipydist.rank.debugging import debugger, stacks
+from ipydist.rank.introspection import completion, debugger, stacks
 
 
 def install(kernel) -> None:
@@ -32,10 +32,13 @@ def _answer(kernel, stream, idents, msg) -> None:
 
 
 def answer(request: dict) -> dict:
-    """The answer to one request: ``{"what": "stack"}`` or ``{"what": "debug", "command"}``."""
+    """The answer to one request: ``{"what": "stack"}``, ``{"what": "debug", "command"}``,
+    or ``{"what": "complete" | "inspect", "code", "cursor_pos", ...}``."""
     what = request.get("what")
     if what == "stack":
         return stacks.main_stack(at_prompt=debugger.stopped())
     if what == "debug":
         return {"delivered": debugger.deliver(str(request.get("command", "")))}
+    if what in ("complete", "inspect"):
+        return completion.answer(request)
     raise ValueError(f"unknown request {what!r}")

@@ -34,7 +34,7 @@ import types
 
 from ipydist import protocol
 from ipydist.rank import channel
-from ipydist.rank.debugging import stacks
+from ipydist.rank.introspection import stacks
 
 #: How often a rank waiting for a command looks up (an interrupt is raised between waits).
 _WAIT_SECONDS = 0.2

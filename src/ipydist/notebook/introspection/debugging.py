@@ -4,7 +4,7 @@ post-mortem on a rank's last error (``%dist_debug``), and every rank's stack (``
 The person types at ``input()``, which in a Jupyter kernel is a request on the stdin channel
 (JupyterLab, Notebook 7 and VS Code show a box under the cell; a terminal IPython reads its
 terminal). The rank side is :mod:`ipydist.rank.debugging.debugger`; stacks and commands for a
-cell that runs go on the engines' control channel (:mod:`ipydist.rank.debugging.control`),
+cell that runs go on the engines' control channel (:mod:`ipydist.rank.control`),
 post-mortem commands as ordinary requests, since no cell runs then.
 """
 
@@ -15,11 +15,9 @@ import sys
 import textwrap
 import time
 from collections.abc import Callable
-from concurrent.futures import TimeoutError as FutureTimeout
 
-from ipydist import protocol
 from ipydist.errors import MESSAGE_WIDTH
-from ipydist.notebook import ipp
+from ipydist.notebook.introspection import control
 from ipydist.specs import describe_ranks
 
 #: How long ``%dist_stack`` waits for the ranks' answers (a rank that does not answer in
@@ -94,7 +92,8 @@ class Breakpoints:
         return spent
 
     def _deliver(self, rank: int, command: str) -> bool:
-        reply = ask_ranks(self.cluster, [rank], {"what": "debug", "command": command})[rank]
+        reply = control.ask_ranks(self.cluster, [rank], {"what": "debug", "command": command},
+                                  STACK_SECONDS)[rank]
         return bool(reply and reply.get("delivered"))
 
 
@@ -175,26 +174,9 @@ class Stacks:
 def stacks(cluster, ranks: list[int], timeout: float = STACK_SECONDS) -> dict[int, dict | None]:
     """rank -> where its main thread is (``ipydist.rank.debugging.stacks.main_stack``), asked on the
     control channel of every rank at once; None for a rank that did not answer in time."""
+    answers = control.ask_ranks(cluster, ranks, {"what": "stack"}, timeout)
     return {rank: reply if reply is not None and reply.get("status") == "ok" else None
-            for rank, reply in ask_ranks(cluster, ranks, {"what": "stack"}, timeout).items()}
-
-
-def ask_ranks(cluster, ranks: list[int], request: dict,
-              timeout: float = STACK_SECONDS) -> dict[int, dict | None]:
-    """rank -> the content of its answer to ``request`` on its control channel (which a rank
-    answers while it runs a cell), asked of every rank at once; None for a rank that did not
-    answer within ``timeout`` seconds in all."""
-    futures = {rank: ipp.ask_on_control(cluster.client, cluster.engine_ids[rank],
-                                        protocol.CONTROL_REQUEST, request)
-               for rank in ranks}
-    deadline = time.monotonic() + timeout
-    found: dict[int, dict | None] = {}
-    for rank, future in futures.items():
-        try:
-            found[rank] = future.result(timeout=max(0.0, deadline - time.monotonic()))["content"]
-        except FutureTimeout:
-            found[rank] = None
-    return found
+            for rank, reply in answers.items()}
 
 
 def collapse(found: dict[int, dict | None]) -> str:

@@ -1,0 +1,76 @@
+"""Tab completion and help for the notebook, computed on this rank (see
+:mod:`ipydist.notebook.completion`), asked on the control channel so that a rank answers
+while its cell runs too.
+
+The answer is the rank kernel's own (``do_complete``: jedi through IPython's completer;
+``do_inspect``: IPython's inspector), computed in a worker thread of its own: the control
+channel's thread, which also carries stacks and pdb commands, waits for it at most
+:data:`ANSWER_SECONDS`, and a second question while the first is still being worked on is
+answered "busy" at once. Only one worker runs at a time, since IPython's completer keeps the
+text it completes in its own attributes.
+
+Completion reads the live namespace while the main thread may change it, and must not run
+the user's code: jedi here never evaluates a property or ``__getitem__`` (which, on a model,
+could start a collective and hang this rank), and IPython's own evaluation stays "limited"
+(no calls but safe ones).
+"""
+
+from __future__ import annotations
+
+import threading
+
+#: How long the control thread waits for an answer before it says so.
+ANSWER_SECONDS = 1.5
+
+_lock = threading.Lock()  # held by the one worker computing an answer
+
+
+def answer(request: dict) -> dict:
+    """``{"reply": <the kernel's reply>}`` to ``{"what": "complete" | "inspect", "code",
+    "cursor_pos", ...}``, or ``{"busy": True}`` when no answer came in time."""
+    if not _lock.acquire(blocking=False):
+        return {"busy": True}
+    done = threading.Event()
+    found: dict = {}
+
+    def work():
+        try:
+            found["reply"] = _reply(request)
+        except Exception as e:  # the notebook answers instead
+            found["error"] = f"{type(e).__name__}: {e}"
+        finally:
+            _lock.release()
+            done.set()
+
+    threading.Thread(target=work, name="ipydist-completion", daemon=True).start()
+    if not done.wait(ANSWER_SECONDS):
+        return {"busy": True}  # the worker finishes in its own time, holding the lock
+    if "error" in found:
+        raise RuntimeError(found["error"])
+    return {"reply": found["reply"]}
+
+
+def _reply(request: dict) -> dict:
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    _make_safe(shell)
+    code, cursor_pos = str(request["code"]), int(request["cursor_pos"])
+    if request["what"] == "complete":
+        return shell.kernel.do_complete(code, cursor_pos)
+    return shell.kernel.do_inspect(code, cursor_pos, int(request.get("detail_level", 0)),
+                                   set(request.get("omit_sections") or ()))
+
+
+def _make_safe(shell) -> None:
+    """No user code runs for a completion (see the module docstring)."""
+    try:
+        import jedi
+
+        jedi.settings.allow_unsafe_interpreter_executions = False
+    except ImportError:
+        pass
+    completer = getattr(shell, "Completer", None)
+    if completer is not None and getattr(completer, "evaluation", "limited") not in (
+            "forbidden", "minimal", "limited"):
+        completer.evaluation = "limited"
