@@ -150,10 +150,18 @@ class DistMagics(Magics):
         while a cell runs, from a console or subshell of this kernel)."""
         return self._session().stacks()
 
+    @magic_arguments()
+    @argument("--live", action="store_true",
+              help="a view that updates about once a second: what each rank does (running "
+              "cell N, waiting in a collective, at a breakpoint, dead), CPU, memory, GPU, step "
+              "time; with interrupt, restart and stop buttons")
     @line_magic
     def dist_status(self, line: str = ""):
-        """Show each rank: host, pid, device, alive/busy, memory."""
-        return self._session().status()
+        """Show each rank: host, pid, device, alive/busy, memory; --live: a view that
+        updates while cells run, with interrupt, restart and stop buttons."""
+        args = parse_argstring(self.dist_status, line)
+        session = self._session()
+        return session.live_status() if args.live else session.status()
 
     @magic_arguments()
     @argument("--np", type=str, required=True, metavar="M",

@@ -147,6 +147,9 @@ def is_metrics_key(key: str) -> bool:
 
 #: Data-message key of "waiting in collective X for N s" / "no longer waiting" reports.
 STATE_KEY = "ipydist.state"
+#: Data-message key of a rank's vitals, once a second while its cell runs (see
+#: ``ipydist.rank.vitals``): what it does, CPU %, RSS, GPU use, last step time.
+VITALS_KEY = "ipydist.vitals"
 #: Data-message key of ``"started"`` / ``"ended"``, sent as a rank begins and ends a cell's
 #: code (the end before the reply: the notebook can tell a lost reply from a busy rank).
 CELL_KEY = "ipydist.cell"

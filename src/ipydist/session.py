@@ -27,6 +27,7 @@ from ipydist.notebook.cluster import Cluster
 from ipydist.notebook.introspection import debugging
 from ipydist.notebook.launch import deaths, local_gpus, processes, slurm
 from ipydist.notebook.launch.planning import plan_launch
+from ipydist.notebook.live.cluster_view import ClusterMonitor, ClusterView
 from ipydist.notebook.live.history import MetricHistory
 from ipydist.notebook.output import display
 from ipydist.notebook.stall import STALL_WARNING_SECONDS
@@ -110,6 +111,8 @@ class Session:
         self.stall_warning = parse_seconds(stall_warning, "--stall-warning", zero=True)
         #: Every point the ranks sent with ``hvd.log()``, in order (kept across restarts).
         self.metrics = MetricHistory()
+        #: What the live cluster views show (``%dist_status --live``).
+        self.monitor = ClusterMonitor(self)
         #: How messages name the user's next step (see :mod:`ipydist.notebook.words`).
         self.words = words.PYTHON
         self.startup_seconds: float | None = None
@@ -167,6 +170,8 @@ class Session:
         self.metrics.new_cluster()  # its ranks number their metric batches from 0
         self.startup_seconds = time.perf_counter() - t0
         display.show(start_table(self.ranks, self.startup_seconds))
+        if display.in_kernel():  # the live view under it, collapsed: a click opens it
+            display.show(self.monitor.open_view(collapsed=True))
         if steps := self.cluster.startup.breakdown():  # below the table: a caption would wrap
             print(steps)
         if self.cluster.plan.route is not None:
@@ -365,6 +370,14 @@ class Session:
         """One row per rank: host, pid, device, state, memory. After a death, which rank died
         first and how, the others as stopped by mpiexec, and what to do next."""
         return cluster_status(self._require_running(alive=False), self.words.restart)
+
+
+    def live_status(self) -> ClusterView:
+        """A view of every rank that updates about once a second while it is shown (a
+        widget: what each rank does, CPU, memory, GPU, step time; interrupt, restart and stop
+        buttons). See :mod:`ipydist.notebook.live.cluster_view`."""
+        self._require_running(alive=False)
+        return self.monitor.open_view()
 
 
 def _stop_at_exit(ref) -> None:

@@ -132,9 +132,12 @@ def test_a_widget_on_a_rank_is_not_sent_on_and_said_once(outputs):
     assert "from tqdm import tqdm" in err[0]
 
 
-def test_no_widget_view_ever_reaches_the_notebook(outputs):
-    assert not [o for cell in outputs.values() for o in cell
-                if WIDGET_MIME in o.get("data", {})]
+def test_no_widget_view_of_a_rank_ever_reaches_the_notebook(outputs):
+    assert not [o for name, cell in outputs.items() for o in cell
+                if WIDGET_MIME in o.get("data", {}) and name != "start"]
+    # the start's only widget is the notebook's own live cluster view
+    views = [o for o in outputs["start"] if WIDGET_MIME in o.get("data", {})]
+    assert [v.data["text/plain"] for v in views] == ["ipydist live cluster view"], views
 
 
 def test_last_expression_is_the_cell_result(outputs):

@@ -74,6 +74,7 @@ class CellRun:
         self.ar = ipp.execute(self.cluster.view(targets), code, self.collector.watch,
                               {DEBUG_RANKS_KEY: stopping,
                                **({CELL_NUMBER_KEY: number} if number else {})})
+        session.monitor.cell_started(number, targets)
         self.breakpoints = debugging.Breakpoints(
             self.cluster, lambda: self._emit(self.merger.ready(now=float("inf"))))
         self.shown = targets if output == "all" else targets[:1]
@@ -135,6 +136,7 @@ class CellRun:
             if note := self.displays.note():
                 print(note, file=sys.stderr, flush=True)
             self.live.finish()
+            self.session.monitor.cell_ended()
         self.result.elapsed = time.perf_counter() - self.started
         replies = ipp.replies(self.ar, self.targets)
         failures = {rank: _as_failure(reply) for rank, reply in replies.items()
@@ -313,6 +315,8 @@ class CellRun:
                     self.ended.setdefault(ev.rank, time.monotonic())
             elif ev.kind == "metrics":
                 self.session.metrics.accept(ev.rank, ev.content)
+            elif ev.kind == "vitals":
+                self.session.monitor.accept(ev.rank, ev.content)
             elif ev.kind == "debug":
                 self.breakpoints.accept(ev.rank, ev.content)
             elif ev.kind == "display_data" and ev.rank in self.shown:

@@ -94,4 +94,11 @@ class CollectiveSampler:
         self._since, self._reported = now, False
         return report
 
+    def current(self, now: float) -> dict:
+        """What the last sample found: ``{"collective": name, "waited": seconds}``, or
+        ``{"collective": None}`` outside one (no new look at the stack)."""
+        if self._name is None:
+            return {"collective": None}
+        return {"collective": self._name, "waited": round(now - self._since, 1)}
+
 

@@ -40,8 +40,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from ipydist.protocol import CELL_KEY, RELEASE_SIGNAL, STATE_KEY
-from ipydist.rank import channel, stack_sampler
+from ipydist.protocol import CELL_KEY, RELEASE_SIGNAL, STATE_KEY, VITALS_KEY
+from ipydist.rank import channel, stack_sampler, vitals
 
 #: How long a release waits for a rank in Python code to end its cell by itself (see _settle).
 SETTLE_SECONDS = 0.3
@@ -57,6 +57,9 @@ _released_this_cell = 0
 #: Makes every pending collective of this rank fail now; True if there was a group to break.
 #: Set by the bootstrap once the process group exists (None before: nothing to break).
 _break_communication: Callable[[], bool] | None = None
+#: Whether the cell is stopped at a pdb prompt (set by the debugger: the watcher cannot
+#: import it, which imports the watcher).
+_at_breakpoint: Callable[[], bool] | None = None
 
 
 def install() -> None:
@@ -106,6 +109,12 @@ def log(text: str) -> None:
         pass
 
 
+def breakpoints_with(stopped: Callable[[], bool]) -> None:
+    """How the vitals tell a rank stopped at a pdb prompt (set by the debugger)."""
+    global _at_breakpoint
+    _at_breakpoint = stopped
+
+
 def break_communication_with(breaker: Callable[[], bool]) -> None:
     """What a release calls to break this rank's pending collectives (set by the bootstrap)."""
     global _break_communication
@@ -114,17 +123,26 @@ def break_communication_with(breaker: Callable[[], bool]) -> None:
 
 def _watch() -> None:
     collectives = stack_sampler.CollectiveSampler()
+    readings = vitals.Vitals()
     timed = hasattr(signal, "sigtimedwait")  # not on macOS: no stall reports there
+    next_vitals = 0.0
     while True:
         if timed:
             got = signal.sigtimedwait({RELEASE_SIGNAL}, stack_sampler.SAMPLE_SECONDS)
         else:
             got = signal.sigwait({RELEASE_SIGNAL})
         try:
+            now = time.monotonic()
             if got:
                 _on_release()
-            elif report := collectives.sample(main_frame(), time.monotonic()):
+            elif report := collectives.sample(main_frame(), now):
                 channel.publish(STATE_KEY, report)
+            if _in_cell and vitals.enabled and now >= next_vitals:
+                next_vitals = now + vitals.VITALS_SECONDS - stack_sampler.SAMPLE_SECONDS / 2
+                state = collectives.current(now)
+                if _at_breakpoint is not None and _at_breakpoint():
+                    state["debugger"] = True
+                channel.publish(VITALS_KEY, readings.sample(state))
         except Exception as e:  # never let the watcher die
             log(str(e))
 

@@ -15,11 +15,12 @@ from typing import Any
 
 from ipyparallel.serialize import deserialize_object
 
-from ipydist.protocol import CELL_KEY, DEBUG_KEY, STATE_KEY, is_metrics_key
+from ipydist.protocol import CELL_KEY, DEBUG_KEY, STATE_KEY, VITALS_KEY, is_metrics_key
 
 #: Data-message keys the ranks send, and the kind of event each becomes (besides the metrics
 #: batches, each under its own key: see :data:`ipydist.protocol.METRICS_KEY`).
-_DATA_EVENTS = {STATE_KEY: "state", CELL_KEY: "cell", DEBUG_KEY: "debug"}
+_DATA_EVENTS = {STATE_KEY: "state", CELL_KEY: "cell", DEBUG_KEY: "debug",
+                VITALS_KEY: "vitals"}
 
 
 def _data_kind(key: str) -> str | None:
@@ -30,7 +31,7 @@ def _data_kind(key: str) -> str | None:
 class Event:
     rank: int
     # "stdout" | "stderr" | "display_data" | "execute_result" | "metrics" | "state" | "cell"
-    # | "debug"
+    # | "debug" | "vitals"
     kind: str
     content: Any
 

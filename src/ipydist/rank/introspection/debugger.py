@@ -33,7 +33,7 @@ import threading
 import types
 
 from ipydist import protocol
-from ipydist.rank import channel
+from ipydist.rank import channel, watcher
 from ipydist.rank.introspection import stacks
 
 #: How often a rank waiting for a command looks up (an interrupt is raised between waits).
@@ -59,6 +59,7 @@ def install(shell) -> None:
         sys.breakpointhook = _breakpoint
     if _untrace not in shell.events.callbacks["post_run_cell"]:
         shell.events.register("post_run_cell", _untrace)
+    watcher.breakpoints_with(stopped)
 
 
 def _untrace(*_) -> None:

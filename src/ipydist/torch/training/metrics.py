@@ -35,6 +35,8 @@ def _nowhere(key: str, value: object) -> None:
 #: Sends ``{key: value}`` to the notebook; nowhere until the rank's bootstrap hands one in.
 _send: Callable[[str, object], None] = _nowhere
 _last_call: float | None = None
+#: Seconds between the last two calls in this cell (the cluster view's step time).
+last_step_seconds: float | None = None
 _next_step = 0
 _is_rank0: bool | None = None  # a process's MPI rank never changes: asked once
 
@@ -56,10 +58,12 @@ def log(step: int | None = None, total: int | None = None, reduce: str | None = 
     must call it); ``reduce="none"`` sends every rank's own values too, for the widget's
     per-rank curves (not a collective). Values must be plain numbers: pass ``loss.item()``.
     """
-    global _last_call, _next_step
+    global _last_call, _next_step, last_step_seconds
     now = time.monotonic()
     since_last = None if _last_call is None else now - _last_call
     _last_call = now
+    if since_last is not None:
+        last_step_seconds = since_last
     if reduce == "mean":
         metrics = _mean_over_ranks(metrics)
     elif reduce not in (None, "none"):
