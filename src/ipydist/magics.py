@@ -15,6 +15,7 @@ from ipydist import protocol
 from ipydist.errors import ClusterError, LaunchError, RankDied, ReplyLost
 from ipydist.notebook import expected_errors, words
 from ipydist.notebook.introspection import completion, debugging
+from ipydist.notebook.live import cluster_view
 from ipydist.notebook.start_options import start_options
 from ipydist.session import TIMELINE_FILE, Session
 from ipydist.specs import SpecError, format_ranks, parse_np
@@ -161,7 +162,10 @@ class DistMagics(Magics):
         updates while cells run, with interrupt, restart and stop buttons."""
         args = parse_argstring(self.dist_status, line)
         session = self._session()
-        return session.live_status() if args.live else session.status()
+        if not args.live:
+            return session.status()
+        cluster_view.show(session.live_status())
+        return None
 
     @magic_arguments()
     @argument("--np", type=str, required=True, metavar="M",

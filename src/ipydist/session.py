@@ -27,6 +27,7 @@ from ipydist.notebook.cluster import Cluster
 from ipydist.notebook.introspection import debugging
 from ipydist.notebook.launch import deaths, local_gpus, processes, slurm
 from ipydist.notebook.launch.planning import plan_launch
+from ipydist.notebook.live import cluster_view
 from ipydist.notebook.live.cluster_view import ClusterMonitor, ClusterView
 from ipydist.notebook.live.history import MetricHistory
 from ipydist.notebook.output import display
@@ -171,7 +172,7 @@ class Session:
         self.startup_seconds = time.perf_counter() - t0
         display.show(start_table(self.ranks, self.startup_seconds))
         if display.in_kernel():  # the live view under it, collapsed: a click opens it
-            display.show(self.monitor.open_view(collapsed=True))
+            cluster_view.show(self.monitor.open_view(collapsed=True))
         if steps := self.cluster.startup.breakdown():  # below the table: a caption would wrap
             print(steps)
         if self.cluster.plan.route is not None:

@@ -7,6 +7,7 @@ stops the cluster."""
 from __future__ import annotations
 
 import time
+import uuid
 
 import pytest
 from jupyter_client.manager import start_new_kernel
@@ -114,3 +115,38 @@ def test_the_view_follows_a_cell_and_stops_the_cluster(kernel):
 
 def _waiting(state: dict) -> bool:
     return any(r["state"].startswith("waiting in") for r in state["rows"])
+
+
+def test_the_side_panels_comm_follows_the_cluster(kernel):
+    """JupyterLab's ipydist panel opens a comm to ``ipydist.cluster`` (as the labextension
+    does): it gets the view's state, follows a cluster started after it opened, and its Stop
+    stops the cluster."""
+    km, kc = kernel
+    run(kc, "%load_ext ipydist")  # loaded already: nothing twice
+    comm_id = uuid.uuid4().hex
+    kc.shell_channel.send(kc.session.msg("comm_open", {
+        "comm_id": comm_id, "target_name": "ipydist.cluster", "data": {}}))
+    states = []
+
+    def pump(seconds, until):
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not until():
+            try:
+                msg = kc.get_iopub_msg(timeout=0.2)
+            except Exception:
+                continue
+            if (msg["header"]["msg_type"] == "comm_msg"
+                    and msg["content"]["comm_id"] == comm_id):
+                states.append(msg["content"]["data"]["state"])
+
+    pump(20, lambda: states)
+    assert states and states[-1]["stopped"] and states[-1]["rows"] == [], states
+    run(kc, "%dist_start --np 2")
+    pump(20, lambda: states[-1]["rows"])
+    assert [r["rank"] for r in states[-1]["rows"]] == [0, 1], states[-1]
+    assert not states[-1]["stopped"] and states[-1]["caption"].startswith("2 ranks")
+    kc.shell_channel.send(kc.session.msg("comm_msg", {
+        "comm_id": comm_id, "data": {"action": "stop"}}))
+    pump(30, lambda: states[-1]["stopped"])
+    assert states[-1]["stopped"], states[-1]
+    kc.shell_channel.send(kc.session.msg("comm_close", {"comm_id": comm_id, "data": {}}))

@@ -24,6 +24,7 @@ import os
 import pathlib
 import threading
 import time
+import uuid
 
 import anywidget
 import traitlets
@@ -55,6 +56,22 @@ def kernel_id() -> str:
     return name[len("kernel-"):-len(".json")] if name.startswith("kernel-") else ""
 
 
+def show(view: ClusterView) -> None:
+    """Display ``view``, and after it an empty output whose style hides the view's "model not
+    found" box where the widget cannot render: a notebook reopened without its widget state
+    (JupyterLab's and Notebook 7's default), where a live view has nothing to show anyway.
+    The same rule as the metrics widget's static copy (:mod:`ipydist.notebook.live.static`)."""
+    from IPython.display import display, publish_display_data
+
+    key = uuid.uuid4().hex[:12]
+    hide_error = (f".jp-OutputArea-child:has(+ .jp-OutputArea-child .ipydist-cluster-after-{key})"
+                  ":not(:has(.ipydist-cluster)){display: none}")
+    display(view)
+    publish_display_data({"text/html": f'<div class="ipydist-cluster-after-{key}">'
+                                       f"<style>{hide_error}</style></div>",
+                          "text/plain": ""})
+
+
 class ClusterView(anywidget.AnyWidget):
     _esm = _HERE / "cluster.js"
     _css = _HERE / "cluster.css"
@@ -77,7 +94,7 @@ class ClusterMonitor:
 
     def __init__(self, session) -> None:
         self.session = session
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # the views' thread and the side panel's
         self._vitals: dict[int, tuple[float, dict]] = {}  # rank -> (monotonic, vitals)
         self._usage: dict[int, tuple[float, float]] = {}  # rank -> (monotonic, cpu seconds)
         self._pids: dict[int, object] = {}
@@ -138,6 +155,10 @@ class ClusterMonitor:
 
     def snapshot(self) -> dict:
         """The views' traits now: ``rows``, ``caption``, ``busy``, ``stopped``."""
+        with self._lock:
+            return self._snapshot()
+
+    def _snapshot(self) -> dict:
         session = self.session
         cluster = session.cluster
         if cluster is None or not session.running:

@@ -1,0 +1,62 @@
+"""ipydist's JupyterLab side panel (the prebuilt labextension), in a real browser: opened from
+the right sidebar before ipydist is loaded, it says so; once the notebook starts 4 ranks it
+shows them, their state changes while a cell runs, and its Interrupt button interrupts the
+cell on every rank.
+
+Needs ``/usr/bin/chromium`` (``scripts/ensure-chromium.sh``) and the panel built into the
+venv (``make test`` does both: its ``.labextension`` step).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import nbformat
+import pytest
+from helpers import CHROMIUM
+from lab_server import REPO, browser_page, open_notebook, run_all_cells, serve
+
+NOTEBOOK = "cluster-panel.ipynb"
+CELLS = [
+    "%load_ext ipydist\n%dist_start --np 4",
+    "%%everyrank\nimport time\ntime.sleep(120)",
+]
+PANEL = "#ipydist-cluster-panel"
+STATES = f"""() => [...document.querySelectorAll('{PANEL} .ipydist-cluster-table tbody tr')]
+    .map((tr) => tr.cells[3].textContent)"""
+
+pytestmark = pytest.mark.skipif(
+    not Path(CHROMIUM).exists(),
+    reason=f"{CHROMIUM} is missing: run scripts/ensure-chromium.sh (make test does)",
+)
+
+
+def _notebook():
+    quickstart = REPO / "notebooks" / "01-quickstart.ipynb"
+    kernel = json.loads(quickstart.read_text())["metadata"]["kernelspec"]
+    return nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS],
+                                    metadata={"kernelspec": kernel})
+
+
+def test_the_side_panel_follows_the_notebooks_cluster(tmp_path):
+    console: list[str] = []
+    with serve(tmp_path, {NOTEBOOK: _notebook()}) as lab, \
+            browser_page(console, "browser-cluster-panel", []) as page:
+        open_notebook(page, lab, NOTEBOOK, console)
+        page.locator(".jp-SideBar.jp-mod-right .lm-TabBar-tab", has_text="ipydist").click()
+        caption = f"() => document.querySelector('{PANEL} .ipydist-cluster-caption')"
+        page.wait_for_function(
+            f"() => ({caption})()?.textContent.includes('no ipydist in this notebook')",
+            timeout=30_000)
+        run_all_cells(page)
+        page.wait_for_function(
+            f"() => ({STATES})().length === 4 && "
+            f"({STATES})().every((s) => s.startsWith('running cell'))", timeout=180_000)
+        assert page.evaluate(f"() => ({caption})().textContent").startswith("4 ranks")
+        page.locator(f"{PANEL} button", has_text="Interrupt").click()
+        page.wait_for_function(f"() => ({STATES})().every((s) => s === 'idle')",
+                               timeout=60_000)
+        output = ("() => document.querySelectorAll('.jp-NotebookPanel .jp-CodeCell')[1]"
+                  ".querySelector('.jp-OutputArea')?.innerText ?? ''")
+        assert "Interrupted ranks 0-3" in page.evaluate(output), page.evaluate(output)
