@@ -1,0 +1,73 @@
+"""Tab in an ``%%everyrank`` cell in JupyterLab, in a real browser: the completer lists the
+attributes of the model that rank 0 holds (the notebook's kernel has no ``model``), and
+Shift-Tab's tooltip shows rank 0's help, headed ``[rank 0]``.
+
+Needs ``/usr/bin/chromium`` (``scripts/ensure-chromium.sh``, which ``make test`` runs).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import nbformat
+import pytest
+from helpers import CHROMIUM
+from lab_server import REPO, browser_page, open_notebook, ran, serve
+
+NOTEBOOK = "completion.ipynb"
+CELLS = [
+    "%load_ext ipydist\n%dist_start --np 2",
+    "%%everyrank\nimport torch\nmodel = torch.nn.Linear(4, 2)",
+    "%%everyrank\nmodel.para",
+]
+CELL = ".jp-NotebookPanel .jp-Notebook .jp-CodeCell"
+
+pytestmark = pytest.mark.skipif(
+    not Path(CHROMIUM).exists(),
+    reason=f"{CHROMIUM} is missing: run scripts/ensure-chromium.sh (make test does)",
+)
+
+
+def _notebook():
+    quickstart = REPO / "notebooks" / "01-quickstart.ipynb"
+    kernel = json.loads(quickstart.read_text())["metadata"]["kernelspec"]
+    return nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS],
+                                    metadata={"kernelspec": kernel})
+
+
+def run_cell(page, index: int) -> None:
+    """Select cell ``index`` and run it (Shift-Enter), waiting for its prompt to say it ran."""
+    page.locator(CELL).nth(index).locator(".jp-InputPrompt").click()
+    page.keyboard.press("Shift+Enter")
+    page.wait_for_function(
+        f"""() => /^\\[\\d+\\]:?$/.test(document.querySelectorAll('{CELL}')[{index}]
+            .querySelector('.jp-InputPrompt').textContent.trim())""", timeout=180_000)
+
+
+def test_tab_completes_rank_side_names(tmp_path):
+    console: list[str] = []
+    with serve(tmp_path, {NOTEBOOK: _notebook()}) as lab, \
+            browser_page(console, "browser-completion", []) as page:
+        open_notebook(page, lab, NOTEBOOK, console)
+        run_cell(page, 0)
+        run_cell(page, 1)
+        prompt = page.locator(CELL).nth(1).locator(".jp-InputPrompt").text_content()
+        assert ran(prompt.strip()), prompt
+        editor = page.locator(CELL).nth(2).locator(".cm-content")
+        editor.click()
+        page.keyboard.press("Control+End")  # after "model.para"
+        page.keyboard.press("Tab")
+        completer = page.locator(".jp-Completer:visible")
+        completer.wait_for(timeout=30_000)
+        items = completer.locator(".jp-Completer-item").all_text_contents()
+        assert any("parameters" in item for item in items), items
+        page.keyboard.press("Escape")
+        page.keyboard.press("Backspace")  # "model.par" -> "model" then ask for help on it
+        for _ in range(4):
+            page.keyboard.press("Backspace")
+        page.keyboard.press("Shift+Tab")
+        tooltip = page.locator(".jp-Tooltip:visible")
+        tooltip.wait_for(timeout=30_000)
+        text = tooltip.inner_text()
+        assert "rank 0" in text and "Linear" in text, text
