@@ -9,13 +9,14 @@ venv (``make test`` does both: its ``.labextension`` step).
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-import nbformat
-import pytest
-from helpers import CHROMIUM
-from lab_server import REPO, browser_page, open_notebook, run_all_cells, serve
+from lab_server import (
+    NEEDS_CHROMIUM,
+    browser_page,
+    notebook_of,
+    open_notebook,
+    run_all_cells,
+    serve,
+)
 
 NOTEBOOK = "cluster-panel.ipynb"
 CELLS = [
@@ -26,22 +27,13 @@ PANEL = "#ipydist-cluster-panel"
 STATES = f"""() => [...document.querySelectorAll('{PANEL} .ipydist-cluster-table tbody tr')]
     .map((tr) => tr.cells[3].textContent)"""
 
-pytestmark = pytest.mark.skipif(
-    not Path(CHROMIUM).exists(),
-    reason=f"{CHROMIUM} is missing: run scripts/ensure-chromium.sh (make test does)",
-)
+pytestmark = NEEDS_CHROMIUM
 
-
-def _notebook():
-    quickstart = REPO / "notebooks" / "01-quickstart.ipynb"
-    kernel = json.loads(quickstart.read_text())["metadata"]["kernelspec"]
-    return nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS],
-                                    metadata={"kernelspec": kernel})
 
 
 def test_the_side_panel_follows_the_notebooks_cluster(tmp_path):
     console: list[str] = []
-    with serve(tmp_path, {NOTEBOOK: _notebook()}) as lab, \
+    with serve(tmp_path, {NOTEBOOK: notebook_of(CELLS)}) as lab, \
             browser_page(console, "browser-cluster-panel", []) as page:
         open_notebook(page, lab, NOTEBOOK, console)
         page.locator(".jp-SideBar.jp-mod-right .lm-TabBar-tab", has_text="ipydist").click()

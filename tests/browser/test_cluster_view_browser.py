@@ -10,19 +10,17 @@ Needs ``/usr/bin/chromium`` (``scripts/ensure-chromium.sh``, which ``make test``
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-from pathlib import Path
-
-import nbformat
-import pytest
-from helpers import CHROMIUM
-from lab_server import ARTIFACTS, REPO, browser_page, open_notebook, run_all_cells, serve
+from lab_server import (
+    NEEDS_CHROMIUM,
+    browser_page,
+    docs_screenshot,
+    notebook_of,
+    open_notebook,
+    run_all_cells,
+    serve,
+)
 
 NOTEBOOK = "cluster-view.ipynb"
-SCREENSHOT = ARTIFACTS / "cluster-view.png"
-DOCS_SCREENSHOT = REPO / "docs" / "cluster-view.png"
 CELLS = [
     "%load_ext ipydist\n%dist_start --np 4",
     "%dist_status --live",
@@ -31,17 +29,8 @@ CELLS = [
     "%dist_stop",
 ]
 
-pytestmark = pytest.mark.skipif(
-    not Path(CHROMIUM).exists(),
-    reason=f"{CHROMIUM} is missing: run scripts/ensure-chromium.sh (make test does)",
-)
+pytestmark = NEEDS_CHROMIUM
 
-
-def _notebook():
-    quickstart = REPO / "notebooks" / "01-quickstart.ipynb"
-    kernel = json.loads(quickstart.read_text())["metadata"]["kernelspec"]
-    return nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS],
-                                    metadata={"kernelspec": kernel})
 
 
 def cell(index: int) -> str:
@@ -56,7 +45,7 @@ STATES = f"""() => [...({cell(1)})?.querySelectorAll('.ipydist-cluster-table tbo
 
 def test_the_live_view_shows_the_ranks_and_interrupts_a_cell(tmp_path):
     console: list[str] = []
-    with serve(tmp_path, {NOTEBOOK: _notebook()}) as lab, \
+    with serve(tmp_path, {NOTEBOOK: notebook_of(CELLS)}) as lab, \
             browser_page(console, "browser-cluster-view", []) as page:
         open_notebook(page, lab, NOTEBOOK, console)
         run_all_cells(page)
@@ -70,9 +59,7 @@ def test_the_live_view_shows_the_ranks_and_interrupts_a_cell(tmp_path):
             f"() => ({cell(0)}).querySelector('.ipydist-cluster-caption')?.textContent ?? ''")
         assert start_view.startswith("▸ 4 ranks"), start_view  # collapsed under the start
         view = page.locator(".jp-NotebookPanel .jp-Notebook .jp-CodeCell").nth(1)
-        view.screenshot(path=str(SCREENSHOT))
-        if os.environ.get("IPYDIST_UPDATE_SCREENSHOT"):
-            shutil.copy(SCREENSHOT, DOCS_SCREENSHOT)
+        docs_screenshot(view, "cluster-view.png", "cluster-view.png")
         view.locator("button", has_text="Interrupt").click()
         output = f"() => ({cell(2)}).querySelector('.jp-OutputArea')?.innerText ?? ''"
         page.wait_for_function(f"() => /Interrupted/.test(({output})())", timeout=60_000)

@@ -7,13 +7,7 @@ Needs ``/usr/bin/chromium`` (``scripts/ensure-chromium.sh``, which ``make test``
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-import nbformat
-import pytest
-from helpers import CHROMIUM
-from lab_server import REPO, browser_page, open_notebook, ran, serve
+from lab_server import NEEDS_CHROMIUM, browser_page, notebook_of, open_notebook, ran, serve
 
 NOTEBOOK = "completion.ipynb"
 CELLS = [
@@ -23,17 +17,8 @@ CELLS = [
 ]
 CELL = ".jp-NotebookPanel .jp-Notebook .jp-CodeCell"
 
-pytestmark = pytest.mark.skipif(
-    not Path(CHROMIUM).exists(),
-    reason=f"{CHROMIUM} is missing: run scripts/ensure-chromium.sh (make test does)",
-)
+pytestmark = NEEDS_CHROMIUM
 
-
-def _notebook():
-    quickstart = REPO / "notebooks" / "01-quickstart.ipynb"
-    kernel = json.loads(quickstart.read_text())["metadata"]["kernelspec"]
-    return nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS],
-                                    metadata={"kernelspec": kernel})
 
 
 def run_cell(page, index: int) -> None:
@@ -47,7 +32,7 @@ def run_cell(page, index: int) -> None:
 
 def test_tab_completes_rank_side_names(tmp_path):
     console: list[str] = []
-    with serve(tmp_path, {NOTEBOOK: _notebook()}) as lab, \
+    with serve(tmp_path, {NOTEBOOK: notebook_of(CELLS)}) as lab, \
             browser_page(console, "browser-completion", []) as page:
         open_notebook(page, lab, NOTEBOOK, console)
         run_cell(page, 0)

@@ -8,20 +8,19 @@ Needs ``/usr/bin/chromium`` (``scripts/ensure-chromium.sh``, which ``make test``
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import shutil
-from pathlib import Path
 
-import nbformat
-import pytest
-from helpers import CHROMIUM
-from lab_server import ARTIFACTS, REPO, browser_page, open_notebook, run_all_cells, serve
+from lab_server import (
+    NEEDS_CHROMIUM,
+    browser_page,
+    docs_screenshot,
+    notebook_of,
+    open_notebook,
+    run_all_cells,
+    serve,
+)
 
 NOTEBOOK = "debugging.ipynb"
-SCREENSHOT = ARTIFACTS / "debugger-prompt.png"
-DOCS_SCREENSHOT = REPO / "docs" / "debugging.png"
 CELLS = [
     "%load_ext ipydist\n%dist_start --np 2",
     "%%everyrank\nimport ipydist.torch as hvd\nx = 100 + hvd.rank()\n"
@@ -29,17 +28,8 @@ CELLS = [
     "%dist_stop",
 ]
 
-pytestmark = pytest.mark.skipif(
-    not Path(CHROMIUM).exists(),
-    reason=f"{CHROMIUM} is missing: run scripts/ensure-chromium.sh (make test does)",
-)
+pytestmark = NEEDS_CHROMIUM
 
-
-def _notebook():
-    quickstart = REPO / "notebooks" / "01-quickstart.ipynb"
-    kernel = json.loads(quickstart.read_text())["metadata"]["kernelspec"]
-    return nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS],
-                                    metadata={"kernelspec": kernel})
 
 
 #: The text of the breakpoint cell's output area.
@@ -49,7 +39,7 @@ OUTPUT = """() => document.querySelectorAll('.jp-NotebookPanel .jp-Notebook .jp-
 
 def test_the_rank_prompt_appears_in_the_stdin_box_and_takes_commands(tmp_path):
     console: list[str] = []
-    with serve(tmp_path, {NOTEBOOK: _notebook()}) as lab, \
+    with serve(tmp_path, {NOTEBOOK: notebook_of(CELLS)}) as lab, \
             browser_page(console, "browser-debugger", []) as page:
         open_notebook(page, lab, NOTEBOOK, console)
         run_all_cells(page)
@@ -64,10 +54,8 @@ def test_the_rank_prompt_appears_in_the_stdin_box_and_takes_commands(tmp_path):
         box = page.locator(".jp-Stdin-input:visible").last
         box.wait_for(timeout=60_000)
         box.scroll_into_view_if_needed()
-        page.locator(".jp-NotebookPanel .jp-Notebook .jp-CodeCell").nth(1).screenshot(
-            path=str(SCREENSHOT))
-        if os.environ.get("IPYDIST_UPDATE_SCREENSHOT"):
-            shutil.copy(SCREENSHOT, DOCS_SCREENSHOT)
+        docs_screenshot(page.locator(".jp-NotebookPanel .jp-Notebook .jp-CodeCell").nth(1),
+                        "debugger-prompt.png", "debugging.png")
         box.fill("c")
         box.press("Enter")
         page.wait_for_function(f"() => /x is 101/.test(({OUTPUT})())", timeout=60_000)

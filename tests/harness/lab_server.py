@@ -199,6 +199,34 @@ def serve(tmp_path: Path, notebooks: dict):
         assert not left_cmds, f"still running 10 s after JupyterLab stopped (killed): {left_cmds}"
 
 
+#: Skips a browser test where Debian's chromium is missing.
+NEEDS_CHROMIUM = pytest.mark.skipif(
+    not Path(CHROMIUM).exists(),
+    reason=f"{CHROMIUM} is missing: run scripts/ensure-chromium.sh (make test does)",
+)
+
+
+def docs_screenshot(element, name: str, docs_name: str) -> None:
+    """A screenshot of ``element`` in test-artifacts/``name``, copied to docs/``docs_name``
+    with ``IPYDIST_UPDATE_SCREENSHOT=1`` (the pictures the docs show)."""
+    import shutil
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    element.screenshot(path=str(ARTIFACTS / name))
+    if os.environ.get("IPYDIST_UPDATE_SCREENSHOT"):
+        shutil.copy(ARTIFACTS / name, REPO / "docs" / docs_name)
+
+
+def notebook_of(cells: list[str]):
+    """A notebook of these code cells, with the quickstart's kernel."""
+    import nbformat
+
+    quickstart = REPO / "notebooks" / "01-quickstart.ipynb"
+    kernel = json.loads(quickstart.read_text())["metadata"]["kernelspec"]
+    return nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells],
+                                    metadata={"kernelspec": kernel})
+
+
 # ------------------------------------------------------------------------------------ the page
 
 #: Notebook 7's own page errors (raised in its core bundle, with no extension and no user
