@@ -132,13 +132,14 @@ class HostCluster:
 
     ``with HostCluster(2) as hosts: hosts.run("login", ["ssh", "-F", hosts.ssh_config, "node1",
     "hostname"])``. Hosts are named by hostname in every method. ``timings`` holds the seconds
-    bring-up (``up``) and teardown (``down``) took.
+    bring-up (``up``) and teardown (``down``) took. ``link``: a ``shaped_links.Link`` that
+    every host's eth0 sends through (default: none, memory speed).
     """
 
     _count = 0
 
     def __init__(self, n: int = 2, login: bool = True, subnet: str | None = None,
-                 shared: tuple[str | os.PathLike, ...] = ()):
+                 shared: tuple[str | os.PathLike, ...] = (), link=None):
         self.subnet = ipaddress.ip_network(subnet or os.environ.get(SUBNET_VAR) or DEFAULT_SUBNET)
         HostCluster._count += 1
         self.tag = f"{PREFIX}{os.getpid()}-{HostCluster._count}"
@@ -155,6 +156,10 @@ class HostCluster:
         self.state: Path | None = None
         self.timings: dict[str, float] = {}
         self._closed = False
+        #: A ``shaped_links.Link`` for every host's eth0 (None: memory speed), and how it was
+        #: shaped (``"netem"``: rate and delay; ``"tbf"``: rate only, no netem in the kernel).
+        self.link = link
+        self.shaped_with: str | None = None
 
     # -- what tests use -------------------------------------------------------------------
 
@@ -368,6 +373,10 @@ class HostCluster:
         for h in self.all_hosts:
             _ip("-n", h.netns, "-batch", "-", input="\n".join([
                 "link set lo up", f"addr add {h.address}/{prefix} dev eth0", "link set eth0 up"]))
+            if self.link is not None:
+                from shaped_links import shape
+
+                self.shaped_with = shape(h.netns, self.link)
 
     def _start_inits(self) -> None:
         """Start every host's init (which starts sshd) at once, then wait for all to be ready."""
