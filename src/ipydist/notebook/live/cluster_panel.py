@@ -16,12 +16,10 @@ from __future__ import annotations
 import threading
 import time
 
-from ipydist.notebook.live.cluster_view import REFRESH_SECONDS
+from ipydist.notebook.live.cluster_view import NO_CLUSTER, REFRESH_SECONDS
 
 #: The comm target the panel opens.
 TARGET = "ipydist.cluster"
-NO_CLUSTER = {"rows": [], "caption": "no cluster: %dist_start starts one", "busy": False,
-              "stopped": True}
 
 
 class PanelFeed:
@@ -83,11 +81,8 @@ class PanelFeed:
     def _on_msg(self, msg) -> None:
         """Restart or Stop from a panel."""
         action = (msg.get("content", {}).get("data") or {}).get("action")
-        session = self.magics.session
-        if session is not None and action == "stop" and session.running:
-            session.stop()
-        elif session is not None and action == "restart":
-            session.restart()
+        if self.magics.session is not None:
+            self.magics.session.monitor.act(action)
 
 
 def register(shell, magics) -> PanelFeed | None:

@@ -39,6 +39,9 @@ from ipydist.notebook.live.cluster_state import (
 _HERE = pathlib.Path(__file__).parent
 #: How often the open views are refreshed.
 REFRESH_SECONDS = 1.0
+#: What a view (or the side panel) shows without a running cluster.
+NO_CLUSTER = {"rows": [], "caption": "no cluster: %dist_start starts one", "busy": False,
+              "stopped": True}
 #: At most this many views are refreshed, the newest ones: an output cleared or a cell run
 #: again does not close its widget, so old views would otherwise be refreshed for nothing.
 MAX_VIEWS = 4
@@ -162,8 +165,7 @@ class ClusterMonitor:
         session = self.session
         cluster = session.cluster
         if cluster is None or not session.running:
-            return {"rows": [], "caption": "no cluster: %dist_start starts one",
-                    "busy": False, "stopped": True}
+            return dict(NO_CLUSTER)
         now = time.monotonic()
         cell = self.cell
         rows = []
@@ -207,15 +209,17 @@ class ClusterMonitor:
     # --- buttons -------------------------------------------------------------------------------
 
     def _on_click(self, view, content, buffers) -> None:
-        """Restart and Stop (the view shows them only between cells: a message sent during a
-        cell waits for its end)."""
-        action = content.get("action") if isinstance(content, dict) else None
+        """Restart and Stop, from a view (the view shows them only between cells)."""
+        self.act(content.get("action") if isinstance(content, dict) else None)
+        self._refresh(self._open_views())
+
+    def act(self, action: str | None) -> None:
+        """A view's or the side panel's ``"stop"`` or ``"restart"``."""
         session = self.session
         if action == "stop" and session.running:
             session.stop()
         elif action == "restart":
             session.restart()
-        self._refresh(self._open_views())
 
     def _open_views(self) -> list[ClusterView]:
         return [v for v in list(self._views) if v.comm is not None]
