@@ -60,7 +60,8 @@ class RankConfig:
     gpus_per_rank: int = 1
     #: ``auto``, ``nccl``, ``gloo`` or ``mpi`` (as ``--backend`` takes it).
     backend: str = "auto"
-    #: ``auto``, ``mpi`` or ``gloo``: the wire of ipydist's collectives on CPU tensors.
+    #: ``auto``, ``mpi``, ``hierarchical`` or ``gloo``: the wire of ipydist's collectives on
+    #: CPU tensors.
     transport: str = "auto"
     #: Whether the bootstrap creates the default process group (``--no-init``: False).
     init: bool = True

@@ -158,7 +158,7 @@ def _one_of(value: str, option: str, choices: tuple[str, ...], expected: str) ->
 #: (``ipydist.torch._mpi.backend``).
 BACKENDS = ("auto", "nccl", "gloo", "mpi")
 #: ``--transport`` values: the wire of ipydist's collectives on CPU tensors.
-TRANSPORTS = ("auto", "mpi", "gloo")
+TRANSPORTS = ("auto", "mpi", "hierarchical", "gloo")
 #: ``--launcher`` values: mpiexec (also over ssh), or Slurm's srun (and salloc).
 LAUNCHERS = ("mpiexec", "slurm")
 
@@ -170,8 +170,8 @@ def parse_backend(backend: str) -> str:
 
 def parse_transport(transport: str) -> str:
     return _one_of(transport, "--transport", TRANSPORTS,
-                   "auto (MPI for CPU tensors when mpiexec or srun started the ranks), mpi or "
-                   "gloo")
+                   "auto (MPI for CPU tensors when mpiexec or srun started the ranks, "
+                   "hierarchical across hosts), mpi (flat), hierarchical or gloo")
 
 
 def parse_launcher(launcher: str) -> str:

@@ -9,15 +9,14 @@ nothing is left on any host afterwards.
 
 from __future__ import annotations
 
-import json
 import shlex
 import subprocess
 import sys
-import textwrap
 import time
 
 import pytest
 from framework_snippets import TINY_GPT
+from login_side import notebook_side
 from netns_hosts import HostCluster, leftovers, unavailable
 
 REASON = unavailable()
@@ -37,37 +36,6 @@ def hosts(host_cluster):
     left = host_cluster.wait_no_processes(10)
     host_cluster.kill_processes()
     assert left == {}, f"processes left on the test hosts 10 s after the session ended: {left}"
-
-
-def notebook_side(cluster: HostCluster, body: str, rank_code: str = "",
-                  timeout: float = 240, elastic: bool | None = None) -> dict:
-    """Run ``body`` on the login host with ``session`` started on both nodes (2 ranks each;
-    ``elastic`` as ``Session`` takes it, None: the default);
-    ``body`` fills the dict ``out``, printed as the last line, and finds ``rank_code`` in
-    ``RANK_CODE``."""
-    hosts = ",".join(f"{h.name}:2" for h in cluster.hosts)
-    mpi_args = shlex.join(["--prtemca", "plm_ssh_agent", cluster.rsh_agent])
-    program = "\n".join([
-        "import json, sys",
-        "from ipydist import Session",
-        "out = {}",
-        f"RANK_CODE = {textwrap.dedent(rank_code)!r}",
-        f"session = Session(hosts={hosts!r}, mpi_args={mpi_args!r}, timeout=180, "
-        f"elastic={elastic})",
-        "try:",
-        "    session.start()",
-        textwrap.indent(textwrap.dedent(body).strip("\n"), "    "),
-        "finally:",
-        "    session.stop(quiet=True)",
-        "print('RESULT ' + json.dumps(out))",
-    ])
-    done = cluster.run("login", [sys.executable, "-c", program], capture_output=True,
-                       timeout=timeout)
-    text = done.stdout.decode(errors="replace")
-    lines = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, (
-        f"exit {done.returncode}\n{text[-3000:]}\n{done.stderr.decode(errors='replace')[-3000:]}")
-    return {**json.loads(lines[-1][len("RESULT "):]), "_stdout": text}
 
 
 def test_two_hosts_two_ranks_each_collectives_and_the_wire(hosts):

@@ -31,7 +31,9 @@ START_OPTIONS = [
              "faster than gloo on one host)"),
     argument("--transport", default="auto", metavar="NAME",
              help="the wire of ipydist's collectives on CPU tensors: auto (MPI, where mpiexec "
-             "or srun started the ranks: 2-20x faster than gloo on one host), mpi, or gloo"),
+             "or srun started the ranks: 2-20x faster than gloo on one host; across hosts, "
+             "hierarchical where it crosses the network with fewer bytes), "
+             "mpi (flat), hierarchical (forced), or gloo"),
     argument("--mpi", default=None, metavar="PATH",
              help="the mpiexec to use (default: $IPYDIST_MPIEXEC, the one next to this "
              "Python, then $PATH)"),

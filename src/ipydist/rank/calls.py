@@ -87,7 +87,7 @@ def info() -> dict:
         "pid": os.getpid(),
         "device": str(rt.device),
         "backend": rt.backend if dist.is_initialized() else "(none)",
-        "transport": rt.transport,
+        "transport": "hierarchical" if rt.node_data is not None else rt.transport,
         "threads": int(os.environ.get("OMP_NUM_THREADS", "0")),
         "nanny_pid": nanny_pid,
     }

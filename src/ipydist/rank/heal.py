@@ -44,7 +44,10 @@ def heal(dead: list[int], replace: bool, hosts: list[str] | None = None,
     resync.abandon_pending()
     handles.abandon_all()
     rt = topology.get()
-    for comm in (rt.comm, rt.control_comm, rt.check_comm, rt.data_comm):
+    for comm in (rt.comm, rt.control_comm, rt.check_comm, rt.data_comm, rt.node_data,
+                 rt.cross_data):
+        if comm is None:
+            continue
         try:
             comm.Revoke()  # a survivor still waiting in one returns from it now
         except MPI.Exception:

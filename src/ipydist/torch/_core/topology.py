@@ -61,12 +61,20 @@ class Runtime:
     #: release, or an interrupted backward, can leave some behind).
     data_comm: Any = None
     data_queue: collections.deque = field(default_factory=collections.deque)
+    #: This host's ranks, and the ranks with this rank's local rank (one per host): what the
+    #: hierarchical allreduce's communicators are duplicated from (``_wire.hierarchy``).
+    node_comm: Any = None
+    cross_comm: Any = None
+    #: Those duplicates, where the ranks take the hierarchical allreduce; else None.
+    node_data: Any = None
+    cross_data: Any = None
     #: Whether large reductions over MPI go in pieces (``transport.pieces``): not where ranks
     #: outnumber cores on some host, whose waits sleep between tests while a piece needs
     #: several (64 MB took 600 ms in pieces against 104 ms whole, np=4 on 2 cores). Agreed by
     #: every rank at start: ranks that cut differently would post different collectives.
     split_large: bool = True
-    #: The wire of ipydist's collectives on CPU tensors: ``mpi`` or ``gloo``.
+    #: The wire of ipydist's collectives on CPU tensors: ``mpi`` (flat, or hierarchical where
+    #: ``node_data`` is set) or ``gloo``.
     transport: str = "gloo"
     #: Another duplicate, for the check that every rank makes the same collective call
     #: (``ipydist.torch._wire.call_check``); replaced when a release left a check unfinished.
@@ -141,11 +149,10 @@ def from_mpi(comm, advertise: str | None = None) -> Runtime:
     host = socket.gethostname()
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
     local_rank, local_size = local.rank, local.size
-    local.Free()
     cross = comm.Split(color=local_rank, key=comm.rank)
     cross_rank, cross_size = cross.rank, cross.size
-    cross.Free()
     hosts = comm.allgather(host)
+    homogeneous = len(set(collections.Counter(hosts).values())) == 1
     crowded_somewhere = comm.allreduce(local_size > _CORES, op=MPI.LOR)
     if len(set(hosts)) == 1:
         master_addr = "127.0.0.1"
@@ -156,15 +163,40 @@ def from_mpi(comm, advertise: str | None = None) -> Runtime:
     # MPI carries ipydist's collectives on CPU tensors unless --transport gloo said otherwise
     # (see ipydist.torch._wire.transport): ranks that MPI started can always use it
     setting = protocol.RankConfig.from_env().transport
+    blocks = sum(1 for i, h in enumerate(hosts) if i == 0 or hosts[i - 1] != h)
+    striped = hierarchical(setting, len(set(hosts)), homogeneous, local_size,
+                           consecutive=blocks == len(set(hosts)))
     return Runtime(
         transport="gloo" if setting == "gloo" else "mpi",
         rank=comm.rank, size=comm.size, local_rank=local_rank, local_size=local_size,
         cross_rank=cross_rank, cross_size=cross_size, one_host=len(set(hosts)) == 1,
-        homogeneous=len(set(collections.Counter(hosts).values())) == 1,
-        host=host, master_addr=master_addr,
+        homogeneous=homogeneous, host=host, master_addr=master_addr,
         comm=comm, control_comm=comm.Dup(), check_comm=comm.Dup(), data_comm=comm.Dup(),
-        split_large=not crowded_somewhere,
+        node_comm=local, cross_comm=cross, node_data=local.Dup() if striped else None,
+        cross_data=cross.Dup() if striped else None, split_large=not crowded_somewhere,
     )
+
+
+def hierarchical(setting: str, hosts: int, homogeneous: bool, local_size: int,
+                 consecutive: bool) -> bool:
+    """Whether the ranks take the hierarchical allreduce (``_wire.hierarchy``): each decides
+    from what every rank knows alike (the ``--transport`` setting, where the ranks are).
+
+    ``hierarchical`` forces it, also on one host (where the reduction across hosts is among
+    one rank). ``auto`` takes it where ranks span hosts, each host runs more than one, and the
+    flat allreduce would cross the network with more than a hierarchy's bytes: where a host's
+    ranks are not consecutive (``--map-by node``), or their number is no power of two. Where
+    they are both, Open MPI's flat allreduce of large messages (recursive halving, nearest
+    ranks first) already keeps its large exchanges within hosts, and is as fast
+    (benchmarks/links.py: 2 hosts x 2 ranks at 1 Gbit/s, 64 MB in 608 ms flat against 673 ms
+    hierarchical; with the ranks dealt out by node, 1145 ms flat against 614 ms)."""
+    if not homogeneous:
+        return False  # a stripe per local rank: every host needs as many
+    if setting == "hierarchical":
+        return True
+    power_of_two = local_size & (local_size - 1) == 0 and hosts & (hosts - 1) == 0
+    return (setting == "auto" and hosts > 1 and local_size > 1
+            and not (consecutive and power_of_two))
 
 
 def from_env() -> Runtime:

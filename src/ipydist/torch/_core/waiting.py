@@ -162,7 +162,8 @@ def pause(waited: float, spin: bool) -> None:
 
 
 def replace_check_comm(deadline: float) -> bool:
-    """A fresh ``check_comm`` and ``data_comm`` (collective, nonblocking, given up at
+    """A fresh ``check_comm`` and ``data_comm``, and ``node_data`` and ``cross_data`` where
+    they are used (collective, nonblocking, given up at
     ``deadline``): a check or a collective a release left unfinished would otherwise be
     matched by the next one."""
     rt = topology.get()
@@ -174,6 +175,12 @@ def replace_check_comm(deadline: float) -> bool:
     fresh_data = dup_by(rt.control_comm, deadline)
     if fresh_data is None:
         return False
+    if rt.node_data is not None:  # the hierarchical allreduce's, alike (_wire.hierarchy)
+        fresh_node = dup_by(rt.node_comm, deadline)
+        fresh_cross = fresh_node and dup_by(rt.cross_comm, deadline)
+        if fresh_cross is None:
+            return False
+        rt.node_data, rt.cross_data = fresh_node, fresh_cross
     rt.check_comm, rt.check_pending = fresh_check, False
     rt.data_comm = fresh_data
     rt.data_queue.clear()  # operations of the old communicator

