@@ -229,10 +229,13 @@ def plot(results: dict, path: Path) -> None:
                 [r["steps"][v] * 1e3 for r in shaped], marker="o", label=v)
     ax.set_xscale("log")
     ax.set_yscale("log")
-    from matplotlib.ticker import ScalarFormatter
+    from matplotlib.ticker import FixedLocator, NullFormatter, ScalarFormatter
 
-    for axis in (ax.xaxis, ax.yaxis):
+    for axis, ticks in ((ax.xaxis, [0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100]),
+                        (ax.yaxis, [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000])):
+        axis.set_major_locator(FixedLocator(ticks))
         axis.set_major_formatter(ScalarFormatter())
+        axis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("link rate, Gbit/s (each host's)")
     ax.set_ylabel("ms per training step (median)")
     ax.set_title("1.6 M-parameter MLP, 2 hosts x 2 ranks (CPU)")
@@ -240,7 +243,8 @@ def plot(results: dict, path: Path) -> None:
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    print(f"\nplot: {path}")
+    path.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+    print(f"\nplot: {path}, its figures: {path.with_suffix('.json')} (--replot redraws it)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -256,7 +260,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG here")
     parser.add_argument("--hosts", help="measure on these hosts (on a login host; internal)")
     parser.add_argument("--mpi-args", default="")
+    parser.add_argument("--replot", type=Path, default=None,
+                        help="draw --plot again from the figures a run saved (its .json)")
     args = parser.parse_args(argv)
+    if args.replot:
+        plot(json.loads(args.replot.read_text()), args.plot or args.replot.with_suffix(".png"))
+        return 0
     if args.hosts:
         sizes = [] if args.steps_only else SIZES
         print(RESULT + json.dumps(measure(args.hosts, args.mpi_args, args.rounds, sizes)))

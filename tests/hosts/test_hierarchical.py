@@ -88,13 +88,14 @@ if not torch.equal(grouped[0], flat(big, hvd.Sum)):
 """
 
 
-def run_compare(hosts, transport="auto", mpi_args=()) -> dict:
+def run_compare(hosts, transport="auto", mpi_args=(), compare=True) -> dict:
     return notebook_side(hosts, """
         out["transport"] = [r["transport"] for r in session.ranks]
         out["hosts"] = [r["host"] for r in session.ranks]
         session.run(RANK_CODE, output="rank0")
         out["wrong"] = session.pull("wrong")
-    """, rank_code=COMPARE, transport=transport, mpi_args=mpi_args, timeout=300)
+    """, rank_code=COMPARE if compare else "wrong = []", transport=transport,
+                         mpi_args=mpi_args, timeout=300)
 
 
 def test_ranks_dealt_out_by_node_reduce_hierarchically_and_match_flat(hosts):
@@ -106,8 +107,14 @@ def test_ranks_dealt_out_by_node_reduce_hierarchically_and_match_flat(hosts):
 
 
 def test_ranks_by_slot_stay_flat_unless_told_and_forced_hierarchy_matches(hosts):
-    assert run_compare(hosts)["transport"] == ["mpi"] * 4, (
-        "ranks 0-1 and 2-3 on one host each, 4 ranks: auto keeps the flat allreduce")
+    assert run_compare(hosts, compare=False)["transport"] == ["mpi"] * 4, (
+        "ranks 0-1 and 2-3 on one host each: auto keeps the flat allreduce")
+    horovods = run_compare(hosts, mpi_args=("-x", "HOROVOD_HIERARCHICAL_ALLREDUCE=1"),
+                           compare=False)
+    assert horovods["transport"] == ["hierarchical"] * 4, "Horovod's switch, under auto"
+    by_node_told_not = run_compare(hosts, compare=False, mpi_args=(
+        "--map-by", "node", "-x", "HOROVOD_HIERARCHICAL_ALLREDUCE=0"))
+    assert by_node_told_not["transport"] == ["mpi"] * 4, "Horovod's switch off"
     out = run_compare(hosts, transport="hierarchical")
     assert out["transport"] == ["hierarchical"] * 4, out["transport"]
     assert out["wrong"] == [[]] * 4, out["wrong"]

@@ -12,10 +12,10 @@ from ipydist.torch._wire.hierarchy import stripes
 @pytest.mark.parametrize("setting, hosts, homogeneous, local_size, consecutive, taken", [
     ("auto", 1, True, 4, True, False),  # one host: shared memory already
     ("auto", 2, True, 1, True, False),  # a rank a host: nothing to reduce locally
-    ("auto", 2, True, 2, True, False),  # by slot, 4 ranks: MPI's halving stays on the hosts
+    ("auto", 2, True, 2, True, False),  # by slot: MPI's flat exchanges stay on the hosts
+    ("auto", 3, True, 2, True, False),
     ("auto", 2, True, 2, False, True),  # dealt out by node
-    ("auto", 3, True, 2, True, True),  # 6 ranks: no power of two
-    ("auto", 2, True, 3, True, True),
+    ("auto", 3, True, 2, False, True),
     ("auto", 2, False, 2, False, False),  # hosts with different rank counts: no stripes
     ("mpi", 2, True, 2, False, False),
     ("gloo", 2, True, 2, False, False),

@@ -32,7 +32,7 @@ START_OPTIONS = [
     argument("--transport", default="auto", metavar="NAME",
              help="the wire of ipydist's collectives on CPU tensors: auto (MPI, where mpiexec "
              "or srun started the ranks: 2-20x faster than gloo on one host; across hosts, "
-             "hierarchical where it crosses the network with fewer bytes), "
+             "hierarchical where ranks are dealt out by node), "
              "mpi (flat), hierarchical (forced), or gloo"),
     argument("--mpi", default=None, metavar="PATH",
              help="the mpiexec to use (default: $IPYDIST_MPIEXEC, the one next to this "

@@ -163,6 +163,9 @@ def from_mpi(comm, advertise: str | None = None) -> Runtime:
     # MPI carries ipydist's collectives on CPU tensors unless --transport gloo said otherwise
     # (see ipydist.torch._wire.transport): ranks that MPI started can always use it
     setting = protocol.RankConfig.from_env().transport
+    horovods = os.environ.get("HOROVOD_HIERARCHICAL_ALLREDUCE")  # Horovod's switch, as it says
+    if setting == "auto" and horovods in ("0", "1"):
+        setting = "hierarchical" if horovods == "1" else "mpi"
     blocks = sum(1 for i, h in enumerate(hosts) if i == 0 or hosts[i - 1] != h)
     striped = hierarchical(setting, len(set(hosts)), homogeneous, local_size,
                            consecutive=blocks == len(set(hosts)))
@@ -183,20 +186,18 @@ def hierarchical(setting: str, hosts: int, homogeneous: bool, local_size: int,
     from what every rank knows alike (the ``--transport`` setting, where the ranks are).
 
     ``hierarchical`` forces it, also on one host (where the reduction across hosts is among
-    one rank). ``auto`` takes it where ranks span hosts, each host runs more than one, and the
-    flat allreduce would cross the network with more than a hierarchy's bytes: where a host's
-    ranks are not consecutive (``--map-by node``), or their number is no power of two. Where
-    they are both, Open MPI's flat allreduce of large messages (recursive halving, nearest
-    ranks first) already keeps its large exchanges within hosts, and is as fast
-    (benchmarks/links.py: 2 hosts x 2 ranks at 1 Gbit/s, 64 MB in 608 ms flat against 673 ms
-    hierarchical; with the ranks dealt out by node, 1145 ms flat against 614 ms)."""
+    one rank). ``auto`` takes it where ranks span hosts, each host runs more than one, and a
+    host's ranks are not consecutive (``--map-by node``): there Open MPI's flat allreduce,
+    whose large exchanges are between near ranks first, crosses the network with twice a
+    hierarchy's bytes. Where they are consecutive it keeps those exchanges within hosts and is
+    as fast or faster (benchmarks/links.py, 1 Gbit/s links, 64 MB: 2 hosts x 2 ranks by slot
+    572 ms flat, 594 ms hierarchical, by node 1156 against 629; 3 hosts x 2 by slot 1176
+    against 1672, by node 2621 against 1683)."""
     if not homogeneous:
         return False  # a stripe per local rank: every host needs as many
     if setting == "hierarchical":
         return True
-    power_of_two = local_size & (local_size - 1) == 0 and hosts & (hosts - 1) == 0
-    return (setting == "auto" and hosts > 1 and local_size > 1
-            and not (consecutive and power_of_two))
+    return setting == "auto" and hosts > 1 and local_size > 1 and not consecutive
 
 
 def from_env() -> Runtime:
