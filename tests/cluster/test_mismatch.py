@@ -198,8 +198,8 @@ model = torch.nn.Linear(4, 2)
 opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                named_parameters=model.named_parameters())
 sent = []
-real = call_check._exchange
-call_check._exchange = lambda *args: sent.append(1) or real(*args)
+real = call_check._gather_over_mpi  # what every check on the spot waits in, under mpiexec
+call_check._gather_over_mpi = lambda *args: sent.append(1) or real(*args)
 try:
     for i in range(3):
         opt.zero_grad()
@@ -211,7 +211,7 @@ try:
     model(torch.randn(3, 4)).sum().backward()
     opt.step()
 finally:
-    call_check._exchange = real
+    call_check._gather_over_mpi = real
 w = model.weight.detach()
 same = bool(hvd.allreduce(w, op=hvd.Max).equal(hvd.allreduce(w, op=hvd.Min)))
 print(announced, total, len(sent), same, len(topology.get().announced))
@@ -251,8 +251,8 @@ def test_with_the_check_off_no_headers_are_exchanged(shell, capsys, hvd_cluster)
     result, out, err = run_cell(shell, capsys, """%%everyrank
 from ipydist.torch._wire import call_check
 exchanges = []
-real = call_check._exchange
-call_check._exchange = lambda *args: exchanges.append(1) or real(*args)
+real = call_check._gather_over_mpi  # what every exchange of headers waits in, under mpiexec
+call_check._gather_over_mpi = lambda *args: exchanges.append(1) or real(*args)
 def calls():
     hvd.allreduce(torch.ones(2)); hvd.broadcast(torch.ones(2), 0); hvd.barrier()
     hvd.broadcast_object("x"); hvd.allgather_object(1)
@@ -264,7 +264,7 @@ try:
     off = calls(), len(exchanges) - on[1]
 finally:
     call_check.set_enabled(True)
-    call_check._exchange = real
+    call_check._gather_over_mpi = real
 print(on, off)
 """)
     assert result.error_in_exec is None, err

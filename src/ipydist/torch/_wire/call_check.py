@@ -239,7 +239,15 @@ def check(kind: str, tensor: torch.Tensor | None = None, *, dtype: torch.dtype |
             _headers.clear()
         mine = _headers[key] = np.asarray(header(*key), dtype=np.int64)
     started = time.perf_counter()
-    headers = _exchange(group, mine)
+    if group.check_comm is not None and carried is None and not events.recording:
+        # the common case, a call every rank makes alike: one comparison of bytes, not a
+        # verdict from lists of words (4 KB at np=2: 1.5 us of the check's 5.5)
+        every = _gather_over_mpi(group, mine)
+        if _enabled and every.tobytes() == mine.tobytes() * group.size:
+            return None
+        headers = every.tolist()
+    else:
+        headers = _exchange(group, mine)
     if events.recording:
         events.checked(kind, started, time.perf_counter(),
                           None if group is rt else group.size)
@@ -295,11 +303,22 @@ def _exchange(group, words: np.ndarray) -> list[list[int]]:
 
 
 def _exchange_over_mpi(group, words: np.ndarray) -> list[list[int]]:
-    every = np.empty((group.size, HEADER_WORDS), dtype=np.int64)
+    return _gather_over_mpi(group, words).tolist()
+
+
+#: World size -> the array every rank's header is gathered into, reused: the exchange is
+#: waited for before the array is read, and read before the next exchange.
+_gathered: dict[int, np.ndarray] = {}
+
+
+def _gather_over_mpi(group, words: np.ndarray) -> np.ndarray:
+    every = _gathered.get(group.size)
+    if every is None:
+        every = _gathered[group.size] = np.empty((group.size, HEADER_WORDS), dtype=np.int64)
     t0 = time.perf_counter()
     waiting.wait_for_mpi(group.check_comm.Iallgather(words, every))
     waiting.note_wait(time.perf_counter() - t0)  # the straggler strip counts it as waiting
-    return every.tolist()
+    return every
 
 
 def _allocate(device: torch.device, size: int, pg) -> tuple[torch.Tensor, list[torch.Tensor]]:

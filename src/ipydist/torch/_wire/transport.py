@@ -33,7 +33,7 @@ def uses_mpi(tensor: torch.Tensor, group=None) -> bool:
     rt = topology.get()
     return (rt is not None and rt.transport == "mpi"
             and (rt if group is None else group).data_comm is not None
-            and tensor.device.type == "cpu" and tensor.dtype in _MPI_TYPES)
+            and tensor.is_cpu and tensor.dtype in _MPI_TYPES)  # is_cpu: 6x device.type's speed
 
 
 _mpi: dict = {}  # mpi4py's IN_PLACE and ops, looked up once (a call costs microseconds)
@@ -73,10 +73,14 @@ class Chain:
     only the oldest unfinished one has a request in flight (``Runtime.data_queue``, or a
     process set's own queue, on its own communicator: ``group``)."""
 
-    __slots__ = ("posts", "request", "done", "group")
+    __slots__ = ("posts", "request", "done", "group", "memory")
 
-    def __init__(self, posts, group) -> None:
+    def __init__(self, posts, group, memory=None) -> None:
         self.posts, self.request, self.done, self.group = iter(posts), None, False, group
+        #: The buffer MPI works in, kept as long as the chain is, as the posts' closures keep
+        #: theirs: without it, a small call abandoned in flight (a failed cell) crashed its
+        #: rank at the recovery.
+        self.memory = memory
 
     def Test(self) -> bool:  # noqa: N802 - MPI's name: waiting.wait_for_mpi polls it
         _advance(self.group)
@@ -124,6 +128,14 @@ def start_allreduce(tensor: torch.Tensor, op: str = "sum", also=(), group=None) 
     ``also``), for :func:`finish`; the caller keeps them alive and untouched until then."""
     mpi = _names()
     rt = topology.get()
+    owner = rt if group is None else group
+    if not also and not owner.data_queue and tensor.nbytes < hierarchy.HIERARCHICAL_FROM:
+        # the common small call, alone in the queue: posted here, without the posts' machinery
+        # (4 KB at np=2: 3 us of the 24 us a call cost)
+        chain = Chain((), group, _memory(tensor))
+        chain.request = owner.data_comm.Iallreduce(mpi["in_place"], chain.memory, mpi[op])
+        owner.data_queue.append(chain)
+        return chain
     striped = group is None and rt is not None and rt.node_data is not None
     posts = []
     for t in (tensor, *also):
@@ -134,6 +146,12 @@ def start_allreduce(tensor: torch.Tensor, op: str = "sum", also=(), group=None) 
                 posts.append(lambda comm, part=part: comm.Iallreduce(mpi["in_place"], part,
                                                                      mpi[op]))
     return _submit(posts, group)
+
+
+def _memory(tensor: torch.Tensor):
+    """The contiguous ``tensor``'s memory as a numpy array (of its shape: MPI reads it as one
+    buffer), without the detach and reshape that cost twice the view itself."""
+    return (tensor.detach() if tensor.requires_grad else tensor).numpy()
 
 
 def progress(chain: Chain) -> bool:
