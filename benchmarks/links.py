@@ -69,30 +69,23 @@ def time_reduce(variant, nbytes):
             rt.cross_data.Free()
         rt.node_data, rt.cross_data = saved
 
-def time_step(variant, steps):
-    if variant not in ("ddp", "local", "bmuf-16"):
-        return time_variant(variant, steps)[0]
-    model = make_model()
+_wrap = wrap
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+
+def wrap(variant, model):  # compression.py's, and the variants only this benchmark times
     if variant == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        return model, sgd(model.parameters())
+    if variant == "local":
+        return model, sgd(model.parameters())
     if variant == "bmuf-16":
-        opt = hvd.BlockMomentum(opt, block_steps=16)
-    x, y = torch.randn(32, 512), torch.randint(0, 10, (32,))
-    loss_fn = torch.nn.CrossEntropyLoss()
+        return model, hvd.BlockMomentum(sgd(model.parameters()), block_steps=16)
+    return _wrap(variant, model)
 
-    def step():
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()
-        opt.step()
-
-    for _ in range(16):  # a whole block of bmuf-16's
-        step()
-    hvd.barrier()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return hvd.allreduce(torch.tensor([(time.perf_counter() - t0) / steps]), op=hvd.Max).item()
+def time_step(variant, steps):
+    return time_variant(variant, steps)[0]
 '''
 
 

@@ -17,25 +17,10 @@ import time
 import pytest
 from framework_snippets import TINY_GPT
 from login_side import notebook_side
-from netns_hosts import HostCluster, leftovers, unavailable
+from netns_hosts import unavailable
 
 REASON = unavailable()
 pytestmark = [pytest.mark.multihost, pytest.mark.skipif(REASON is not None, reason=str(REASON))]
-
-
-@pytest.fixture(scope="module")
-def host_cluster():
-    with HostCluster(2, login=True) as c:
-        yield c
-    assert leftovers(c.tag) == []
-
-
-@pytest.fixture
-def hosts(host_cluster):
-    yield host_cluster
-    left = host_cluster.wait_no_processes(10)
-    host_cluster.kill_processes()
-    assert left == {}, f"processes left on the test hosts 10 s after the session ended: {left}"
 
 
 def test_two_hosts_two_ranks_each_collectives_and_the_wire(hosts):
