@@ -87,12 +87,12 @@ def test_the_view_follows_a_cell_and_stops_the_cluster(kernel):
 
     cell = kc.execute(WAITS_FOR_RANK_3)
 
-    def seen_waiting():
-        return any(cid == live and _waiting(s) for cid, s in views.history)
+    def seen_waiting():  # each rank's vitals come on their own second: wait for all three
+        return any(cid == live and _waiting(s, 3) for cid, s in views.history)
 
     views.pump(60, until=seen_waiting)
     assert seen_waiting(), views.history[-3:]
-    during = next(s for cid, s in views.history if cid == live and _waiting(s))
+    during = next(s for cid, s in views.history if cid == live and _waiting(s, 3))
     states = {r["rank"]: r["state"] for r in during["rows"]}
     assert states[3].startswith("running cell"), states
     assert all(states[r].startswith("waiting in all_reduce for") for r in (0, 1, 2)), states
@@ -113,8 +113,9 @@ def test_the_view_follows_a_cell_and_stops_the_cluster(kernel):
             "['DistMagics'].session.running")
 
 
-def _waiting(state: dict) -> bool:
-    return any(r["state"].startswith("waiting in") for r in state["rows"])
+def _waiting(state: dict, ranks: int = 1) -> bool:
+    """Whether at least ``ranks`` ranks are shown waiting in a collective."""
+    return sum(r["state"].startswith("waiting in") for r in state["rows"]) >= ranks
 
 
 def test_the_side_panels_comm_follows_the_cluster(kernel):
