@@ -34,21 +34,13 @@ def measure(what: str, seconds: float) -> None:
 
 @pytest.fixture(scope="module")
 def host_cluster():
-    """A login host and two nodes for the whole module, checked to be gone afterwards."""
+    """conftest.py's, with its bring-up and teardown times measured (``hosts`` is
+    conftest.py's: no process may be left after a test)."""
     with HostCluster(2, login=True) as c:
         measure("up (login + 2 nodes)", c.timings["up"])
         yield c
     measure("down (login + 2 nodes)", c.timings["down"])
     assert leftovers(c.tag) == []
-
-
-@pytest.fixture
-def hosts(host_cluster):
-    """The module's hosts; after the test, no process may be left on any of them."""
-    yield host_cluster
-    left = host_cluster.wait_no_processes(10)
-    host_cluster.kill_processes()  # so that one test's leftovers do not fail the next
-    assert left == {}, f"processes left on the test hosts: {left}"
 
 
 def mpiexec(cluster: HostCluster, code: str, *extra: str, np: int = 4, timeout: float = 120,

@@ -20,12 +20,14 @@ forces it (also on one host, where step 2 is a reduction among one), ``mpi`` nev
 
 The communicators, ``node_data`` and ``cross_data``, are duplicates of the runtime's
 ``node_comm`` and ``cross_comm`` (made once, at start, by ``topology.from_mpi``), so they
-never meet user code's MPI calls; a release replaces them with the world's ``data_comm``
-(``waiting.replace_check_comm``), since an operation it interrupted may still be posted on
-them.
+never meet user code's MPI calls; a release replaces them along with the world's
+``data_comm`` (``waiting.replace_check_comm``), since an operation it interrupted may still
+be posted on them.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 
@@ -46,16 +48,16 @@ def posts(node, cross, array: np.ndarray, op) -> list:
     ``transport.Chain`` (each a function of a communicator that returns a request; the one it
     is given, ``data_comm``, is not the one they use). ``node`` and ``cross``: the runtime's
     ``node_data`` and ``cross_data``."""
+    from mpi4py import MPI
+
     counts = stripes(array.size, node.size)
-    offsets = [sum(counts[:j]) for j in range(len(counts))]
+    offsets = [0, *itertools.accumulate(counts[:-1])]
     mine = np.empty(counts[node.rank], dtype=array.dtype)
 
     def reduce_on_host(_comm):
         return node.Ireduce_scatter(array, mine, counts, op)
 
     def across_hosts(_comm):
-        from mpi4py import MPI
-
         return cross.Iallreduce(MPI.IN_PLACE, mine, op)
 
     def gather_on_host(_comm):
