@@ -39,9 +39,11 @@ def magics(shell):
 
 def _four_ranks(shell, magics, option: str = ""):
     """A running 4-rank cluster in ``shell`` that is not elastic (one host's default), started
-    with ``option``, reused while it stays healthy."""
+    with ``option``, reused while it stays healthy: one a failed test left with a dead rank
+    is replaced, so that the failure is that test's alone (at CI once, a restart that failed
+    after a test killed a rank failed the 90 tests after it)."""
     s = magics.session
-    if s is None or not s.running or s.size != NP or s.elastic:
+    if s is None or not s.running or s.size != NP or s.elastic or s.death_report():
         if s is not None and s.running:
             s.stop(quiet=True)
         result = shell.run_cell(f"%dist_start --np {NP}{option}")

@@ -21,6 +21,7 @@ from helpers import (
     assert_collectives_work,
     idle_cpu_and_retired_connections,
     plain,
+    pulled,
     rendered_alone,
     restart_and_check,
     run_cell,
@@ -384,6 +385,34 @@ hvd.allreduce_(torch.ones(4))
     assert isinstance(result.error_in_exec, RankError), err
     assert elapsed < 6, f"the cell took {elapsed:.1f} s: released after the grace?"
     assert_collectives_work(shell, capsys)
+
+
+def test_a_check_a_release_abandoned_keeps_its_arrays_and_the_next_check_takes_new_ones(
+        shell, capsys, fast_cluster):
+    """A release leaves the abandoned check's exchange in flight in MPI: a peer that had
+    posted it may still send its header, late, into the array the exchange gathers into. That
+    array and the header sent are parked with the exchange (``waiting.park``), neither freed
+    nor reused: the next check gathers into another (it once reused the same one, where a late
+    header could meet a new check)."""
+    result, _, err = run_cell(shell, capsys, f"""%%everyrank
+from ipydist.torch._core import waiting as _w
+from ipydist.torch._wire import call_check as _cc
+_before = [request for request, _ in _w._parked]
+if hvd.rank() == {NP - 1}:
+    raise ValueError("bad batch on the last rank")
+hvd.allreduce_(torch.ones(4))
+""")
+    assert isinstance(result.error_in_exec, RankError), err
+    result, _, err = run_cell(shell, capsys, """%%everyrank
+_sum = hvd.allreduce(torch.ones(4), op=hvd.Sum).tolist()
+_new = sum(all(request is not old for old in _before) for request, _ in _w._parked)
+_reused = any(_cc._gathered.get(hvd.size()) is kept for _, memory in _w._parked
+              for kept in memory)
+""")
+    assert result.error_in_exec is None, err
+    assert pulled(shell, "_sum") == [[float(NP)] * 4] * NP
+    assert pulled(shell, "_new") == [1] * (NP - 1) + [0], "the released ranks parked their check"
+    assert pulled(shell, "_reused") == [False] * NP
 
 
 def test_released_ranks_show_their_errors_in_brief_and_the_failing_rank_in_full(shell, capsys,

@@ -161,6 +161,34 @@ def pause(waited: float, spin: bool) -> None:
         time.sleep(min(max(waited / 20, _MPI_SLEEP_MIN), _MPI_SLEEP_MAX))
 
 
+#: MPI operations a release left in flight, each with the memory it reads and writes. The next
+#: MPI call on this rank may still move one on (a peer that had posted it sends its part late),
+#: writing into that memory: freed, it was reused by Python or torch (heap corruption); reused
+#: by the next operation (the check's gather array), it put an old header in a new check. So
+#: it is kept, never reused, until its operation is done; one a peer never posted stays for
+#: the rank's life: the buffers of one operation per communicator, per release.
+_parked: list[tuple] = []
+
+
+def park(request, *memory) -> None:
+    """Keep ``memory`` as long as ``request``, abandoned in flight, may still use it."""
+    _parked[:] = [kept for kept in _parked if not _done(kept[0])]
+    if not _done(request):
+        _parked.append((request, memory))
+
+
+def _done(request) -> bool:
+    try:
+        return request.Test()
+    except Exception:  # ended with an error (a revoked communicator): MPI has let go of it
+        return True
+
+
+def parked() -> int:
+    """How many abandoned operations are kept (:func:`park`)."""
+    return len(_parked)
+
+
 def replace_check_comm(deadline: float) -> bool:
     """A fresh ``check_comm`` and ``data_comm``, and ``node_data`` and ``cross_data`` where
     they are used (collective, nonblocking, given up at
@@ -183,8 +211,13 @@ def replace_check_comm(deadline: float) -> bool:
         rt.node_data, rt.cross_data = fresh_node, fresh_cross
     rt.check_comm, rt.check_pending = fresh_check, False
     rt.data_comm = fresh_data
-    rt.data_queue.clear()  # operations of the old communicator
-    rt.announced.clear()  # they belong to the old communicator
+    for chain in rt.data_queue:  # operations of the old communicators
+        if chain.request is not None:
+            park(chain.request, chain)
+    rt.data_queue.clear()
+    for announced in rt.announced:
+        park(announced.request, announced)
+    rt.announced.clear()
     return True
 
 

@@ -307,17 +307,25 @@ def _exchange_over_mpi(group, words: np.ndarray) -> list[list[int]]:
 
 
 #: World size -> the array every rank's header is gathered into, reused: the exchange is
-#: waited for before the array is read, and read before the next exchange.
+#: waited for before the array is read, and read before the next exchange. One an exchange
+#: left by a release is dropped and parked with it (``waiting.park``): the abandoned exchange
+#: may still write into it.
 _gathered: dict[int, np.ndarray] = {}
 
 
 def _gather_over_mpi(group, words: np.ndarray) -> np.ndarray:
-    every = _gathered.get(group.size)
+    every = _gathered.pop(group.size, None)
     if every is None:
-        every = _gathered[group.size] = np.empty((group.size, HEADER_WORDS), dtype=np.int64)
+        every = np.empty((group.size, HEADER_WORDS), dtype=np.int64)
     t0 = time.perf_counter()
-    waiting.wait_for_mpi(group.check_comm.Iallgather(words, every))
+    request = group.check_comm.Iallgather(words, every)
+    try:
+        waiting.wait_for_mpi(request)
+    except BaseException:
+        waiting.park(request, words, every)
+        raise
     waiting.note_wait(time.perf_counter() - t0)  # the straggler strip counts it as waiting
+    _gathered[group.size] = every
     return every
 
 

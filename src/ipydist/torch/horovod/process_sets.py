@@ -22,7 +22,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ipydist.specs import describe_ranks
-from ipydist.torch._core import process_group, topology
+from ipydist.torch._core import process_group, topology, waiting
 from ipydist.torch._wire import call_check, signature
 
 
@@ -240,7 +240,12 @@ def _disconnect(process_set: ProcessSet, free: bool = False) -> None:
     recovery replaces may have an abandoned operation: it is dropped, as the world's are)."""
     comms: Any = process_set._comms
     process_set._comms = None
-    if comms is None or not free or comms.data_queue or comms.check_pending:
+    if comms is None:
+        return
+    for chain in comms.data_queue:  # its memory outlives the operation (``waiting.park``)
+        if chain.request is not None:
+            waiting.park(chain.request, chain)
+    if not free or comms.data_queue or comms.check_pending:
         return
     for comm in (comms.check_comm, comms.data_comm):
         if comm is not None:
