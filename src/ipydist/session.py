@@ -187,9 +187,12 @@ class Session:
         if not dead:
             return ""
         # mpiexec ends the job, saying what ended the rank as it goes (unless --elastic heals)
+        if not self.can_heal:
+            self.cluster.end_job_after_a_death()
         output = self.cluster.mpiexec_output(wait_for_exit=0.0 if self.can_heal else 2.0)
         return deaths.describe_death(output, self.cluster.dead_ranks(), self.words.restart,
-                                      self.cluster.plan.launcher, healing=self.can_heal)
+                                      self.cluster.plan.launcher, healing=self.can_heal,
+                                      first=self.cluster.first_dead)
 
     def scale(self, np: int) -> None:
         """Grow or shrink the running ``--elastic`` cluster to ``np`` ranks, keeping every

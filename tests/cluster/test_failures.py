@@ -30,6 +30,7 @@ from helpers import (
 from IPython.core.error import UsageError
 
 from ipydist.errors import CellTimeout, RankDied, RankError
+from ipydist.notebook.launch import processes
 from ipydist.protocol import RELEASE_SIGNAL
 from ipydist.rank.released_errors import BRIEF_HEADER
 from ipydist.specs import parse_ranks
@@ -255,6 +256,8 @@ def test_a_killed_rank_is_reported_within_5_s_and_restart_starts_fresh(shell, ca
     fast_cluster = plain_cluster
     run_cell(shell, capsys, "%everyrank import time, torch, ipydist.torch as hvd")
     old = fast_cluster.cluster.pids()
+    segments = processes.shared_memory(old)
+    assert segments, "Open MPI's ranks share memory segments"
     result, elapsed, victim = run_cell_killing_a_rank(shell, capsys, fast_cluster, rank=2)
     error = result.error_in_exec
     assert isinstance(error, RankDied), error  # its own error type, shown as one line
@@ -280,6 +283,8 @@ def test_a_killed_rank_is_reported_within_5_s_and_restart_starts_fresh(shell, ca
     assert "died" in str(result.error_in_exec), "a cell on a dead cluster fails at once"
 
     restart_and_check(shell, capsys, old, "import time, torch, ipydist.torch as hvd")
+    left = [path for path in segments if os.path.exists(path)]
+    assert left == [], "the killed job's shared memory went with it"
 
 
 def test_after_an_interrupt_models_that_drifted_apart_are_resynchronised(shell, capsys,

@@ -236,3 +236,71 @@ def test_gpus_per_rank_deals_each_rank_its_own_gpus(monkeypatch):
         assert s.pull("seen") == [("0,1", 0), ("2,3", 1)]
     with pytest.raises(LaunchError, match=re.escape("needs 6 GPUs, but this host has 4")):
         ipydist.Session(np=3, gpus_per_rank=2).start()
+
+
+def test_gforker_s_report_names_the_rank_that_died_first_not_those_it_ended():
+    dead = [{"rank": r, "pid": 100 + r, "host": "a"} for r in range(4)]
+    killed = ("[0]0:Return code = 0, signaled with Terminated\n"
+              "[0]1:Return code = 0, signaled with Interrupt\n"
+              "[0]2:Return code = 0, signaled with Killed\n"
+              "[0]3:Return code = 0, signaled with Terminated\n")
+    text = deaths.describe_death(killed, dead, "%dist_restart", "mpiexec.gforker",
+                                 first=dead[2:3])
+    assert text.startswith("rank 2 (pid 102 on a) died: killed by signal 9 (SIGKILL); the "
+                           "out-of-memory killer sends this one too. mpiexec.gforker then "
+                           "stopped ranks 0-1 and 3."), text
+    exited = "[0]0:Return code = 0, signaled with Terminated\n[0]1:Return code = 3\n"
+    assert deaths.describe_death(exited, dead[:2], "%dist_restart", "mpiexec.gforker",
+                                 first=dead[1:2]).startswith(
+        "rank 1 (pid 101 on a) died: exited with code 3. mpiexec.gforker then stopped rank 0.")
+    # the others' ends alone say nothing of the first death: the rank found dead first
+    only_ended = "[0]0:Return code = 0, signaled with Terminated\n"
+    assert deaths.describe_death(only_ended, dead[:2], "%dist_restart", "mpiexec.gforker",
+                                 first=dead[1:2]).startswith("rank 1 (pid 101 on a) died. ")
+
+
+def fake_mpich(tmp_path, launchers=("mpiexec", "mpiexec.gforker", "mpiexec.hydra")):
+    """A folder laid out as the ``mpich`` wheel installs: bin/ with its launchers, lib/ with
+    its library."""
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libmpi.so.12").write_text("")
+    for name in launchers:
+        path = tmp_path / "bin" / name
+        path.write_text("#!/bin/sh\n")
+        path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return tmp_path / "bin"
+
+
+def test_mpich_on_one_host_starts_its_ranks_with_gforker_on_shared_memory(tmp_path,
+                                                                           monkeypatch):
+    for name in ("FI_PROVIDER", "MPIR_CVAR_CH4_NETMOD", "MPI4PY_LIBMPI"):
+        monkeypatch.delenv(name, raising=False)
+    bin_dir = fake_mpich(tmp_path)
+    plan = mpiexec.plan(str(bin_dir / "mpiexec"), 4, "", {}, cores=8, flavor="mpich")
+    assert plan.command == [str(bin_dir / "mpiexec.gforker")] and plan.launcher == \
+        "mpiexec.gforker" and plan.title == "MPICH"
+    assert plan.env["FI_PROVIDER"] == "shm" and plan.env["MPIR_CVAR_CH4_NETMOD"] == "ofi"
+    assert plan.env["MPI4PY_LIBMPI"] == str(tmp_path / "lib" / "libmpi.so.12")
+    assert plan.args[0] == "-exitinfo" and plan.args[1] == "-genvlist"
+    assert {"FI_PROVIDER", "MPI4PY_LIBMPI"} <= set(plan.args[2].split(","))
+    # what the user's environment chooses stays; a launcher named is the one used
+    monkeypatch.setenv("FI_PROVIDER", "tcp")
+    plan = mpiexec.plan(str(bin_dir / "mpiexec"), 4, "", {}, cores=8, flavor="mpich")
+    assert "FI_PROVIDER" not in plan.env
+    hydra = mpiexec.plan(str(bin_dir / "mpiexec.hydra"), 4, "", {}, cores=8, flavor="mpich")
+    assert hydra.command == [str(bin_dir / "mpiexec.hydra")] and "-exitinfo" not in hydra.args
+    # across hosts: MPICH's mpiexec, with its network
+    across = mpiexec.plan(str(bin_dir / "mpiexec"), 4, "--hosts a,b", {}, cores=8,
+                          flavor="mpich")
+    assert across.command == [str(bin_dir / "mpiexec")] and "FI_PROVIDER" not in across.env
+    with pytest.raises(LaunchError, match="starts ranks on this host only"):
+        mpiexec.plan(str(bin_dir / "mpiexec.gforker"), 4, "--hosts a,b", {}, cores=8,
+                     flavor="mpich")
+    assert mpiexec.mpi_flavor(str(bin_dir / "mpiexec.gforker")) == "mpich"
+
+
+def test_mpich_without_gforker_keeps_its_mpiexec(tmp_path):
+    bin_dir = fake_mpich(tmp_path, launchers=("mpiexec",))
+    plan = mpiexec.plan(str(bin_dir / "mpiexec"), 2, "", {}, cores=8, flavor="mpich")
+    assert plan.command == [str(bin_dir / "mpiexec")] and "-exitinfo" not in plan.args

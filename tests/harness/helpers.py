@@ -3,8 +3,10 @@ shared shell, and finding the processes of ipydist clusters on this machine."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
+import socket
 import time
 
 import psutil
@@ -70,6 +72,30 @@ def cluster_processes(mark: str | None = None, ranks_only: bool = False) -> dict
                 continue
         found[p.info["pid"]] = cmd
     return found
+
+
+def listening_beyond_loopback(pids: list[int]) -> list[str]:
+    """What ``ss -ltnu`` would list for ``pids`` and their children on an address other than
+    loopback, as "address:port (program)": a cluster on one host should list nothing."""
+    procs = set()
+    for pid in pids:
+        try:
+            parent = psutil.Process(pid)
+            procs |= {parent, *parent.children(recursive=True)}
+        except psutil.Error:
+            pass
+    found = []
+    for proc in procs:
+        try:
+            name, sockets = proc.name(), proc.net_connections(kind="inet")
+        except psutil.Error:
+            continue
+        for s in sockets:
+            listening = s.status == psutil.CONN_LISTEN or (
+                s.type == socket.SOCK_DGRAM and not s.raddr)
+            if listening and not ipaddress.ip_address(s.laddr.ip).is_loopback:
+                found.append(f"{s.laddr.ip}:{s.laddr.port} ({name})")
+    return sorted(found)
 
 
 def wait_gone(pids, timeout: float = 10.0) -> list[int]:

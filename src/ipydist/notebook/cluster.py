@@ -69,6 +69,13 @@ class Cluster:
         self._views: dict[tuple[int, ...], object] = {}
         self._rank_procs: list = []  # psutil processes of the ranks on this host
         self._controller_proc = None
+        #: The ranks found dead when ipydist ended the job after a death
+        #: (:meth:`end_job_after_a_death`): the first death is among them, not among the
+        #: ranks it ended.
+        self.first_dead: list[dict] | None = None
+        #: The ranks' MPI shared-memory segments, looked up once they started: a rank killed
+        #: leaves them, and the stop removes them.
+        self._shared_memory: set[str] = set()
         #: How far the start got, and when (kept for the line under the start table).
         self.startup: startup.StartWatch | None = None
 
@@ -173,6 +180,8 @@ class Cluster:
             raise ClusterError(
                 f"engine ids do not match MPI ranks for {describe_ranks(mismatched)}")
         watch.ready()
+        self._shared_memory = processes.shared_memory(
+            [info["pid"] for info in self.ranks if processes.is_here(info)])
 
     def _queue_note(self) -> str:
         """For a Slurm job still waiting in the queue: why, as squeue says."""
@@ -343,6 +352,25 @@ class Cluster:
             return startup.without_markers(launcher.get_output(remove=False))
         return startup.without_markers(processes.read_text(launcher.output_file))
 
+    def end_job_after_a_death(self) -> None:
+        """End the job where the launcher leaves it running after a rank died: MPICH's
+        ``mpiexec.gforker`` interrupts the other ranks, which ipyparallel's engines ignore,
+        and a SIGTERM ends them only seconds later (their exit waits in MPI's finalize for
+        the dead rank, until gforker's SIGQUIT). The others are killed, as mpiexec ends them;
+        gforker then reports how each rank ended (``-exitinfo``) and exits."""
+        if os.path.basename(self.plan.command[0]) != mpiexec.GFORKER:
+            return
+        if self.first_dead is None:
+            self.first_dead = self.dead_ranks()
+        for info in self.ranks:
+            processes.kill(processes.local_process(info))
+        # it takes in one child's end a second, unless a signal wakes it: 4 ranks took 3-4 s
+        # to report, where a SIGTERM every 50 ms gets the report in 0.2 s
+        launcher, deadline = self.launcher_process(), time.monotonic() + 2.0
+        while processes.alive(launcher) and time.monotonic() < deadline:
+            processes.terminate(launcher)
+            time.sleep(0.05)
+
     def launcher_process(self):
         """mpiexec's (or srun's) process handle."""
         return self._mpiexec_launcher().process
@@ -354,8 +382,10 @@ class Cluster:
     # --- stopping ----------------------------------------------------------------------------
 
     def stop(self, quiet: bool = False) -> None:
-        """Stop engines, mpiexec and the controller, and make sure none of them is left."""
+        """Stop engines, mpiexec and the controller, and make sure none of them is left, nor
+        their shared memory."""
         pids = self.pids()
+        segments = self._shared_memory | processes.shared_memory(pids)
         if self.client is not None:
             try:
                 self.client.close()
@@ -368,6 +398,7 @@ class Cluster:
                 if not quiet:
                     print(f"ipydist: stopping the cluster: {e}", file=sys.stderr)
         processes.reap(pids)
+        processes.remove_shared_memory(segments, pids)
         if self.slurm_job is not None:
             # salloc gives its job back when srun ends; this makes sure, should it not have
             slurm.cancel(self.slurm_job)

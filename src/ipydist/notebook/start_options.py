@@ -36,7 +36,8 @@ START_OPTIONS = [
              "mpi (flat), hierarchical (forced), or gloo"),
     argument("--mpi", default=None, metavar="PATH",
              help="the mpiexec to use (default: $IPYDIST_MPIEXEC, the one next to this "
-             "Python, then $PATH)"),
+             "Python, then $PATH); on one host MPICH's starts the ranks with the "
+             "mpiexec.gforker beside it, which listens on no port"),
     argument(
         "--hosts", default=None, metavar="SPEC",
         help="hosts to run on, with slots: nodeA:4,nodeB:4 (a host without :N has one slot; "

@@ -54,8 +54,9 @@ def cluster_status(cluster, restart: str) -> StatusTable:
     death, report = None, ""
     if dead:
         output = cluster.mpiexec_output(wait_for_exit=2.0)
-        death = deaths.find_death(output, dead)
-        report = deaths.describe_death(output, dead, restart, cluster.plan.launcher)
+        death = deaths.find_death(output, cluster.first_dead or dead)
+        report = deaths.describe_death(output, dead, restart, cluster.plan.launcher,
+                                       first=cluster.first_dead)
     return status_table(grouped_by_host(cluster.ranks), states, memory, death, report,
                         cluster.plan.launcher)
 

