@@ -188,7 +188,7 @@ class Session:
             return ""
         # mpiexec ends the job, saying what ended the rank as it goes (unless --elastic heals)
         if not self.can_heal:
-            self.cluster.end_job_after_a_death()
+            self.cluster.end_job_after_a_death(dead)
         output = self.cluster.mpiexec_output(wait_for_exit=0.0 if self.can_heal else 2.0)
         return deaths.describe_death(output, self.cluster.dead_ranks(), self.words.restart,
                                       self.cluster.plan.launcher, healing=self.can_heal,

@@ -15,6 +15,7 @@ import logging
 import os
 import secrets
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -352,23 +353,24 @@ class Cluster:
             return startup.without_markers(launcher.get_output(remove=False))
         return startup.without_markers(processes.read_text(launcher.output_file))
 
-    def end_job_after_a_death(self) -> None:
+    def end_job_after_a_death(self, dead: list[dict]) -> None:
         """End the job where the launcher leaves it running after a rank died: MPICH's
         ``mpiexec.gforker`` interrupts the other ranks, which ipyparallel's engines ignore,
         and a SIGTERM ends them only seconds later (their exit waits in MPI's finalize for
         the dead rank, until gforker's SIGQUIT). The others are killed, as mpiexec ends them;
-        gforker then reports how each rank ended (``-exitinfo``) and exits."""
-        if os.path.basename(self.plan.command[0]) != mpiexec.GFORKER:
+        gforker then reports how each rank ended (``-exitinfo``) and exits. ``dead``: the
+        ranks found dead (:meth:`dead_ranks`), remembered as :attr:`first_dead`."""
+        if self.plan.launcher != mpiexec.GFORKER:
             return
         if self.first_dead is None:
-            self.first_dead = self.dead_ranks()
+            self.first_dead = dead
         for info in self.ranks:
-            processes.kill(processes.local_process(info))
+            processes.send(processes.local_process(info), signal.SIGKILL)
         # it takes in one child's end a second, unless a signal wakes it: 4 ranks took 3-4 s
         # to report, where a SIGTERM every 50 ms gets the report in 0.2 s
         launcher, deadline = self.launcher_process(), time.monotonic() + 2.0
         while processes.alive(launcher) and time.monotonic() < deadline:
-            processes.terminate(launcher)
+            processes.send(launcher, signal.SIGTERM)
             time.sleep(0.05)
 
     def launcher_process(self):

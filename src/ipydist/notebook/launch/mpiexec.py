@@ -66,6 +66,8 @@ FLAVOR_NAMES = {"openmpi": "Open MPI", "mpich": "MPICH"}
 @lru_cache(maxsize=8)
 def mpi_flavor(mpiexec: str) -> str:
     """``"openmpi"``, ``"mpich"`` or ``"unknown"``, read from ``mpiexec --version``."""
+    if is_gforker(mpiexec):  # it knows no --version
+        return "mpich"
     try:
         out = subprocess.run(
             [mpiexec, "--version"], capture_output=True, text=True, timeout=5
@@ -73,8 +75,6 @@ def mpi_flavor(mpiexec: str) -> str:
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
     text = (out.stdout + out.stderr).lower()
-    if os.path.basename(mpiexec) == GFORKER:  # it knows no --version
-        return "mpich"
     if "open mpi" in text or "open-mpi" in text or "openrte" in text:
         return "openmpi"
     if "hydra" in text or "mpich" in text or "intel(r) mpi" in text:
@@ -124,15 +124,19 @@ GFORKER = "mpiexec.gforker"
 MPICH_ONE_HOST_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "shm"}
 
 
+def is_gforker(mpiexec: str) -> bool:
+    """Whether ``mpiexec`` is MPICH's :data:`GFORKER`, by its name."""
+    return os.path.basename(mpiexec) == GFORKER
+
+
 def one_host_launcher(mpiexec: str) -> str | None:
     """MPICH's :data:`GFORKER` to start ranks on this host instead of ``mpiexec``: the one
     given, or the one beside an ``mpiexec``/``mpirun`` (not beside a launcher named otherwise,
     such as ``mpiexec.hydra``: a user who names one gets it). None where there is none."""
-    name = os.path.basename(mpiexec)
-    if name == GFORKER:
+    if is_gforker(mpiexec):
         return mpiexec
     forker = Path(mpiexec).with_name(GFORKER)
-    if name in ("mpiexec", "mpirun") and os.access(forker, os.X_OK):
+    if os.path.basename(mpiexec) in ("mpiexec", "mpirun") and os.access(forker, os.X_OK):
         return str(forker)
     return None
 
@@ -205,7 +209,7 @@ def plan(
     flavor = flavor or mpi_flavor(mpiexec)
     user_args = shlex.split(mpi_args) if isinstance(mpi_args, str) else list(mpi_args)
     multi_host = is_multi_host(user_args) or bool(hosts and hosts.multi_host)
-    if multi_host and os.path.basename(mpiexec) == GFORKER:
+    if multi_host and is_gforker(mpiexec):
         raise LaunchError(f"--mpi {mpiexec}: {GFORKER} starts ranks on this host only. For "
                           "other hosts, pass MPICH's mpiexec (hydra) beside it, or leave --mpi "
                           "out.")

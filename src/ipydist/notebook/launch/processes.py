@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import re
 import socket
 import time
 
@@ -48,22 +49,11 @@ class _Gone:
         return False
 
 
-def kill(proc) -> None:
-    """SIGKILL ``proc`` (a psutil process, or None) if it still runs."""
+def send(proc, sig: int) -> None:
+    """Signal ``proc`` (a psutil process, or None) with ``sig`` if it still runs."""
     if proc is not None and alive(proc):
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
-
-
-def terminate(proc) -> None:
-    """SIGTERM ``proc`` (a psutil process) if it still runs."""
-    if alive(proc):
-        try:
-            proc.terminate()
-        except psutil.Error:
-            pass
+        with contextlib.suppress(psutil.Error):
+            proc.send_signal(sig)
 
 
 def exit_code(proc) -> int | None:
@@ -82,6 +72,10 @@ def read_text(path: str) -> str:
         return ""
 
 
+#: A mapping's path in /proc/<pid>/maps, at the end of its line, when it is in /dev/shm.
+_SHM_MAPPING = re.compile(r" (/dev/shm/\S+)( \(deleted\))?$", re.MULTILINE)
+
+
 def shared_memory(pids: list[int]) -> set[str]:
     """The files in /dev/shm that the processes ``pids`` have mapped: their MPI's shared-memory
     segments (Open MPI's ``sm_segment.*``, MPICH's ``mpich_shm_*``, libfabric's
@@ -89,12 +83,10 @@ def shared_memory(pids: list[int]) -> set[str]:
     found = set()
     for pid in pids:
         with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
-            for line in maps:  # address perms offset device inode [path]
-                fields = line.split(maxsplit=5)
-                path = fields[5].strip() if len(fields) == 6 else ""
-                if path.startswith("/dev/shm/") and not path.endswith("(deleted)"):
-                    found.add(path)
+            found.update(path for path, deleted in _SHM_MAPPING.findall(maps.read())
+                         if not deleted)
     return found
+
 
 
 def remove_shared_memory(segments: set[str], pids: list[int]) -> None:

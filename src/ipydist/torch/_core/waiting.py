@@ -177,6 +177,14 @@ def park(request, *memory) -> None:
         _parked.append((request, memory))
 
 
+def park_chains(queue) -> None:
+    """:func:`park` the operation in flight of each chain in ``queue`` (a data queue whose
+    communicator is dropped), with the chain, which keeps its buffers."""
+    for chain in queue:
+        if chain.request is not None:
+            park(chain.request, chain)
+
+
 def _done(request) -> bool:
     try:
         return request.Test()
@@ -211,9 +219,7 @@ def replace_check_comm(deadline: float) -> bool:
         rt.node_data, rt.cross_data = fresh_node, fresh_cross
     rt.check_comm, rt.check_pending = fresh_check, False
     rt.data_comm = fresh_data
-    for chain in rt.data_queue:  # operations of the old communicators
-        if chain.request is not None:
-            park(chain.request, chain)
+    park_chains(rt.data_queue)  # operations of the old communicators
     rt.data_queue.clear()
     for announced in rt.announced:
         park(announced.request, announced)

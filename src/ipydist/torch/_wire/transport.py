@@ -78,8 +78,8 @@ class Chain:
     def __init__(self, posts, group, memory=None) -> None:
         self.posts, self.request, self.done, self.group = iter(posts), None, False, group
         #: The buffer MPI works in, kept as long as the chain is, as the posts' closures keep
-        #: theirs: without it, a small call abandoned in flight (a failed cell) crashed its
-        #: rank at the recovery.
+        #: theirs: a chain abandoned in flight is parked (``waiting.park_chains``), and with
+        #: it the memory MPI may still write into.
         self.memory = memory
 
     def Test(self) -> bool:  # noqa: N802 - MPI's name: waiting.wait_for_mpi polls it

@@ -242,9 +242,7 @@ def _disconnect(process_set: ProcessSet, free: bool = False) -> None:
     process_set._comms = None
     if comms is None:
         return
-    for chain in comms.data_queue:  # its memory outlives the operation (``waiting.park``)
-        if chain.request is not None:
-            waiting.park(chain.request, chain)
+    waiting.park_chains(comms.data_queue)  # their memory outlives their operations
     if not free or comms.data_queue or comms.check_pending:
         return
     for comm in (comms.check_comm, comms.data_comm):
