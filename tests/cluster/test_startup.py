@@ -14,7 +14,7 @@ from helpers import run_cell
 from jupyter_client.manager import start_new_kernel
 
 from ipydist import protocol
-from ipydist.notebook.launch.startup import StartWatch, without_markers
+from ipydist.notebook.launch.startup import StartWatch, as_shown
 
 T0 = 100.0  # the fake perf_counter() at which the start began
 LINE = re.compile(r"^Starting 2 ranks with [\w ]+ · (\d+\.\d) s: (.+)$")
@@ -60,8 +60,14 @@ def test_marker_lines_are_found_behind_prefixes_mpiexec_adds():
 def test_markers_are_left_out_of_the_output_users_see():
     output = (f"{protocol.phase_line(0, 'torch')}\nlibfoo: warning\n"
               f"[1,1]<stdout>:{protocol.phase_line(1, 'group')}\nprterun noticed ...\n")
-    assert without_markers(output) == "libfoo: warning\nprterun noticed ...\n"
-    assert without_markers("no markers\n") == "no markers\n"
+    assert as_shown(output) == "libfoo: warning\nprterun noticed ...\n"
+    assert as_shown("no markers\n") == "no markers\n"
+
+
+def test_bytes_that_are_not_text_are_left_out_of_the_output_users_see():
+    """Open MPI's help message once ended the launch error with a NUL byte (issue 46)."""
+    output = "a help message\r\n-----\n\x00tab\there\x1b[1mbold\x07\n"
+    assert as_shown(output) == "a help message\n-----\ntab\therebold\n"
 
 
 def test_steps_are_shown_in_order_with_counts_and_seconds(tmp_path):

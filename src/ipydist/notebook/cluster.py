@@ -350,8 +350,8 @@ class Cluster:
             while not launcher.stop_data and time.monotonic() < deadline:
                 time.sleep(0.02)
         if launcher.stop_data:
-            return startup.without_markers(launcher.get_output(remove=False))
-        return startup.without_markers(processes.read_text(launcher.output_file))
+            return startup.as_shown(launcher.get_output(remove=False))
+        return startup.as_shown(processes.read_text(launcher.output_file))
 
     def end_job_after_a_death(self, dead: list[dict]) -> None:
         """End the job where the launcher leaves it running after a rank died: MPICH's

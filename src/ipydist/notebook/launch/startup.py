@@ -6,12 +6,13 @@ is mpiexec's output, which mpiexec forwards from every host (a marker file in a 
 would not be seen from other hosts): each rank prints one marker line per step
 (:func:`ipydist.protocol.phase_line`), and :class:`StartWatch` reads what was added to that
 output a few times a second. Whatever of that output is shown to the user goes through
-:func:`without_markers` first.
+:func:`as_shown` first.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import time
 
 from ipydist import protocol
@@ -26,8 +27,16 @@ _MARKER = protocol.PHASE_MARKER.encode()
 _ALLOCATION = b"job allocation"
 
 
-def without_markers(output: str) -> str:
-    """mpiexec's output without the ranks' marker lines: the form shown to the user."""
+#: Terminal escape sequences, and control characters other than a line break or a tab: no text
+#: a person reads. mpiexec's output can carry them (Open MPI's help messages once ended in a NUL
+#: byte, which reached the launch error), as can whatever a rank wrote before it started.
+_NOT_TEXT = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|[\x00-\x08\x0b-\x1f\x7f]")
+
+
+def as_shown(output: str) -> str:
+    """mpiexec's output in the form shown to the user: without the ranks' marker lines, and
+    without bytes that are not text (a CR LF read as a line break)."""
+    output = _NOT_TEXT.sub("", output.replace("\r\n", "\n"))
     if protocol.PHASE_MARKER not in output:
         return output
     return "".join(ln for ln in output.splitlines(True) if protocol.PHASE_MARKER not in ln)
