@@ -75,6 +75,19 @@ def test_dist_stop_ends_every_process(shell, capsys, no_cluster, magics):
     assert "No cluster is running." in out
 
 
+def test_ranks_whose_mpiexec_is_killed_end_by_themselves(shell, capsys, no_cluster, magics):
+    """mpiexec SIGKILLed (as Slurm's step end or an OOM killer does) cannot end its ranks:
+    each rank sees its launcher gone and ends itself (issue 46: a rank outlived its job)."""
+    run_cell(shell, capsys, "%dist_start --np 2")[0].raise_error()
+    pids = cluster_pids(magics.session)
+    try:
+        psutil.Process(pids["mpiexec"][0]).kill()
+        assert wait_gone(pids["engines"], timeout=5) == [], "ranks ran 5 s after mpiexec died"
+    finally:
+        run_cell(shell, capsys, "%dist_stop")
+    assert wait_gone([p for group in pids.values() for p in group]) == []
+
+
 def test_dist_restart_replaces_every_process(shell, capsys, no_cluster, magics):
     run_cell(shell, capsys, "%dist_start --np 2")[0].raise_error()
     old = cluster_pids(magics.session)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import threading
+import time
 
 from ipydist import protocol
 from ipydist.errors import LaunchError
@@ -23,6 +25,7 @@ from ipydist.specs import SpecError, parse_gpus
 def bootstrap(env: dict[str, str] | None = None):
     """Set up this rank from the :class:`~ipydist.protocol.RankConfig` in its environment."""
     watcher.install()  # first: its signal must be blocked in every thread started later
+    end_with_launcher()  # a rank whose launcher died ends: nothing else would end it
     replacement.take_environment(sys.argv)  # a replacement's, from the rank that spawned it
     config = protocol.RankConfig.from_env(env)
     from mpi4py import MPI  # after the watcher: MPI_Init may start threads
@@ -175,3 +178,38 @@ def _free_port(addr: str) -> int:
     with socket.socket() as s:
         s.bind((addr, 0))
         return s.getsockname()[1]
+
+
+#: How often a rank looks at its parent (:func:`end_with_launcher`): a lost launcher's ranks
+#: end within this (and a rank's nanny, which watches its rank, right after).
+LAUNCHER_POLL_SECONDS = 0.5
+
+
+def end_with_launcher(poll: float = LAUNCHER_POLL_SECONDS) -> int:
+    """End this rank as soon as the process that launched it is gone; returns its pid.
+
+    Every rank is the child of its launcher's process on its host: mpiexec (Open MPI's
+    ``prterun``, MPICH's ``mpiexec.gforker``) on the notebook's host, the launcher's daemon
+    (``prted``, ``hydra_pmi_proxy``) on another, ``slurmstepd`` under srun. The launcher ends
+    its ranks when it ends the job, but it can die first (killed, crashed, or ended by Slurm
+    while ranks waited in MPI's finalize): its ranks are then re-parented, and nothing would end
+    them. Slurm's ``proctrack/linuxproc`` finds a step's processes by their parents, so it no
+    longer sees them either: a rank and its nanny were seen on a node 10 s after their job had
+    ended (issue 46). So each rank polls its parent's pid in a thread. Not
+    ``prctl(PR_SET_PDEATHSIG)``: the kernel sends that signal when the parent *thread* that
+    forked the rank ends, and a launcher may fork from a thread that ends before the job.
+    """
+    parent = os.getppid()
+    threading.Thread(target=_watch_launcher, args=(parent, poll), daemon=True,
+                     name="ipydist-launcher-watch").start()
+    return parent
+
+
+def _watch_launcher(parent: int, poll: float) -> None:
+    while os.getppid() == parent:
+        time.sleep(poll)
+    rank = os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ.get("PMI_RANK") or "?"
+    sys.stderr.write(f"ipydist: rank {rank} (pid {os.getpid()}) ends: its launcher (pid "
+                     f"{parent}) is gone, so its job is over.\n")
+    sys.stderr.flush()
+    os._exit(1)
