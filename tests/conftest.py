@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import suite_watch
 from helpers import NP, cluster_processes, run_cell
 
 # The tests press the stop button as IPython's does (``_thread.interrupt_main``), which does
@@ -17,6 +18,18 @@ from helpers import NP, cluster_processes, run_cell
 # background (``make test &``, nohup) inherits SIGINT ignored. A notebook kernel always has
 # Python's handler, so the tests put it back.
 signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def pytest_configure(config):
+    """Outside pytest-xdist's workers (in its main process, or a run without it): the plugin
+    that times the tiers and checks for leftovers at the end (suite_watch.py)."""
+    if not hasattr(config, "workerinput"):
+        config.pluginmanager.register(suite_watch.SuiteWatch(), "ipydist-suite-watch")
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        suite_watch.longest_first(items)
 
 
 @pytest.fixture(scope="session")

@@ -9,12 +9,11 @@ from __future__ import annotations
 import copy
 import re
 import time
-import uuid
 from pathlib import Path
 
 import nbformat
 import pytest
-from helpers import MARK_VAR, cluster_processes, one_line, stress
+from helpers import MARK_VAR, cluster_processes, new_mark, one_line, stress
 
 from ipydist import cli
 
@@ -23,7 +22,7 @@ def _run_marked(notebook: Path, tmp_path_factory, *options: str):
     """Run ``notebook`` through ``ipydist run`` with this run's mark in the environment;
     return (executed notebook, seconds taken, its engines still running 10 s later)."""
     out = tmp_path_factory.mktemp("executed") / notebook.name
-    mark = uuid.uuid4().hex
+    mark = new_mark()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(MARK_VAR, mark)
         t0 = time.perf_counter()

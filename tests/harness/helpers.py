@@ -8,6 +8,7 @@ import os
 import re
 import socket
 import time
+import uuid
 
 import psutil
 import pytest
@@ -45,31 +46,50 @@ CHROMIUM_ARGS = [
 ]
 
 MARK_VAR = "IPYDIST_TEST_RUN"
+#: This test process's own mark, which everything it starts inherits (mpiexec, ranks,
+#: controllers, kernels): the suite runs in several processes at once (pytest-xdist), and a
+#: test counts only its own process's clusters, never a neighbour's.
+MARK_PREFIX = "pytest-"
+RUN_MARK = os.environ[MARK_VAR] = f"{MARK_PREFIX}{os.getpid()}"
+
+
+def new_mark() -> str:
+    """A mark for one test's own kernel and what it starts: told apart from the rest of this
+    test process's (a test counts its kernel's processes), found by the suite's last check
+    (:data:`RUN_MARK` begins it)."""
+    return f"{RUN_MARK}-{uuid.uuid4().hex}"
+
+
 #: In the command line of every rank and of the mpiexec that starts them.
 RANK_COMMAND = "-m ipydist.rank"
+
+
+def is_cluster_process(cmd: str) -> bool:
+    """Whether a command line is a rank, its mpiexec, or the controller of an ipydist
+    profile."""
+    return RANK_COMMAND in cmd or ("ipydist-" in cmd and "ipyparallel" in cmd)
 
 
 def cluster_processes(mark: str | None = None, ranks_only: bool = False) -> dict[int, str]:
     """pid -> command line of the processes of ipydist clusters on this machine.
 
-    Without ``mark``: every rank, its mpiexec, and every controller of an ipydist profile.
-    With ``mark``: every process whose environment carries ``MARK_VAR=mark`` (a test's own
-    kernel and whatever it started). ``ranks_only``: only ranks (and their mpiexec).
+    Without ``mark``: every rank, its mpiexec, and every controller of an ipydist profile that
+    this test process started (:data:`RUN_MARK`). With ``mark``: every process whose
+    environment carries ``MARK_VAR=mark`` (a test's own kernel and whatever it started).
+    ``ranks_only``: only ranks (and their mpiexec).
     """
     found = {}
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
         if ranks_only and RANK_COMMAND not in cmd:
             continue
-        if mark is None:
-            if RANK_COMMAND not in cmd and not ("ipydist-" in cmd and "ipyparallel" in cmd):
+        if mark is None and not is_cluster_process(cmd):
+            continue
+        try:
+            if p.environ().get(MARK_VAR) != (mark or RUN_MARK):
                 continue
-        else:
-            try:
-                if p.environ().get(MARK_VAR) != mark:
-                    continue
-            except psutil.Error:
-                continue
+        except psutil.Error:
+            continue
         found[p.info["pid"]] = cmd
     return found
 

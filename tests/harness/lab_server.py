@@ -21,13 +21,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import pytest
-from helpers import CHROMIUM, CHROMIUM_ARGS, MARK_VAR, cluster_processes, wait_gone
+from helpers import CHROMIUM, CHROMIUM_ARGS, MARK_VAR, cluster_processes, new_mark, wait_gone
 
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "test-artifacts"
@@ -165,7 +164,7 @@ def serve(tmp_path: Path, notebooks: dict):
     write_lab_settings(tmp_path / "settings")
     env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
                JUPYTER_CONFIG_DIR=str(tmp_path / "config"), PYTHONUNBUFFERED="1")
-    env[MARK_VAR] = mark = uuid.uuid4().hex
+    env[MARK_VAR] = mark = new_mark()
     port, token = free_port(), secrets.token_hex(16)
     log = tmp_path / "jupyter-lab.log"
     with open(log, "wb") as out:

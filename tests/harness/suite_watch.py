@@ -1,0 +1,128 @@
+"""What the whole suite checks and says at its end (tests/conftest.py calls these hooks' parts):
+how long each tier took, so that the change that slows one is seen at once, and that no
+process of any test's cluster is left running.
+
+The suite runs in several processes at once (pytest-xdist, ``make test``): the reports reach
+the main process, which adds them up here. A tier's wall time runs from its first test's start
+to its last test's end, whatever else ran beside it; its test time adds up its tests' own
+(setup, call and teardown), which is what one process alone would have taken.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import psutil
+import pytest
+from helpers import MARK_PREFIX, MARK_VAR, is_cluster_process, wait_gone
+
+#: The tiers in the order ``make test`` hands them out: the pure logic first (some of its tests
+#: use the worker's shell, and expect it with no cluster yet), then the longest files (the
+#: namespace hosts and Slurm, the browser), then the one-host clusters, whose many short files
+#: fill the gaps at the end.
+TIER_ORDER = ("logic", "hosts", "browser", "cluster")
+
+
+def tier_of(nodeid: str) -> str:
+    parts = nodeid.split("/")
+    return parts[1] if len(parts) > 2 and parts[0] == "tests" else "other"
+
+
+def longest_first(items) -> None:
+    """Sort ``items`` by tier (:data:`TIER_ORDER`), keeping each file's own order, so that
+    ``--dist loadfile`` starts the long files early, not at the end beside idle workers."""
+    rank = {tier: i for i, tier in enumerate(TIER_ORDER)}
+    items.sort(key=lambda item: rank.get(tier_of(item.nodeid), len(rank)))
+
+
+@dataclass
+class Tier:
+    tests: int = 0
+    seconds: float = 0.0
+    first: float = float("inf")
+    last: float = 0.0
+
+
+class TierClock:
+    """Collects the reports of every test, from whichever process ran it."""
+
+    def __init__(self) -> None:
+        self.tiers: dict[str, Tier] = {}
+        self.started = time.time()
+
+    def add(self, report) -> None:
+        tier = self.tiers.setdefault(tier_of(report.nodeid), Tier())
+        tier.seconds += report.duration
+        tier.tests += report.when == "call" or (report.when == "setup" and report.skipped)
+        stop = getattr(report, "stop", time.time())
+        tier.first = min(tier.first, getattr(report, "start", stop - report.duration))
+        tier.last = max(tier.last, stop)
+
+    def lines(self) -> list[str]:
+        """One line per tier, in the order they started."""
+        out = []
+        for name, t in sorted(self.tiers.items(), key=lambda kv: kv[1].first):
+            out.append(f"{name:8} {t.tests:5d} tests  {_mmss(t.last - t.first)} from its first "
+                       f"test to its last (at {_mmss(t.first - self.started)} to "
+                       f"{_mmss(t.last - self.started)}), {_mmss(t.seconds)} of test time")
+        out.append(f"{'all':8} {sum(t.tests for t in self.tiers.values()):5d} tests  "
+                   f"{_mmss(time.time() - self.started)} in all")
+        return out
+
+
+def _mmss(seconds: float) -> str:
+    return f"{int(seconds // 60)}:{seconds % 60:04.1f}"
+
+
+def leftover_cluster_processes(wait: float = 10.0) -> dict[int, str]:
+    """The ranks, mpiexecs and controllers that a test started (their environment carries a
+    mark that begins with :data:`MARK_PREFIX`: a test process's, or a test kernel's) and that
+    still run ``wait`` seconds after the last test; killed, so that nothing outlives the
+    suite."""
+    found = {}
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if p.info["pid"] == os.getpid() or not is_cluster_process(cmd):
+            continue
+        try:
+            if p.environ().get(MARK_VAR, "").startswith(MARK_PREFIX):
+                found[p.info["pid"]] = cmd
+        except psutil.Error:
+            continue
+    left = wait_gone(found, timeout=wait)
+    for pid in left:
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            pass
+    return {pid: found[pid] for pid in left}
+
+
+class SuiteWatch:
+    """The plugin (registered by tests/conftest.py in the main process): the reports of every
+    test add up in a :class:`TierClock`; at the end, the leftovers are looked for, and both
+    are said in the summary."""
+
+    def __init__(self) -> None:
+        self.clock = TierClock()
+        self.left: dict[int, str] = {}
+
+    def pytest_runtest_logreport(self, report) -> None:
+        self.clock.add(report)
+
+    def pytest_sessionfinish(self, session) -> None:
+        self.left = leftover_cluster_processes()
+        if self.left and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if self.left:
+            terminalreporter.section("processes left running", red=True)
+            terminalreporter.line(f"still running 10 s after the last test (killed): "
+                                  f"{self.left}")
+        if self.clock.tiers:
+            terminalreporter.section("time per tier")
+            for line in self.clock.lines():
+                terminalreporter.line(line)
