@@ -156,8 +156,10 @@ while "error" not in out and time.monotonic() - t0 < 10:
 """
 
 
-@stress  # failed once in 4 full runs of make test (mpiexec ended during the heal, and a rank
-# and its nanny outlived the job on node1 for 10 s); 4 of 4 alone: under investigation
+@stress  # failed once in 4 full runs of make test: "Replacing rank 3 failed (mpiexec ended)",
+# and a rank and its nanny outlived the job on node1 (issue 46). The second is mended (a rank
+# ends when its launcher is gone: bootstrap.end_with_launcher); the heal's own failure is not
+# found yet: beside another pytest worker it failed as "Engine 0 died while running task"
 def test_inside_an_allocation_mpiexec_heals_a_rank_killed_on_a_node(slurm):
     """srun cannot replace a rank (``--launcher slurm --elastic`` is refused, saying this):
     inside an allocation ``--launcher mpiexec`` starts Open MPI's daemons through Slurm, on
