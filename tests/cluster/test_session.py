@@ -67,6 +67,10 @@ def test_dist_stop_ends_every_process(shell, capsys, no_cluster, magics):
     assert out.splitlines()[0].split() == ["rank", "host", "pid", "device", "backend",
                                            "transport"]
     pids = cluster_pids(magics.session)
+    # the controller's schedulers, forked from it: once left running by a controller that
+    # was SIGKILLed when its grace ran out (issue 46)
+    pids["controller's children"] = [
+        p.pid for p in psutil.Process(pids["controller"][0]).children(recursive=True)]
     result, out, _ = run_cell(shell, capsys, "%dist_stop")
     assert "Stopped 2 ranks." in out
     for group, group_pids in pids.items():

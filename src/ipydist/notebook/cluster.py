@@ -386,7 +386,7 @@ class Cluster:
     def stop(self, quiet: bool = False) -> None:
         """Stop engines, mpiexec and the controller, and make sure none of them is left, nor
         their shared memory."""
-        pids = self.pids()
+        pids = processes.with_descendants(self.pids())
         segments = self._shared_memory | processes.shared_memory(pids)
         if self.client is not None:
             try:

@@ -100,6 +100,19 @@ def remove_shared_memory(segments: set[str], pids: list[int]) -> None:
             os.unlink(path)
 
 
+def with_descendants(pids: list[int]) -> list[int]:
+    """``pids`` and every process they started that still runs: the controller's schedulers
+    are forked from it, and a controller SIGKILLed once its grace ran out left them running
+    (issue 46)."""
+    found = list(pids)
+    for pid in pids:
+        try:
+            found += [child.pid for child in psutil.Process(pid).children(recursive=True)]
+        except psutil.Error:
+            pass
+    return list(dict.fromkeys(found))
+
+
 def reap(pids: list[int], grace: float = 5.0) -> None:
     """Wait for ``pids`` to exit; SIGKILL any still there after ``grace`` seconds."""
     procs = []
