@@ -1,6 +1,6 @@
 """What the whole suite checks and says at its end (tests/conftest.py calls these hooks' parts):
 how long each tier took, so that the change that slows one is seen at once, and that no
-process of any test's cluster is left running.
+process a test started is left running.
 
 The suite runs in several processes at once (pytest-xdist, ``make test``): the reports reach
 the main process, which adds them up here. A tier's wall time runs from its first test's start
@@ -10,13 +10,12 @@ to its last test's end, whatever else ran beside it; its test time adds up its t
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
 import psutil
 import pytest
-from helpers import MARK_PREFIX, MARK_VAR, is_cluster_process, wait_gone
+from helpers import MARK_PREFIX, MARK_VAR, wait_gone
 
 #: The tiers in the order ``make test`` hands them out: the pure logic first (some of its tests
 #: use the worker's shell, and expect it with no cluster yet), then the longest files (the
@@ -76,19 +75,21 @@ def _mmss(seconds: float) -> str:
     return f"{int(seconds // 60)}:{seconds % 60:04.1f}"
 
 
-def leftover_cluster_processes(wait: float = 10.0) -> dict[int, str]:
-    """The ranks, mpiexecs and controllers that a test started (their environment carries a
-    mark that begins with :data:`MARK_PREFIX`: a test process's, or a test kernel's) and that
-    still run ``wait`` seconds after the last test; killed, so that nothing outlives the
-    suite."""
+def leftover_processes(wait: float = 10.0) -> dict[int, str]:
+    """The processes that a test started (ranks, mpiexecs, controllers and their schedulers,
+    kernels, namespace hosts: their environment carries a mark that begins with
+    :data:`MARK_PREFIX`, a test process's or a test kernel's) still running ``wait`` seconds
+    after the last test; killed, so that nothing outlives the suite. This process and its own
+    children (pytest-xdist's workers, which inherit its mark) are not counted."""
+    me = psutil.Process()
+    ours = {me.pid, *(child.pid for child in me.children())}
     found = {}
     for p in psutil.process_iter(["pid", "cmdline"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if p.info["pid"] == os.getpid() or not is_cluster_process(cmd):
+        if p.info["pid"] in ours:
             continue
         try:
             if p.environ().get(MARK_VAR, "").startswith(MARK_PREFIX):
-                found[p.info["pid"]] = cmd
+                found[p.info["pid"]] = " ".join(p.info["cmdline"] or [])
         except psutil.Error:
             continue
     left = wait_gone(found, timeout=wait)
@@ -113,7 +114,7 @@ class SuiteWatch:
         self.clock.add(report)
 
     def pytest_sessionfinish(self, session) -> None:
-        self.left = leftover_cluster_processes()
+        self.left = leftover_processes()
         if self.left and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
