@@ -64,12 +64,6 @@ def new_mark() -> str:
 RANK_COMMAND = "-m ipydist.rank"
 
 
-def is_cluster_process(cmd: str) -> bool:
-    """Whether a command line is a rank, its mpiexec, or the controller of an ipydist
-    profile."""
-    return RANK_COMMAND in cmd or ("ipydist-" in cmd and "ipyparallel" in cmd)
-
-
 def cluster_processes(mark: str | None = None, ranks_only: bool = False) -> dict[int, str]:
     """pid -> command line of the processes of ipydist clusters on this machine.
 
@@ -83,7 +77,8 @@ def cluster_processes(mark: str | None = None, ranks_only: bool = False) -> dict
         cmd = " ".join(p.info["cmdline"] or [])
         if ranks_only and RANK_COMMAND not in cmd:
             continue
-        if mark is None and not is_cluster_process(cmd):
+        if mark is None and RANK_COMMAND not in cmd and not (
+                "ipydist-" in cmd and "ipyparallel" in cmd):
             continue
         try:
             if p.environ().get(MARK_VAR) != (mark or RUN_MARK):
@@ -126,6 +121,18 @@ def wait_gone(pids, timeout: float = 10.0) -> list[int]:
         left = [p for p in left if _running(p)]
         if left:
             time.sleep(0.1)
+    return left
+
+
+def kill_left(found: dict[int, str], timeout: float = 10.0) -> dict[int, str]:
+    """Wait for the processes ``found`` (pid -> command line) to end; SIGKILL those still
+    running after ``timeout`` and return them, so that a test can name them."""
+    left = {pid: found[pid] for pid in wait_gone(found, timeout)}
+    for pid in left:
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            pass
     return left
 
 

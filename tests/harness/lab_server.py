@@ -26,7 +26,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import CHROMIUM, CHROMIUM_ARGS, MARK_VAR, cluster_processes, new_mark, wait_gone
+from helpers import CHROMIUM, CHROMIUM_ARGS, MARK_VAR, cluster_processes, kill_left, new_mark
 
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "test-artifacts"
@@ -188,13 +188,7 @@ def serve(tmp_path: Path, notebooks: dict):
         stop_lab(server)
         ARTIFACTS.mkdir(exist_ok=True)
         (ARTIFACTS / f"{tmp_path.name}.jupyter.log").write_bytes(log.read_bytes())
-        left = wait_gone(started, timeout=10)
-        left_cmds = {pid: started[pid] for pid in left}
-        for pid in left:
-            try:
-                psutil.Process(pid).kill()
-            except psutil.Error:
-                pass
+        left_cmds = kill_left(started, timeout=10)
         assert not left_cmds, f"still running 10 s after JupyterLab stopped (killed): {left_cmds}"
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import psutil
 import pytest
-from helpers import MARK_PREFIX, MARK_VAR, wait_gone
+from helpers import MARK_PREFIX, MARK_VAR, kill_left
 
 #: The tiers in the order ``make test`` hands them out: the pure logic first (some of its tests
 #: use the worker's shell, and expect it with no cluster yet), then the longest files (the
@@ -92,13 +92,7 @@ def leftover_processes(wait: float = 10.0) -> dict[int, str]:
                 found[p.info["pid"]] = " ".join(p.info["cmdline"] or [])
         except psutil.Error:
             continue
-    left = wait_gone(found, timeout=wait)
-    for pid in left:
-        try:
-            psutil.Process(pid).kill()
-        except psutil.Error:
-            pass
-    return {pid: found[pid] for pid in left}
+    return kill_left(found, wait)
 
 
 class SuiteWatch:
