@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from helpers import run_cell
+from helpers import pulled, run_cell, run_ok
 from jupyter_client.manager import start_new_kernel
 
 from ipydist import protocol
@@ -232,3 +232,32 @@ def test_dist_start_in_a_notebook_redraws_one_line_then_shows_the_table():
     assert "<caption>2 ranks ready in " in table["data"]["text/html"]
     printed = "".join(c["text"] for k, c in shown if k == "stream")
     assert "Start: launch " in printed and protocol.PHASE_MARKER not in printed
+
+
+def test_ranks_that_wait_for_a_slow_one_sleep_instead_of_spinning(shell, capsys, cluster):
+    """Where a rank is far behind (a replacement importing torch, the slowest import at a
+    start), the others meet it asleep (``bootstrap.meet_without_spinning``), leaving it the
+    cores, where MPI's blocking barrier spins them: a rank's CPU time over the wait is a small
+    part of the wait for the meeting, and most of it for the barrier, on the same ranks."""
+    run_ok(shell, capsys, """%%everyrank
+import time
+from mpi4py import MPI
+from ipydist.rank.bootstrap import meet_without_spinning
+_comm = MPI.COMM_WORLD.Dup()
+def _waited(wait):
+    _comm.Barrier()
+    if _comm.rank == _comm.size - 1:
+        time.sleep(2.0)  # far behind
+    wall, cpu = time.perf_counter(), time.process_time()
+    wait(_comm)
+    return time.perf_counter() - wall, time.process_time() - cpu
+_meet = _waited(meet_without_spinning)
+_barrier = _waited(lambda c: c.Barrier())
+_comm.Free()
+""")
+    meets, barriers = pulled(shell, "_meet")[:-1], pulled(shell, "_barrier")[:-1]
+    for (wall, cpu), (barrier_wall, _) in zip(meets, barriers):
+        assert wall > 1.5 and barrier_wall > 1.5, (meets, barriers)  # they did wait
+        assert cpu < 0.15 * wall, (meets, barriers)
+    # the barrier, on ranks that share 2 cores, spins one of them at the least
+    assert sum(cpu for _, cpu in barriers) > 3 * sum(cpu for _, cpu in meets), (meets, barriers)

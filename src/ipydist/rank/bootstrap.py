@@ -70,6 +70,7 @@ def join(comm, config: protocol.RankConfig | None = None, survivor=None):
 
     if survivor is None:
         _reached(comm.Get_rank(), protocol.PHASE_TORCH)
+    meet_without_spinning(comm)  # the slowest torch import (a replacement's) gets the cores
     rt = topology.from_mpi(comm, advertise=_use_route_to(config.notebook_addr))
     if survivor is None:
         # OMP_NUM_THREADS from the user (--env) wins; otherwise share the host's cores.
@@ -121,6 +122,22 @@ def join(comm, config: protocol.RankConfig | None = None, survivor=None):
         if survivor is None:
             _reached(rt.rank, protocol.PHASE_ENV)
     return rt
+
+
+#: How long a rank sleeps between two looks at whether its peers have reached it
+#: (:func:`meet_without_spinning`).
+MEET_POLL_SECONDS = 0.01
+
+
+def meet_without_spinning(comm) -> None:
+    """Wait until every rank of ``comm`` is here, asleep between looks (collective). MPI's
+    blocking calls spin while they wait, so a rank far behind found its peers on its cores:
+    in a heal on 2 cores, the survivors took 100% of both while the replacement imported
+    torch at 40% (issue 46); at a start, the ranks whose import ended first took the cores
+    of the slowest."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(MEET_POLL_SECONDS)
 
 
 def _this_host(comm, mpi, inherited: str | None) -> tuple[bool, int, int]:

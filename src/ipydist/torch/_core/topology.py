@@ -151,14 +151,17 @@ def from_mpi(comm, advertise: str | None = None) -> Runtime:
     local_rank, local_size = local.rank, local.size
     cross = comm.Split(color=local_rank, key=comm.rank)
     cross_rank, cross_size = cross.rank, cross.size
-    hosts = comm.allgather(host)
+    # One exchange for all a rank learns of the others. Across hosts, an object allreduce
+    # with an op here was seen stalled for 20 s and more, holding the GIL (py-spy), while the
+    # engine missed its heartbeats (issue 46). Rank 0's address is the one taken.
+    everyone = comm.allgather((host, local_size > _CORES, advertise if comm.rank == 0 else None))
+    hosts = [h for h, _, _ in everyone]
     homogeneous = len(set(collections.Counter(hosts).values())) == 1
-    crowded_somewhere = comm.allreduce(local_size > _CORES, op=MPI.LOR)
+    crowded_somewhere = any(crowded for _, crowded, _ in everyone)
     if len(set(hosts)) == 1:
         master_addr = "127.0.0.1"
-    else:
-        mine = advertise or socket.getfqdn()
-        master_addr = comm.bcast(mine if comm.rank == 0 else None, root=0)
+    elif not (master_addr := everyone[0][2]):  # no route found: rank 0's name, as it knows it
+        master_addr = comm.bcast(socket.getfqdn() if comm.rank == 0 else None, root=0)
     master_addr = os.environ.get(protocol.MASTER_ADDR_ENV) or master_addr
     # MPI carries ipydist's collectives on CPU tensors unless --transport gloo said otherwise
     # (see ipydist.torch._wire.transport): ranks that MPI started can always use it
