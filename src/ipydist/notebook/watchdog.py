@@ -44,13 +44,8 @@ def main(argv: list[str]) -> int:
     known: dict[int, psutil.Process] = {}
 
     def refresh() -> None:
-        for pid in roots:
-            try:
-                root = psutil.Process(pid)
-                for proc in [root, *root.children(recursive=True)]:
-                    known.setdefault(proc.pid, proc)
-            except psutil.Error:
-                continue
+        for proc in processes.tree(roots):
+            known.setdefault(proc.pid, proc)
 
     refresh()
     while True:

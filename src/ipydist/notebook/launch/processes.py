@@ -100,17 +100,25 @@ def remove_shared_memory(segments: set[str], pids: list[int]) -> None:
             os.unlink(path)
 
 
+def tree(pids: list[int]) -> list[psutil.Process]:
+    """The processes ``pids`` that still run, and every process they started that still runs
+    (each once)."""
+    found: dict[int, psutil.Process] = {}
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            for proc in [root, *root.children(recursive=True)]:
+                found.setdefault(proc.pid, proc)
+        except psutil.Error:
+            continue
+    return list(found.values())
+
+
 def with_descendants(pids: list[int]) -> list[int]:
     """``pids`` and every process they started that still runs: the controller's schedulers
     are forked from it, and a controller SIGKILLed once its grace ran out left them running
     (issue 46)."""
-    found = list(pids)
-    for pid in pids:
-        try:
-            found += [child.pid for child in psutil.Process(pid).children(recursive=True)]
-        except psutil.Error:
-            pass
-    return list(dict.fromkeys(found))
+    return list(dict.fromkeys([*pids, *(proc.pid for proc in tree(pids))]))
 
 
 def reap(pids: list[int], grace: float = 5.0) -> None:
