@@ -45,3 +45,27 @@ def test_the_first_of_the_cells_ranks_answers():
     assert answering_rank("model.", 4) == 0, "%dist_mode everyrank: every rank"
     assert answering_rank("%%everyrank --ranks 9\nx", 4) == 0, "a wrong spec: rank 0"
     assert answering_rank("%%everyrank\nf('--ranks 3')", 4) == 0, "only the magic's line"
+
+
+def test_a_rank_waits_longer_for_its_first_answer_while_jedi_loads(monkeypatch):
+    """The first completion on a rank loads jedi (past the usual limit on a loaded machine:
+    the first Tab after a start came back empty); later ones get the usual limit."""
+    import threading
+    import time
+
+    from ipydist.rank.introspection import completion as on_rank
+
+    monkeypatch.setattr(on_rank, "_answered", threading.Event())
+    monkeypatch.setattr(on_rank, "ANSWER_SECONDS", 0.2)
+    monkeypatch.setattr(on_rank, "FIRST_ANSWER_SECONDS", 3.0)
+
+    def slow_reply(request):
+        time.sleep(0.6)
+        return {"status": "ok", "matches": [request["code"]]}
+
+    monkeypatch.setattr(on_rank, "_reply", slow_reply)
+    first = on_rank.answer({"what": "complete", "code": "a", "cursor_pos": 1})
+    assert first == {"reply": {"status": "ok", "matches": ["a"]}}
+    assert on_rank.answer({"what": "complete", "code": "b", "cursor_pos": 1}) == {"busy": True}
+    assert on_rank._lock.acquire(timeout=5), "the late worker ends in its own time"
+    on_rank._lock.release()

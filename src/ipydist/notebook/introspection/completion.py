@@ -18,8 +18,9 @@ a rank serves while its cell runs: a rank busy training still completes, from it
 as it is at that moment. The notebook's kernel is another matter: Jupyter sends these
 requests to the kernel's main shell, busy with the running cell, unless the front end sends
 them to a subshell (ipykernel 7), as a subshell console does; JupyterLab sends a notebook's
-completions to the main shell. A request waits at most :data:`ANSWER_SECONDS`; the notebook's own
-completion answers when the rank cannot.
+completions to the main shell. A request waits at most :data:`ANSWER_SECONDS` (a rank's first,
+while its jedi loads, :data:`FIRST_ANSWER_SECONDS`); the notebook's own completion answers when
+the rank cannot.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from ipydist.specs import SpecError, parse_ranks
 
 #: How long a completion or help request waits for the rank's answer.
 ANSWER_SECONDS = 2.0
+#: The same for a rank that has not answered yet (the rank's own limit then is longer: see
+#: :mod:`ipydist.rank.introspection.completion`).
+FIRST_ANSWER_SECONDS = 6.5
 #: Cells under ``%dist_mode everyrank`` that begin with these run in the notebook (the
 #: mode's input transformer leaves them alone, and completion answers them here).
 RUN_HERE = ("%dist_", "%everyrank", "%%everyrank")
@@ -106,6 +110,7 @@ def install(shell, magics) -> None:
     if kernel is None or getattr(kernel, "_ipydist_completion", False):
         return
     local_complete, local_inspect = kernel.do_complete, kernel.do_inspect
+    answered: set[tuple[int, int]] = set()  # (the cluster's id, an engine that answered)
 
     def ask(what: str, code: str, cursor_pos: int, **more):
         """(the rank's reply, the offset of its code in the cell, the rank), or a None reply
@@ -116,11 +121,16 @@ def install(shell, magics) -> None:
             return None, 0, 0
         body, offset = routed
         rank = answering_rank(code, session.size)
+        cluster = session.cluster
         try:
-            reply = ask_rank(session.cluster, rank, {"what": what, "code": body,
-                                                     "cursor_pos": cursor_pos - offset, **more})
+            engine = (id(cluster), cluster.engine_ids[rank])
+            limit = ANSWER_SECONDS if engine in answered else FIRST_ANSWER_SECONDS
+            reply = ask_rank(cluster, rank, {"what": what, "code": body,
+                                             "cursor_pos": cursor_pos - offset, **more}, limit)
         except Exception:  # the cluster is going away: the notebook answers
             reply = None
+        if reply is not None:
+            answered.add(engine)
         return reply, offset, rank
 
     def do_complete(code, cursor_pos):

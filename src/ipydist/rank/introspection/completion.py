@@ -5,8 +5,9 @@ while its cell runs too.
 The answer is the rank kernel's own (``do_complete``: jedi through IPython's completer;
 ``do_inspect``: IPython's inspector), computed in a worker thread of its own: the control
 channel's thread, which also carries stacks and pdb commands, waits for it at most
-:data:`ANSWER_SECONDS`, and a second question while the first is still being worked on is
-answered "busy" at once. Only one worker runs at a time, since IPython's completer keeps the
+:data:`ANSWER_SECONDS` (:data:`FIRST_ANSWER_SECONDS` for this rank's first answer, while jedi
+loads), and a second question while the first is still being worked on is answered "busy" at
+once. Only one worker runs at a time, since IPython's completer keeps the
 text it completes in its own attributes.
 
 Completion reads the live namespace while the main thread may change it, and must not run
@@ -21,8 +22,13 @@ import threading
 
 #: How long the control thread waits for an answer before it says so.
 ANSWER_SECONDS = 1.5
+#: The same, until this rank has answered once: jedi's first completion loads its grammar and
+#: caches (0.5 s on a quiet core, past 1.5 s on a loaded 2-core machine, where the first Tab
+#: after a start came back empty: issue 46). A one-process kernel's first Tab waits as long.
+FIRST_ANSWER_SECONDS = 6.0
 
 _lock = threading.Lock()  # held by the one worker computing an answer
+_answered = threading.Event()  # set once this rank has answered
 
 
 def answer(request: dict) -> dict:
@@ -36,14 +42,16 @@ def answer(request: dict) -> dict:
     def work():
         try:
             found["reply"] = _reply(request)
+            _answered.set()
         except Exception as e:  # the notebook answers instead
             found["error"] = f"{type(e).__name__}: {e}"
         finally:
             _lock.release()
             done.set()
 
+    limit = ANSWER_SECONDS if _answered.is_set() else FIRST_ANSWER_SECONDS
     threading.Thread(target=work, name="ipydist-completion", daemon=True).start()
-    if not done.wait(ANSWER_SECONDS):
+    if not done.wait(limit):
         return {"busy": True}  # the worker finishes in its own time, holding the lock
     if "error" in found:
         raise RuntimeError(found["error"])
