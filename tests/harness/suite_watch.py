@@ -49,11 +49,14 @@ class TierClock:
 
     def __init__(self) -> None:
         self.tiers: dict[str, Tier] = {}
+        self.files: dict[str, float] = {}  # a test file -> its tests' time
         self.started = time.time()
 
     def add(self, report) -> None:
         tier = self.tiers.setdefault(tier_of(report.nodeid), Tier())
         tier.seconds += report.duration
+        path = report.nodeid.split("::")[0]
+        self.files[path] = self.files.get(path, 0.0) + report.duration
         tier.tests += report.when == "call" or (report.when == "setup" and report.skipped)
         stop = getattr(report, "stop", time.time())
         tier.first = min(tier.first, getattr(report, "start", stop - report.duration))
@@ -69,6 +72,12 @@ class TierClock:
         out.append(f"{'all':8} {sum(t.tests for t in self.tiers.values()):5d} tests  "
                    f"{_mmss(time.time() - self.started)} in all")
         return out
+
+    def longest_files(self, count: int = 12) -> list[str]:
+        """The ``count`` test files that took longest (setup, call and teardown of their
+        tests): where the suite's time goes."""
+        ranked = sorted(self.files.items(), key=lambda kv: -kv[1])[:count]
+        return [f"{_mmss(seconds)}  {path}" for path, seconds in ranked]
 
 
 def _mmss(seconds: float) -> str:
@@ -121,3 +130,6 @@ class SuiteWatch:
             terminalreporter.section("time per tier")
             for line in self.clock.lines():
                 terminalreporter.line(line)
+            terminalreporter.line("longest files:")
+            for line in self.clock.longest_files():
+                terminalreporter.line("  " + line)
