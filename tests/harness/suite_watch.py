@@ -1,6 +1,7 @@
 """What the whole suite checks and says at its end (tests/conftest.py calls these hooks' parts):
-how long each tier took, so that the change that slows one is seen at once, and that no
-process a test started is left running.
+how long each tier took and which files took longest, so that the change that slows one is
+seen at once; how many clusters each file started (the largest cost); and that no process a test
+started is left running.
 
 The suite runs in several processes at once (pytest-xdist, ``make test``): the reports reach
 the main process, which adds them up here. A tier's wall time runs from its first test's start
@@ -10,6 +11,7 @@ to its last test's end, whatever else ran beside it; its test time adds up its t
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -104,6 +106,53 @@ def leftover_processes(wait: float = 10.0) -> dict[int, str]:
     return kill_left(found, wait)
 
 
+#: The names a launcher's process has (Open MPI's mpiexec is prterun; MPICH's gforker and hydra;
+#: Slurm's): one appears per cluster start or restart.
+LAUNCHERS = frozenset({"mpiexec", "mpirun", "prterun", "mpiexec.gforker", "mpiexec.hydra",
+                       "srun", "salloc"})
+
+
+class LaunchCounter:
+    """Counts the clusters each test file starts: a thread looks for new launcher processes
+    that a test started (:data:`MARK_VAR`) every ``every`` seconds, and counts each for the test
+    running then. Starting a cluster is the suite's largest cost (four ranks importing torch on
+    two cores), so these counts say where sharing one would pay. A launcher that lives less
+    than ``every`` (a start refused at once) may be missed: the counts are lower bounds."""
+
+    def __init__(self, every: float = 0.5) -> None:
+        self.current = "(before the first test)"
+        self.by_file: dict[str, int] = {}
+        self._seen: set[tuple[int, float]] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(every,), daemon=True,
+                                        name="suite-launch-counter")
+        self._thread.start()
+
+    def _watch(self, every: float) -> None:
+        while not self._stop.wait(every):
+            for p in psutil.process_iter(["pid", "name", "create_time"]):
+                key = (p.info["pid"], p.info["create_time"])
+                if p.info["name"] not in LAUNCHERS or key in self._seen:
+                    continue
+                self._seen.add(key)
+                try:
+                    marked = p.environ().get(MARK_VAR, "").startswith(MARK_PREFIX)
+                except psutil.Error:
+                    continue
+                if marked:
+                    path = self.current.split("::")[0]
+                    self.by_file[path] = self.by_file.get(path, 0) + 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def lines(self, count: int = 12) -> list[str]:
+        ranked = sorted(self.by_file.items(), key=lambda kv: -kv[1])[:count]
+        return [f"cluster starts seen: {sum(self.by_file.values())}, most by:",
+                *(f"  {n:3d}  {path}" for path, n in ranked)]
+
+
 class SuiteWatch:
     """The plugin (registered by tests/conftest.py in the main process): the reports of every
     test add up in a :class:`TierClock`; at the end, the leftovers are looked for, and both
@@ -111,12 +160,17 @@ class SuiteWatch:
 
     def __init__(self) -> None:
         self.clock = TierClock()
+        self.starts = LaunchCounter()
         self.left: dict[int, str] = {}
+
+    def pytest_runtest_logstart(self, nodeid, location) -> None:
+        self.starts.current = nodeid
 
     def pytest_runtest_logreport(self, report) -> None:
         self.clock.add(report)
 
     def pytest_sessionfinish(self, session) -> None:
+        self.starts.stop()
         self.left = leftover_processes()
         if self.left and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
@@ -133,3 +187,5 @@ class SuiteWatch:
             terminalreporter.line("longest files:")
             for line in self.clock.longest_files():
                 terminalreporter.line("  " + line)
+            for line in self.starts.lines():
+                terminalreporter.line(line)
