@@ -26,6 +26,7 @@ from helpers import (
     restart_and_check,
     run_cell,
     run_cell_killing_a_rank,
+    unwrapped,
 )
 from IPython.core.error import UsageError
 
@@ -276,7 +277,7 @@ def test_a_killed_rank_is_reported_within_5_s_and_restart_starts_fresh(shell, ca
     stopped = re.findall(r"^(\d+)\s.*\sstopped by mpiexec\s+-$", out, re.MULTILINE)
     assert sorted(map(int, stopped)) == [r for r in range(NP) if r != 2], out
     assert "MiB" not in out, out
-    note = " ".join(out.split())  # the note under the table, wrapped
+    note = unwrapped(out)  # the note under the table
     assert f"rank 2 (pid {victim} on {fast_cluster.ranks[2]['host']}) died: killed by signal 9" \
         in note and "Run %dist_restart to start a fresh cluster" in note, out
     result, _, _ = run_cell(shell, capsys, "%everyrank 1")

@@ -33,6 +33,13 @@ def plain(text: str) -> str:
     return ANSI.sub("", text)
 
 
+def unwrapped(text: str) -> str:
+    """``text`` with each run of spaces and line breaks made one space: ipydist wraps its
+    messages (``errors.MESSAGE_WIDTH``), and where a line breaks moves with the length of a pid
+    or a host's name, so a phrase is looked for in this (a test failed on a 5-digit pid)."""
+    return " ".join(text.split())
+
+
 #: Set in the environment of a kernel a test starts (and so of its cluster), so that a test
 #: finds only its own processes, not another run's on the same machine.
 #: Debian's Chromium, which the browser tests drive through Playwright (installed by
