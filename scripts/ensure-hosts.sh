@@ -18,6 +18,12 @@ missing() {
     return 1
 }
 
+# --missing: the Debian packages to install, if any (scripts/ensure-system.sh).
+if [[ "${1:-}" == "--missing" ]]; then
+    if missing; then echo openssh-server openssh-client; fi
+    exit 0
+fi
+
 if [[ "$(id -u)" -ne 0 ]]; then
     # Network namespaces need root, so the multi-host tests skip for this user anyway.
     if missing; then

@@ -11,6 +11,11 @@ node_ok() {
         [[ "$(node -p 'process.versions.node.split(".")[0]')" -ge 18 ]]
 }
 
+# --missing: the Debian packages to install, if any (scripts/ensure-system.sh).
+if [[ "${1:-}" == "--missing" ]]; then
+    node_ok || echo nodejs npm
+    exit 0
+fi
 if node_ok; then
     exit 0
 fi

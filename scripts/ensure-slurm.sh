@@ -23,6 +23,12 @@ missing() {
     return 1
 }
 
+# --missing: the Debian packages to install, if any (scripts/ensure-system.sh).
+if [[ "${1:-}" == "--missing" ]]; then
+    if missing; then echo "${PACKAGES[*]}"; fi
+    exit 0
+fi
+
 if [[ "$(id -u)" -ne 0 ]]; then
     # The test cluster's hosts are network namespaces, which need root: the tests skip anyway.
     if missing; then
