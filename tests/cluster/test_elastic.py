@@ -174,6 +174,16 @@ now = (hvd.size(), hvd.rank(), kept, sampler.rank, sampler.num_replicas, len(sam
     # every rank averages over 4 again: the sum of ones averaged is one
     run_cell(shell, capsys, "%everyrank g = opt._prescale * hvd.size()")[0].raise_error()
     assert elastic.pull("g") == [1.0] * NP
+    # the two ranks grown together live and die apart: Open MPI ended a spawned job whole, so
+    # killing rank 2 killed rank 3 with it, and the heal failed
+    pids = [r["pid"] for r in elastic.ranks]
+    os.kill(pids[2], signal.SIGKILL)
+    time.sleep(0.5)
+    result, _, err = run_cell(shell, capsys, "%everyrank n = hvd.allreduce(torch.ones(1)).item()")
+    result.raise_error()
+    assert "rank 2 (pid" in err and "was replaced in" in err, err
+    assert [r["pid"] for r in elastic.ranks][3] == pids[3], "rank 3 died with rank 2"
+    assert elastic.pull("n") == [1.0] * NP
 
 
 #: The learners for slow links and a process set, beside SETUP's model: a replacement must get

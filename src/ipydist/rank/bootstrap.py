@@ -30,8 +30,9 @@ def bootstrap(env: dict[str, str] | None = None):
     config = protocol.RankConfig.from_env(env)
     from mpi4py import MPI  # after the watcher: MPI_Init may start threads
 
-    replaces = replacement.take_replaced_ranks(sys.argv)  # a replacement for ranks that died
-    comm = replacement.world(MPI, replaces) if replaces else MPI.COMM_WORLD
+    replaces = replacement.take_replaced_ranks(sys.argv)  # a spawned rank: the one it takes
+    later = replacement.take_later_ranks(sys.argv)
+    comm = replacement.world(MPI, replaces, later) if replaces else MPI.COMM_WORLD
     return join(comm, config)
 
 

@@ -18,12 +18,10 @@ controller as a new engine, and the notebook copies rank 0's state to it
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 
-from ipydist import protocol
-from ipydist.rank.replacement import REPLACES_OPTION, env_option
+from ipydist.rank import replacement
 
 
 def heal(dead: list[int], replace: bool, hosts: list[str] | None = None,
@@ -56,7 +54,8 @@ def heal(dead: list[int], replace: bool, hosts: list[str] | None = None,
     world, not_replaced = survivors, None
     if replace and dead:
         try:
-            world = _with_spawned(survivors, sorted(dead), rt.rank, hosts, env)
+            where = dict(zip(dead, hosts)) if hosts else None
+            world = _with_spawned(survivors, sorted(dead), rt.rank, where, env)
         except MPI.Exception as e:
             not_replaced = f"MPI could not start a replacement: {e.Get_error_string()}"
     out = _rejoin(world, rt, started)
@@ -106,26 +105,22 @@ def _rejoin(world, rt, started: float) -> dict:
 LEAVE_AFTER_SECONDS = 0.5
 
 
-def _with_spawned(comm, numbers: list[int], my_rank: int, hosts: list[str] | None = None,
-                  env: list[str] = ()):
+def _with_spawned(comm, numbers: list[int], my_rank: int,
+                  hosts: dict[int, str] | None = None, env: list[str] = ()):
     """``comm``'s ranks and one new process for each of ``numbers``, which it takes as its
-    rank (collective over ``comm``): a world ordered by rank. mpiexec counts a dead rank's
-    slot as taken, so the new ones may share a host's slots (``OVERSUBSCRIBE``); ``hosts``
-    names where they go. The variables named in ``env`` (what mpiexec gave the ranks: on
+    rank (collective over ``comm``): a world ordered by rank. One spawn per new rank, each
+    a job of its own (:func:`ipydist.rank.replacement.spawn_one`); ``hosts``: where each
+    goes, by number. The variables named in ``env`` (what mpiexec gave the ranks: on
     another host a spawned process gets none of them) are set in theirs as in this rank's
     (:func:`ipydist.rank.replacement.env_option`)."""
-    from mpi4py import MPI
-
-    args = ["-m", protocol.RANK_MODULE, REPLACES_OPTION + ",".join(map(str, numbers)),
-            env_option(env), *sys.argv[1:]]
-    info = MPI.Info.Create()
-    info.Set("map_by", "slot:OVERSUBSCRIBE")
-    if hosts:
-        info.Set("host", ",".join(dict.fromkeys(hosts)))
-    inter = comm.Spawn(sys.executable, args=args, maxprocs=len(numbers), root=0, info=info)
-    info.Free()
-    merged = inter.Merge(high=False)
-    world = merged.Split(0, key=my_rank)
-    merged.Free()
-    inter.Free()
+    grown = comm
+    for i, number in enumerate(numbers):
+        bigger = replacement.spawn_one(grown, number, numbers[i + 1:],
+                                       (hosts or {}).get(number), env)
+        if grown is not comm:
+            grown.Free()
+        grown = bigger
+    world = grown.Split(0, key=my_rank)
+    if grown is not comm:
+        grown.Free()
     return world

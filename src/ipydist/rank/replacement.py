@@ -1,11 +1,18 @@
-"""A process spawned to replace ranks that died (``--elastic``; see :mod:`ipydist.rank.heal`):
-which ranks it replaces, and the world in which it has their number."""
+"""A process spawned to replace ranks that died or to grow the world (``--elastic``; see
+:mod:`ipydist.rank.heal`): which rank it takes, how it is spawned (:func:`spawn_one`, on both
+sides), and the world in which it has its number."""
 
 from __future__ import annotations
 
-#: The option a replacement is spawned with: the ranks it replaces, in the order of its
-#: spawned job (the i-th process spawned takes the i-th number).
+import sys
+
+from ipydist import protocol
+
+#: The option a replacement is spawned with: the rank it takes.
 REPLACES_OPTION = "--ipydist-replaces="
+#: The option that names the ranks spawned after this one, in order: a new rank takes part in
+#: their spawns (:func:`spawn_one`).
+LATER_OPTION = "--ipydist-spawned-after="
 #: The option that carries the environment mpiexec gave the ranks (base64 of JSON): on another
 #: host a spawned process gets none of it, and MPI's info values are too short to hold it.
 ENV_OPTION = "--ipydist-env="
@@ -49,10 +56,46 @@ def take_replaced_ranks(argv: list[str]) -> list[int] | None:
     return None if value is None else [int(r) for r in value.split(",") if r]
 
 
-def world(mpi, replaces: list[int]):
-    """In a spawned replacement: the healed world, in which it has the number it replaces."""
-    parent = mpi.Comm.Get_parent()
-    merged = parent.Merge(high=True)
-    world = merged.Split(0, key=replaces[mpi.COMM_WORLD.Get_rank()])
-    merged.Free()
+def take_later_ranks(argv: list[str]) -> list[int]:
+    """The ranks spawned after this one (removing the option from ``argv``)."""
+    value = _take_option(argv, LATER_OPTION)
+    return [int(r) for r in (value or "").split(",") if r]
+
+
+def spawn_one(comm, number: int, later: list[int], host: str | None = None, env=()):
+    """``comm`` and one new process, which takes rank ``number``, merged, ``comm``'s processes
+    first (collective over ``comm``; MPI reads what to spawn at its root, rank 0, a rank that
+    was there before). ``later``: the ranks to be spawned after this one, in whose spawns the
+    new process takes part (:func:`world`); ``host``: where it goes.
+
+    One process per spawn, each a job of its own: Open MPI ends a spawned job whole when one of
+    its processes dies, so two ranks spawned together (``%dist_scale`` up by two, two dead
+    ranks healed at once) died together, and the heal that followed failed (issue 46)."""
+    from mpi4py import MPI
+
+    args = ["-m", protocol.RANK_MODULE, f"{REPLACES_OPTION}{number}",
+            LATER_OPTION + ",".join(map(str, later)), env_option(env), *sys.argv[1:]]
+    info = MPI.Info.Create()
+    info.Set("map_by", "slot:OVERSUBSCRIBE")  # mpiexec counts a dead rank's slot as taken
+    if host:
+        info.Set("host", host)
+    try:
+        inter = comm.Spawn(sys.executable, args=args, maxprocs=1, root=0, info=info)
+    finally:
+        info.Free()
+    merged = inter.Merge(high=False)
+    inter.Free()
+    return merged
+
+
+def world(mpi, replaces: list[int], later: list[int] = ()):
+    """In a spawned rank: the world, in which it has the number it takes, once it has taken
+    part in the spawns of the ranks ``later`` than it."""
+    grown = mpi.Comm.Get_parent().Merge(high=True)
+    for i, number in enumerate(later):
+        bigger = spawn_one(grown, number, list(later[i + 1:]))
+        grown.Free()
+        grown = bigger
+    world = grown.Split(0, key=replaces[mpi.COMM_WORLD.Get_rank()])
+    grown.Free()
     return world
