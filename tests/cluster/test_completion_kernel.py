@@ -140,23 +140,21 @@ def test_completion_while_a_cell_runs_from_a_subshell(kernel):
     code = "%%everyrank\nduring_the_ce"
     request = kc.session.msg("complete_request", {"code": code, "cursor_pos": len(code)})
     request["header"]["subshell_id"] = subshell
-    sent = time.monotonic()
     kc.shell_channel.send(request)
     replies = {}
     while request["header"]["msg_id"] not in replies:
         reply = kc.get_shell_msg(timeout=20)
-        replies[reply["parent_header"]["msg_id"]] = (reply, time.monotonic() - sent)
-    reply, seconds = replies[request["header"]["msg_id"]]
+        replies[reply["parent_header"]["msg_id"]] = reply
+    reply = replies[request["header"]["msg_id"]]
+    # rank 0 answered (a rank that does not answer gives no matches; the benchmark measures
+    # the latency: benchmarks/completion.py)
     assert "during_the_cell" in reply["content"]["matches"], reply["content"]
-    # the rank answered, not the notebook's fallback after the 2 s limit (the benchmark
-    # measures the latency: benchmarks/completion.py)
-    assert seconds < 2.0, seconds
     assert main not in replies, "the cell was still running"
     kernel_manager = kc.parent
     kernel_manager.interrupt_kernel()
     deadline = time.monotonic() + 60
     while main not in replies and time.monotonic() < deadline:
         reply = kc.get_shell_msg(timeout=60)
-        replies[reply["parent_header"]["msg_id"]] = (reply, 0)
-    assert replies[main][0]["content"]["status"] == "error"  # interrupted
+        replies[reply["parent_header"]["msg_id"]] = reply
+    assert replies[main]["content"]["status"] == "error"  # interrupted
     run(kc, "%%everyrank\nassert during_the_cell == 1")

@@ -69,3 +69,35 @@ def test_a_rank_waits_longer_for_its_first_answer_while_jedi_loads(monkeypatch):
     assert on_rank.answer({"what": "complete", "code": "b", "cursor_pos": 1}) == {"busy": True}
     assert on_rank._lock.acquire(timeout=5), "the late worker ends in its own time"
     on_rank._lock.release()
+
+
+def test_a_rank_that_does_not_answer_gives_nothing_not_the_notebooks_names(monkeypatch):
+    """Code on the ranks never gets the notebook's completion (its names are not the ranks'):
+    CI once offered the notebook's ``notebook_only_name`` in an ``%%everyrank`` cell when rank
+    0 was slow. The notebook still answers for its own cells."""
+    from types import SimpleNamespace
+
+    from ipydist.notebook.introspection import completion, control
+
+    def local_complete(code, cursor_pos):
+        return {"status": "ok", "matches": ["notebook_only_name"], "cursor_start": 0,
+                "cursor_end": cursor_pos, "metadata": {}}
+
+    def local_inspect(code, cursor_pos, detail_level=0, omit_sections=()):
+        return {"status": "ok", "found": True, "data": {"text/plain": "the notebook's"},
+                "metadata": {}}
+
+    kernel = SimpleNamespace(do_complete=local_complete, do_inspect=local_inspect)
+    cluster = SimpleNamespace(engine_ids=[0, 1])
+    magics = SimpleNamespace(mode="local", session=SimpleNamespace(
+        running=True, size=2, cluster=cluster))
+    asked = []
+    monkeypatch.setattr(control, "ask_ranks",
+                        lambda cluster, ranks, request, timeout: asked.append(timeout) or {0: None})
+    completion.install(SimpleNamespace(kernel=kernel), magics)
+    cell = "%%everyrank\nnotebook_only_na"
+    reply = kernel.do_complete(cell, len(cell))
+    assert reply["matches"] == [] and reply["cursor_start"] == reply["cursor_end"] == len(cell)
+    assert not kernel.do_inspect(cell, len(cell))["found"]
+    assert asked == [completion.FIRST_ANSWER_SECONDS] * 2, "no answer yet: the long wait"
+    assert kernel.do_complete("notebook_only_na", 16)["matches"] == ["notebook_only_name"]

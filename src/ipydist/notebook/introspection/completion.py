@@ -19,8 +19,10 @@ as it is at that moment. The notebook's kernel is another matter: Jupyter sends 
 requests to the kernel's main shell, busy with the running cell, unless the front end sends
 them to a subshell (ipykernel 7), as a subshell console does; JupyterLab sends a notebook's
 completions to the main shell. A request waits at most :data:`ANSWER_SECONDS` (a rank's first,
-while its jedi loads, :data:`FIRST_ANSWER_SECONDS`); the notebook's own completion answers when
-the rank cannot.
+while its jedi loads, :data:`FIRST_ANSWER_SECONDS`). When the rank cannot answer in time, the
+reply is empty (no matches, no help): the notebook's own names are not the ranks', and a wrong
+name offered is worse than none (CI got the notebook's ``notebook_only_name`` for an
+``%%everyrank`` cell when rank 0 was slow once: issue 46).
 """
 
 from __future__ import annotations
@@ -95,11 +97,20 @@ def headed(data: dict, rank: int) -> dict:
 
 def ask_rank(cluster, rank: int, request: dict, timeout: float = ANSWER_SECONDS) -> dict | None:
     """``rank``'s kernel's reply to a completion or help ``request``; None when it could not
-    answer in time (the notebook answers then)."""
+    answer in time."""
     answer = control.ask_ranks(cluster, [rank], request, timeout)[rank]
     if not answer or answer.get("status") != "ok" or "reply" not in answer:
         return None
     return answer["reply"]
+
+
+def unanswered(what: str, cursor_pos: int) -> dict:
+    """The reply for code on the ranks when no rank answered: nothing, rather than the
+    notebook's names."""
+    if what == "complete":
+        return {"status": "ok", "matches": [], "cursor_start": cursor_pos,
+                "cursor_end": cursor_pos, "metadata": {}}
+    return {"status": "ok", "found": False, "data": {}, "metadata": {}}
 
 
 def install(shell, magics) -> None:
@@ -113,8 +124,9 @@ def install(shell, magics) -> None:
     answered: set[tuple[int, int]] = set()  # (the cluster's id, an engine that answered)
 
     def ask(what: str, code: str, cursor_pos: int, **more):
-        """(the rank's reply, the offset of its code in the cell, the rank), or a None reply
-        where the notebook should answer."""
+        """(the rank's reply, the offset of its code in the cell, the rank): None where the
+        notebook answers (its own code, or no cluster), :func:`unanswered` where the rank
+        did not."""
         session = magics.session  # never start a cluster for a completion
         routed = rank_code(code, cursor_pos, magics.mode == "everyrank")
         if routed is None or session is None or not session.running:
@@ -127,10 +139,11 @@ def install(shell, magics) -> None:
             limit = ANSWER_SECONDS if engine in answered else FIRST_ANSWER_SECONDS
             reply = ask_rank(cluster, rank, {"what": what, "code": body,
                                              "cursor_pos": cursor_pos - offset, **more}, limit)
-        except Exception:  # the cluster is going away: the notebook answers
+        except Exception:  # the cluster is going away
             reply = None
-        if reply is not None:
-            answered.add(engine)
+        if reply is None:
+            return unanswered(what, cursor_pos), 0, rank
+        answered.add(engine)
         return reply, offset, rank
 
     def do_complete(code, cursor_pos):
