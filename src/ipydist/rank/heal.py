@@ -109,17 +109,11 @@ def _with_spawned(comm, numbers: list[int], my_rank: int,
                   hosts: dict[int, str] | None = None, env: list[str] = ()):
     """``comm``'s ranks and one new process for each of ``numbers``, which it takes as its
     rank (collective over ``comm``): a world ordered by rank. One spawn per new rank, each
-    a job of its own (:func:`ipydist.rank.replacement.spawn_one`); ``hosts``: where each
+    a job of its own (:func:`ipydist.rank.replacement.spawned_into`); ``hosts``: where each
     goes, by number. The variables named in ``env`` (what mpiexec gave the ranks: on
     another host a spawned process gets none of them) are set in theirs as in this rank's
     (:func:`ipydist.rank.replacement.env_option`)."""
-    grown = comm
-    for i, number in enumerate(numbers):
-        bigger = replacement.spawn_one(grown, number, numbers[i + 1:],
-                                       (hosts or {}).get(number), env)
-        if grown is not comm:
-            grown.Free()
-        grown = bigger
+    grown = replacement.spawned_into(comm, numbers, hosts, env)
     world = grown.Split(0, key=my_rank)
     if grown is not comm:
         grown.Free()
