@@ -42,6 +42,10 @@ MASTER_ADDR_ENV = "IPYDIST_MASTER_ADDR"
 #: Across hosts: the notebook host's address on the network the ranks share. Each rank binds
 #: gloo/NCCL to its own interface that reaches it, and rank 0 offers its address there.
 NOTEBOOK_ADDR_ENV = "IPYDIST_NOTEBOOK_ADDR"
+#: On one host: the folder rank 0 makes its rendezvous file in, the cluster's profile folder,
+#: which the notebook removes when the cluster stops (ranks end by signal, where an atexit of
+#: rank 0's would not run: every cluster left a folder in /tmp).
+RENDEZVOUS_PARENT_ENV = "IPYDIST_RENDEZVOUS_PARENT"
 #: ``0`` turns off the check that every rank calls the same collective with the same shapes
 #: and dtypes before its data moves (``ipydist.torch._wire.call_check``); users set it with
 #: ``--env``.

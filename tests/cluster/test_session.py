@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -37,6 +38,11 @@ def test_session_context_manager_runs_and_cleans_up(capsys):
         s.push(weights=[0.5, 0.25])
         s.run("total = sum(weights) * hvd.size()")
         assert s.pull("total") == [1.5, 1.5]
+        # the rendezvous file lives in the cluster's profile folder, removed at the stop
+        # (ranks end by signal: an atexit of rank 0's left a folder in /tmp per cluster)
+        s.run("from ipydist.torch._core import topology\nstore = topology.get().store_path")
+        store, profile = s.pull("store", rank=0), s.cluster.profile_dir
+        assert store.startswith(profile + os.sep) and os.path.exists(store), (store, profile)
         assert [row[4] for row in s.status().rows] == ["idle", "idle"]
         running = threading.Thread(target=s.run, args=("import time; time.sleep(1.5)",))
         running.start()
@@ -56,6 +62,7 @@ def test_session_context_manager_runs_and_cleans_up(capsys):
     assert not s.running
     left = wait_gone([p for group in pids.values() for p in group])
     assert left == [], f"left running after the with block: {left}"
+    assert not os.path.exists(profile), "the profile folder, and the rendezvous file in it"
     with pytest.raises(ClusterError,
                        match=r"no cluster is running: start one with Session\(np=N\)\.start\(\)"):
         s.run("pass")

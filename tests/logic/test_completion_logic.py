@@ -94,10 +94,49 @@ def test_a_rank_that_does_not_answer_gives_nothing_not_the_notebooks_names(monke
     asked = []
     monkeypatch.setattr(control, "ask_ranks",
                         lambda cluster, ranks, request, timeout: asked.append(timeout) or {0: None})
-    completion.install(SimpleNamespace(kernel=kernel), magics)
+    hooks = {}
+    events = SimpleNamespace(register=lambda name, hook: hooks.setdefault(name, hook))
+    completion.install(SimpleNamespace(kernel=kernel, events=events), magics)
     cell = "%%everyrank\nnotebook_only_na"
     reply = kernel.do_complete(cell, len(cell))
     assert reply["matches"] == [] and reply["cursor_start"] == reply["cursor_end"] == len(cell)
     assert not kernel.do_inspect(cell, len(cell))["found"]
     assert asked == [completion.FIRST_ANSWER_SECONDS] * 2, "no answer yet: the long wait"
     assert kernel.do_complete("notebook_only_na", 16)["matches"] == ["notebook_only_name"]
+
+    # after a cell, rank 0 of a cluster is asked once to load its completer
+    told = []
+    monkeypatch.setattr(control, "tell_rank", lambda c, rank, request: told.append((rank, request)))
+    hooks["post_run_cell"](None)
+    hooks["post_run_cell"](None)
+    assert told == [(0, {"what": "warm"})]
+    cluster.engine_ids = [5, 1]  # a new rank 0 (a heal): asked again
+    hooks["post_run_cell"](None)
+    assert len(told) == 2
+
+
+def test_a_warmed_rank_answers_its_first_question_in_the_usual_time(monkeypatch):
+    """The warm-up loads jedi in the background; a question asked meanwhile waits for it (not
+    "busy" at once), and one after it gets the usual limit."""
+    import threading
+    import time
+
+    from ipydist.rank.introspection import completion as on_rank
+
+    monkeypatch.setattr(on_rank, "_answered", threading.Event())
+    monkeypatch.setattr(on_rank, "FIRST_ANSWER_SECONDS", 3.0)
+    asked = []
+
+    def reply(request):
+        asked.append(request["code"])
+        time.sleep(0.2)
+        return {"status": "ok", "matches": [request["code"]]}
+
+    monkeypatch.setattr(on_rank, "_reply", reply)
+    assert on_rank.warm() == {"warming": True}
+    assert on_rank.warm() == {"warming": False}, "one warm-up at a time"
+    during = on_rank.answer({"what": "complete", "code": "mod", "cursor_pos": 3})
+    assert during == {"reply": {"status": "ok", "matches": ["mod"]}}
+    assert asked[-1] == "mod" and len(asked) >= 3, asked
+    assert on_rank._answered.is_set()
+    assert on_rank.warm() == {"warming": False}, "loaded already"

@@ -139,7 +139,9 @@ class Cluster:
             # on other hosts; on one host we signal the rank's pid ourselves.
             f"--IPEngine.enable_nanny={self.plan.multi_host}",
         ]
-        cfg.environment = self.plan.env
+        cfg.environment = dict(self.plan.env)
+        if not self.plan.multi_host:
+            cfg.environment[protocol.RENDEZVOUS_PARENT_ENV] = self.profile_dir
         cluster.start_controller_sync()
         cluster.start_engines_sync()
 

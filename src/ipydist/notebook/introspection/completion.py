@@ -159,5 +159,24 @@ def install(shell, magics) -> None:
             reply = {**reply, "data": headed(reply.get("data") or {}, rank)}
         return reply
 
+    warmed: set[tuple[int, int]] = set()  # (the cluster's id, rank 0's engine) asked to warm
+
+    def warm_rank_0(*_) -> None:
+        """After each cell: a rank 0 not yet asked (a new cluster, or a new rank 0 after a
+        heal) loads its completer now, in the background, so that the first Tab answers
+        within JupyterLab's 1 s (see :mod:`ipydist.rank.introspection.completion`)."""
+        session = magics.session
+        if session is None or not session.running:
+            return
+        try:
+            cluster = session.cluster
+            engine = (id(cluster), cluster.engine_ids[0])
+            if engine not in warmed:
+                warmed.add(engine)
+                control.tell_rank(cluster, 0, {"what": "warm"})
+        except Exception:  # the cluster is going away: the first Tab loads it then
+            pass
+
     kernel.do_complete, kernel.do_inspect = do_complete, do_inspect
+    shell.events.register("post_run_cell", warm_rank_0)
     kernel._ipydist_completion = True

@@ -27,3 +27,10 @@ def ask_ranks(cluster, ranks: list[int], request: dict,
         except FutureTimeout:
             found[rank] = None
     return found
+
+
+def tell_rank(cluster, rank: int, request: dict) -> None:
+    """Send ``request`` to ``rank``'s control channel without waiting for its answer (which the
+    client drops when it comes)."""
+    ipp.ask_on_control(cluster.client, cluster.engine_ids[rank], protocol.CONTROL_REQUEST,
+                       request)

@@ -6,9 +6,14 @@ The answer is the rank kernel's own (``do_complete``: jedi through IPython's com
 ``do_inspect``: IPython's inspector), computed in a worker thread of its own: the control
 channel's thread, which also carries stacks and pdb commands, waits for it at most
 :data:`ANSWER_SECONDS` (:data:`FIRST_ANSWER_SECONDS` for this rank's first answer, while jedi
-loads), and a second question while the first is still being worked on is answered "busy" at
-once. Only one worker runs at a time, since IPython's completer keeps the
-text it completes in its own attributes.
+loads), and for a question asked while another is still being worked on, as long for that
+one to end. Only one worker runs at a time, since IPython's completer keeps the text it
+completes in its own attributes.
+
+Jedi's first completion loads its grammar and the builtins' stubs: 0.5-0.9 s on a quiet core,
+where the next ones take 0.01-0.1 s, and JupyterLab drops a kernel's completion that takes
+more than 1 s (its ``providerTimeout``). So the notebook asks rank 0 to :func:`warm` up in
+the background once its cluster is there, and the first Tab is as quick as the others.
 
 Completion reads the live namespace while the main thread may change it, and must not run
 the user's code: jedi here never evaluates a property or ``__getitem__`` (which, on a model,
@@ -19,30 +24,31 @@ could start a collective and hang this rank), and IPython's own evaluation stays
 from __future__ import annotations
 
 import threading
+import time
 
 #: How long the control thread waits for an answer before it says so.
 ANSWER_SECONDS = 1.5
-#: The same, until this rank has answered once: jedi's first completion loads its grammar and
-#: caches (0.5 s on a quiet core, past 1.5 s on a loaded 2-core machine, where the first Tab
-#: after a start came back empty: issue 46). A one-process kernel's first Tab waits as long.
+#: The same, until this rank has answered once (or warmed up): jedi's first completion loads
+#: its grammar and caches (past 1.5 s on a loaded 2-core machine, where the first Tab after a
+#: start came back empty: issue 46). A one-process kernel's first Tab waits as long.
 FIRST_ANSWER_SECONDS = 6.0
 
 _lock = threading.Lock()  # held by the one worker computing an answer
-_answered = threading.Event()  # set once this rank has answered
+_answered = threading.Event()  # set once jedi has loaded (an answer, or the warm-up)
 
 
 def answer(request: dict) -> dict:
     """``{"reply": <the kernel's reply>}`` to ``{"what": "complete" | "inspect", "code",
     "cursor_pos", ...}``, or ``{"busy": True}`` when no answer came in time."""
-    if not _lock.acquire(blocking=False):
+    limit = ANSWER_SECONDS if _answered.is_set() else FIRST_ANSWER_SECONDS
+    deadline = time.monotonic() + limit
+    if not _lock.acquire(timeout=limit):  # another question (or the warm-up) is worked on
         return {"busy": True}
     done = threading.Event()
     found: dict = {}
 
     def work():
         try:
-            if not _answered.is_set():
-                _warm()
             found["reply"] = _reply(request)
             _answered.set()
         except Exception as e:  # the notebook says no rank answered
@@ -51,20 +57,32 @@ def answer(request: dict) -> dict:
             _lock.release()
             done.set()
 
-    limit = ANSWER_SECONDS if _answered.is_set() else FIRST_ANSWER_SECONDS
     threading.Thread(target=work, name="ipydist-completion", daemon=True).start()
-    if not done.wait(limit):
+    if not done.wait(max(0.0, deadline - time.monotonic())):
         return {"busy": True}  # the worker finishes in its own time, holding the lock
     if "error" in found:
         raise RuntimeError(found["error"])
     return {"reply": found["reply"]}
 
 
-def _warm() -> None:
-    """Load what jedi loads on its first completion of a bare name (the builtins' stubs), a
-    separate cost from the first attribute's: on a loaded machine the first Tab after a name
-    went past :data:`ANSWER_SECONDS` (0.3 s on a quiet core here) while the first one answered."""
-    _reply({"what": "complete", "code": "pri", "cursor_pos": 3})
+def warm() -> dict:
+    """Load jedi now, in a worker thread, so that the first Tab finds it loaded (see the module
+    docstring); answers at once. Nothing when jedi is loaded or a question is being worked on."""
+    if _answered.is_set() or not _lock.acquire(blocking=False):
+        return {"warming": False}
+
+    def work():
+        try:  # a bare name (the builtins' stubs) and an attribute (the inference)
+            for code in ("pri", "str.jo"):
+                _reply({"what": "complete", "code": code, "cursor_pos": len(code)})
+            _answered.set()
+        except Exception:  # the first question will load it then
+            pass
+        finally:
+            _lock.release()
+
+    threading.Thread(target=work, name="ipydist-completion-warm", daemon=True).start()
+    return {"warming": True}
 
 
 def _reply(request: dict) -> dict:

@@ -33,7 +33,8 @@ def _answer(kernel, stream, idents, msg) -> None:
 
 def answer(request: dict) -> dict:
     """The answer to one request: ``{"what": "stack"}``, ``{"what": "debug", "command"}``,
-    or ``{"what": "complete" | "inspect", "code", "cursor_pos", ...}``."""
+    ``{"what": "complete" | "inspect", "code", "cursor_pos", ...}``, or ``{"what": "warm"}``
+    (load the completer now)."""
     what = request.get("what")
     if what == "stack":
         return stacks.main_stack(at_prompt=debugger.stopped())
@@ -41,4 +42,6 @@ def answer(request: dict) -> dict:
         return {"delivered": debugger.deliver(str(request.get("command", "")))}
     if what in ("complete", "inspect"):
         return completion.answer(request)
+    if what == "warm":
+        return completion.warm()
     raise ValueError(f"unknown request {what!r}")

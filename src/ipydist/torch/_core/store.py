@@ -18,6 +18,8 @@ import tempfile
 
 import torch.distributed as dist
 
+from ipydist.protocol import RENDEZVOUS_PARENT_ENV
+
 
 def make_store(rt, timeout_s: float):
     """The store for runtime ``rt`` (collective over ``rt.comm`` when there is one)."""
@@ -38,7 +40,10 @@ def _file_store(rt, timeout: datetime.timedelta):
     path = None
     if rt.rank == 0:
         try:
-            folder = tempfile.mkdtemp(prefix="ipydist-rendezvous-")  # mode 0700
+            parent = os.environ.get(RENDEZVOUS_PARENT_ENV)  # removed with the cluster
+            if parent and not os.path.isdir(parent):
+                parent = None
+            folder = tempfile.mkdtemp(prefix="ipydist-rendezvous-", dir=parent)  # mode 0700
             atexit.register(shutil.rmtree, folder, ignore_errors=True)
             path = os.path.join(folder, "store")
         except OSError:
