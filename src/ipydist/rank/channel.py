@@ -4,13 +4,26 @@ request. The keys are in :mod:`ipydist.protocol`."""
 
 from __future__ import annotations
 
+import sys
+
 
 def publish(key: str, value) -> None:
     """Send ``{key: value}`` to the notebook. Safe from any thread (ipykernel's IOPub thread
-    does the sending). Does nothing off an engine (a plain script under mpiexec)."""
-    try:
-        from ipyparallel.datapub import publish_data
+    does the sending). Does nothing off an engine (a plain script under mpiexec), nor before
+    the engine's kernel is there.
 
-        publish_data({key: value})
-    except Exception:  # not on an engine
+    Not ipyparallel's ``publish_data``: it asks ``ZMQInteractiveShell.instance()``, which
+    *makes* the shell when there is none yet. The vitals thread publishes from the rank's
+    start on; when it did so before the engine made its kernel (a slow registration: clusters
+    starting side by side), the kernel found that shell already there and it kept no kernel,
+    and the start failed (``get_ipython().kernel`` None in ``attach``: issue 46)."""
+    zmqshell = sys.modules.get("ipykernel.zmqshell")  # imported by the engine's kernel
+    if zmqshell is None or not zmqshell.ZMQInteractiveShell.initialized():
+        return
+    shell = zmqshell.ZMQInteractiveShell.instance()
+    if getattr(shell, "kernel", None) is None or getattr(shell, "data_pub", None) is None:
+        return
+    try:
+        shell.data_pub.publish_data({key: value})
+    except Exception:  # the engine is going away
         pass
