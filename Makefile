@@ -10,8 +10,10 @@ NP ?= 4
 # make test runs the suite in one process (0) or in this many at once (pytest-xdist, a test file
 # each at a time). Measured on 2 cores (issue 46): 2 workers took 26:37 where one took 31:22,
 # each test 1.6 times as long (the suite is bound by the CPU: ranks importing torch, training,
-# browsers), and 30 tests failed from the load and from a start that breaks only beside another
-# worker; 4 loaded the machine to a load average of 19. So one, until both are mended.
+# browsers). The start that failed beside another worker is mended; tests/cluster with 3 workers
+# took 13:37 where one took 20:27, the machine 98% busy, and 2 tests failed: a heal's bar set
+# for a quiet machine, and a rank's cell number that depends on which file ran before. So one,
+# until the CPU a start costs comes down and those two are mended.
 TEST_WORKERS ?= 0
 # Material for MkDocs prints a banner on every build (its end of life, May 2027, and its successor
 # Zensical); the variable silences the banner only, not warnings, which --strict makes errors.
