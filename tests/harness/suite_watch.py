@@ -153,6 +153,45 @@ class LaunchCounter:
                 *(f"  {n:3d}  {path}" for path, n in ranked)]
 
 
+def _busy_seconds() -> float:
+    """CPU seconds the whole machine has spent busy since it started (every core, every
+    process): what the suite's processes cost, ranks and browsers included."""
+    t = psutil.cpu_times()
+    return sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0) \
+        - getattr(t, "guest_nice", 0.0)
+
+
+class CpuClock:
+    """The machine's busy CPU seconds while each test file ran, in a run of one process (with
+    several workers, files run side by side and no file's share can be told): on 2 cores the
+    suite is bound by the CPU, so these, not wall times, say what a change to a file saves."""
+
+    def __init__(self) -> None:
+        self.by_file: dict[str, float] = {}
+        self._file: str | None = None
+        self._since = 0.0
+
+    def at(self, nodeid: str | None) -> None:
+        path = None if nodeid is None else nodeid.split("::")[0]
+        if path == self._file:
+            return
+        now = _busy_seconds()
+        if self._file is not None:
+            self.by_file[self._file] = self.by_file.get(self._file, 0.0) + now - self._since
+        self._file, self._since = path, now
+
+    def lines(self, count: int = 15) -> list[str]:
+        by_tier: dict[str, float] = {}
+        for path, cpu in self.by_file.items():
+            by_tier[tier_of(path + "::")] = by_tier.get(tier_of(path + "::"), 0.0) + cpu
+        ranked = sorted(self.by_file.items(), key=lambda kv: -kv[1])[:count]
+        return ["busy CPU (all cores) per tier: " + ", ".join(
+                    f"{tier} {_mmss(cpu)}" for tier, cpu in sorted(by_tier.items(),
+                                                                   key=lambda kv: -kv[1])),
+                "most busy CPU, by file:",
+                *(f"  {_mmss(cpu)}  {path}" for path, cpu in ranked)]
+
+
 class SuiteWatch:
     """The plugin (registered by tests/conftest.py in the main process): the reports of every
     test add up in a :class:`TierClock`; at the end, the leftovers are looked for, and both
@@ -161,15 +200,18 @@ class SuiteWatch:
     def __init__(self) -> None:
         self.clock = TierClock()
         self.starts = LaunchCounter()
+        self.cpu = CpuClock()
         self.left: dict[int, str] = {}
 
     def pytest_runtest_logstart(self, nodeid, location) -> None:
         self.starts.current = nodeid
+        self.cpu.at(nodeid)
 
     def pytest_runtest_logreport(self, report) -> None:
         self.clock.add(report)
 
     def pytest_sessionfinish(self, session) -> None:
+        self.cpu.at(None)
         self.starts.stop()
         self.left = leftover_processes()
         if self.left and session.exitstatus == pytest.ExitCode.OK:
@@ -189,3 +231,6 @@ class SuiteWatch:
                 terminalreporter.line("  " + line)
             for line in self.starts.lines():
                 terminalreporter.line(line)
+            if not getattr(terminalreporter.config.option, "numprocesses", None):
+                for line in self.cpu.lines():
+                    terminalreporter.line(line)
