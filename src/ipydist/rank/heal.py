@@ -55,7 +55,7 @@ def heal(dead: list[int], replace: bool, hosts: list[str] | None = None,
     if replace and dead:
         try:
             where = dict(zip(dead, hosts)) if hosts else None
-            world = _with_spawned(survivors, sorted(dead), rt.rank, where, env)
+            world = replacement.spawned_into(survivors, sorted(dead), rt.rank, where, env)
         except MPI.Exception as e:
             not_replaced = f"MPI could not start a replacement: {e.Get_error_string()}"
     out = _rejoin(world, rt, started)
@@ -85,7 +85,8 @@ def resize(size: int, env: list[str] = ()) -> dict:
             threading.Timer(LEAVE_AFTER_SECONDS, os._exit, (0,)).start()
             return {"rank": rt.rank, "left": True, "seconds": time.monotonic() - started}
     else:
-        world = _with_spawned(rt.comm, list(range(rt.size, size)), rt.rank, None, env)
+        world = replacement.spawned_into(rt.comm, list(range(rt.size, size)), rt.rank,
+                                         None, env)
     return _rejoin(world, rt, started)
 
 
@@ -103,18 +104,3 @@ def _rejoin(world, rt, started: float) -> dict:
 
 #: A rank that leaves the world ends its process this long after it replied.
 LEAVE_AFTER_SECONDS = 0.5
-
-
-def _with_spawned(comm, numbers: list[int], my_rank: int,
-                  hosts: dict[int, str] | None = None, env: list[str] = ()):
-    """``comm``'s ranks and one new process for each of ``numbers``, which it takes as its
-    rank (collective over ``comm``): a world ordered by rank. One spawn per new rank, each
-    a job of its own (:func:`ipydist.rank.replacement.spawned_into`); ``hosts``: where each
-    goes, by number. The variables named in ``env`` (what mpiexec gave the ranks: on
-    another host a spawned process gets none of them) are set in theirs as in this rank's
-    (:func:`ipydist.rank.replacement.env_option`)."""
-    grown = replacement.spawned_into(comm, numbers, hosts, env)
-    world = grown.Split(0, key=my_rank)
-    if grown is not comm:
-        grown.Free()
-    return world

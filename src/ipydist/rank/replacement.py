@@ -88,27 +88,31 @@ def spawn_one(comm, number: int, later: list[int], host: str | None = None, env=
     return merged
 
 
-def spawned_into(comm, numbers: list[int], hosts: dict[int, str] | None = None, env=()):
-    """``comm`` with one new process for each of ``numbers``, spawned one at a time
-    (:func:`spawn_one`), ``comm``'s processes first (collective over ``comm``: the ranks that
-    were there and the new ones spawned before, on both sides alike). ``hosts``: where each
-    goes, by number. ``comm`` itself is left to the caller."""
+def spawned_into(comm, numbers: list[int], my_rank: int,
+                 hosts: dict[int, str] | None = None, env=()):
+    """``comm``'s processes and one new process for each of ``numbers``, which it takes as
+    its rank: the world ordered by rank, in which this process is ``my_rank`` (collective
+    over ``comm``: the ranks that were there and the new ones spawned before, on both sides
+    alike). One spawn per new rank (:func:`spawn_one`); ``hosts``: where each goes, by
+    number. The variables named in ``env`` (what mpiexec gave the ranks: on another host a
+    spawned process gets none of them) are set in theirs as in this rank's
+    (:func:`env_option`). ``comm`` itself is left to the caller."""
     grown = comm
     for i, number in enumerate(numbers):
         bigger = spawn_one(grown, number, list(numbers[i + 1:]), (hosts or {}).get(number), env)
         if grown is not comm:
             grown.Free()
         grown = bigger
-    return grown
+    world = grown.Split(0, key=my_rank)
+    if grown is not comm:
+        grown.Free()
+    return world
 
 
 def world(mpi, replaces: list[int], later: list[int] = ()):
     """In a spawned rank: the world, in which it has the number it takes, once it has taken
     part in the spawns of the ranks ``later`` than it."""
     merged = mpi.Comm.Get_parent().Merge(high=True)
-    grown = spawned_into(merged, later)
-    world = grown.Split(0, key=replaces[mpi.COMM_WORLD.Get_rank()])
-    grown.Free()
-    if grown is not merged:
-        merged.Free()
+    world = spawned_into(merged, later, replaces[mpi.COMM_WORLD.Get_rank()])
+    merged.Free()
     return world
