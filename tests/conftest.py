@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import suite_watch
+import worker_turns
 from helpers import NP, cluster_processes, run_cell
 
 # The tests press the stop button as IPython's does (``_thread.interrupt_main``), which does
@@ -25,11 +26,33 @@ def pytest_configure(config):
     that times the tiers and checks for leftovers at the end (suite_watch.py)."""
     if not hasattr(config, "workerinput"):
         config.pluginmanager.register(suite_watch.SuiteWatch(), "ipydist-suite-watch")
+        if getattr(config.option, "numprocesses", None):
+            worker_turns.make_folder()
 
 
+def pytest_unconfigure(config):
+    if not hasattr(config, "workerinput"):
+        worker_turns.remove_folder()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test marked ``alone`` runs with no other worker's test beside it (worker_turns.py), and
+    so does one that makes its own load (``hogs``): it keeps every core busy anyway, and its
+    bars are set for its own load, not for its own and the other workers' together."""
+    alone = item.get_closest_marker("alone") is not None or "hogs" in item.fixturenames
+    with worker_turns.turn(alone=alone):
+        yield
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups off the marks
 def pytest_collection_modifyitems(config, items):
+    """With several workers (``--dist loadgroup``): the long tiers first, and each test in its
+    worker group (worker_turns.group_of): a file whole in one worker, the hosts tier all in one."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         suite_watch.longest_first(items)
+        for item in items:
+            item.add_marker(pytest.mark.xdist_group(worker_turns.group_of(item.nodeid)))
 
 
 @pytest.fixture(scope="session")

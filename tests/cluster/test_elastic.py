@@ -141,6 +141,7 @@ def _kill_and_heal(shell, capsys, session, victim: int, label: str) -> None:
     assert healed_after < HEALED_WITHIN[label]
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize("trial", range(TRIALS))
 def test_a_killed_rank_is_replaced_and_no_state_is_lost(shell, capsys, elastic, trial):
     _kill_and_heal(shell, capsys, elastic, victim=2, label="")

@@ -1,0 +1,66 @@
+"""Turns between pytest-xdist's workers: which tests share a worker, and a test marked ``alone``
+runs with no other test beside it, the others side by side.
+
+A few tests hold a bar set for a quiet machine (a heal within 10 s of the kill, as the issue
+that built it promised). Beside the other workers' ranks importing torch on the same 2 cores,
+such a bar measures the neighbours, not ipydist (11.6 s, once). Each test takes a shared lock
+for its whole run (setup, call and teardown, so a module's cluster start too); an ``alone`` one
+takes it exclusively, after closing a gate that keeps new tests from starting meanwhile (else
+the workers' shared turns, one after another, could keep it waiting for ever). In a run of one
+process there is nobody to wait for, and nothing is locked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import tempfile
+
+#: The folder of the run's two lock files, made by the main process before the workers start
+#: (they inherit it); unset in a run of one process.
+TURNS_VAR = "IPYDIST_TEST_TURNS"
+
+
+def group_of(nodeid: str) -> str:
+    """The worker group of a test (pytest-xdist's ``--dist loadgroup``): its file, so that a
+    module's fixtures (its clusters) are made once; but every test of ``tests/hosts`` in one,
+    since their namespace hosts take one address range and one Slurm's ports, one cluster of
+    them at a time."""
+    path = nodeid.split("::")[0]
+    return "tests/hosts" if path.startswith("tests/hosts/") else path
+
+
+def make_folder() -> None:
+    """In the main process of a run with workers: the folder of the lock files, for them all."""
+    os.environ[TURNS_VAR] = tempfile.mkdtemp(prefix="ipydist-turns-")
+
+
+def remove_folder() -> None:
+    folder = os.environ.pop(TURNS_VAR, None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def turn(alone: bool):
+    """Hold this worker's turn for one test: exclusive when ``alone``, shared otherwise."""
+    folder = os.environ.get(TURNS_VAR)
+    if not folder or not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    with open(os.path.join(folder, "gate"), "a") as gate, \
+            open(os.path.join(folder, "room"), "a") as room:
+        try:
+            if alone:
+                fcntl.flock(gate, fcntl.LOCK_EX)  # no test starts from now on
+                fcntl.flock(room, fcntl.LOCK_EX)  # the running ones end
+            else:
+                fcntl.flock(gate, fcntl.LOCK_SH)  # waits while an alone test goes first
+                fcntl.flock(room, fcntl.LOCK_SH)
+                fcntl.flock(gate, fcntl.LOCK_UN)
+            yield
+        finally:
+            fcntl.flock(room, fcntl.LOCK_UN)
+            fcntl.flock(gate, fcntl.LOCK_UN)

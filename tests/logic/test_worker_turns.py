@@ -1,0 +1,58 @@
+"""The turns between pytest-xdist's workers (tests/harness/worker_turns.py), with real processes
+and real locks: an ``alone`` test overlaps no other test, the others overlap each other, and the
+hosts tier is one worker group."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+
+import worker_turns
+
+
+def _worker(folder: str, name: str, plan: list[tuple[bool, float]], log) -> None:
+    os.environ[worker_turns.TURNS_VAR] = folder
+    os.environ["PYTEST_XDIST_WORKER"] = name
+    for alone, seconds in plan:
+        with worker_turns.turn(alone):
+            start = time.monotonic()
+            time.sleep(seconds)
+            log.put((name, alone, start, time.monotonic()))
+
+
+def test_an_alone_test_overlaps_no_other_and_the_others_overlap(tmp_path):
+    ctx = multiprocessing.get_context("fork")
+    log = ctx.Queue()
+    # two workers keep running short tests; the third asks for its turn alone in between
+    plans = {"gw0": [(False, 0.05)] * 30, "gw1": [(False, 0.05)] * 30,
+             "gw2": [(False, 0.05), (True, 0.3), (False, 0.05)]}
+    procs = [ctx.Process(target=_worker, args=(str(tmp_path), n, p, log))
+             for n, p in plans.items()]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    runs = [log.get(timeout=5) for _ in range(sum(len(p) for p in plans.values()))]
+    alone = [r for r in runs if r[1]]
+    others = [r for r in runs if not r[1]]
+    assert len(alone) == 1
+    _, _, a0, a1 = alone[0]
+    overlapping = [r for r in others if r[2] < a1 and a0 < r[3]]
+    assert overlapping == [], overlapping
+    # without the alone one, tests of different workers did run side by side
+    assert any(x[0] != y[0] and x[2] < y[3] and y[2] < x[3] for x in others for y in others)
+
+
+def test_nothing_is_locked_in_a_run_of_one_process(monkeypatch):
+    monkeypatch.delenv(worker_turns.TURNS_VAR, raising=False)
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    with worker_turns.turn(alone=True), worker_turns.turn(alone=True):
+        pass  # a second exclusive turn inside the first would wait for ever if it locked
+
+
+def test_each_file_is_a_group_and_the_hosts_tier_is_one():
+    assert worker_turns.group_of("tests/cluster/test_x.py::test_a[1]") == "tests/cluster/test_x.py"
+    assert worker_turns.group_of("tests/hosts/test_slurm.py::test_b") == "tests/hosts"
+    assert worker_turns.group_of("tests/hosts/test_multihost.py::test_c") == "tests/hosts"
