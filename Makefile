@@ -7,13 +7,15 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet -c constraints.txt
 NP ?= 4
-# make test runs the suite in this many processes at once (pytest-xdist; 0: in one). The suite is
-# bound by the CPU (ranks importing torch, training, browsers: 44 CPU-minutes on 2 cores), and
-# its tests wait often (heals, timeouts, a browser's page), so 3 workers fill the 2 cores.
-# --dist loadgroup: each file whole in one worker (its module's clusters made once), the hosts
-# tier all in one (one address range, one Slurm); a test marked alone, or one that makes its own
-# load (hogs), runs with nothing beside it (tests/harness/worker_turns.py).
-TEST_WORKERS ?= 3
+# make test runs the suite in one process (0), or in this many at once (pytest-xdist,
+# --dist loadgroup: each file whole in one worker, its module's clusters made once; the hosts
+# tier all in one, since it takes one address range and one Slurm; a test marked alone, or one
+# with its own CPU hogs, runs with nothing beside it: tests/harness/worker_turns.py). One, since
+# the suite is bound by the CPU: it keeps the machine busy for 44 CPU-minutes (cluster 25, hosts
+# 10, browser 8), ranks importing torch at each start the largest part, and on 2 cores 3 workers
+# took 29:59 where one took 31:57, every test 2.5 times as long (load average 23), and 9 tests
+# failed from it. Workers pay once the CPU a test costs comes down (issue 46).
+TEST_WORKERS ?= 0
 # Material for MkDocs prints a banner on every build (its end of life, May 2027, and its successor
 # Zensical); the variable silences the banner only, not warnings, which --strict makes errors.
 MKDOCS := NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs
