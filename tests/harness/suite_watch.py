@@ -83,7 +83,9 @@ class TierClock:
 
 
 def _mmss(seconds: float) -> str:
-    return f"{int(seconds // 60)}:{seconds % 60:04.1f}"
+    """``m:ss.s``, rounded before it is split (179.97 s is 3:00.0, not 2:60.0)."""
+    tenths = round(seconds * 10)
+    return f"{tenths // 600}:{tenths % 600 / 10:04.1f}"
 
 
 def leftover_processes(wait: float = 10.0) -> dict[int, str]:

@@ -1,6 +1,7 @@
-"""The turns between pytest-xdist's workers (tests/harness/worker_turns.py), with real processes
-and real locks: an ``alone`` test overlaps no other test, the others overlap each other, and the
-hosts tier is one worker group."""
+"""What the suite stands on: the turns between pytest-xdist's workers
+(tests/harness/worker_turns.py), with real processes and real locks: an ``alone`` test overlaps
+no other test, the others overlap each other, and the hosts tier is one worker group; and the
+summary's times (tests/harness/suite_watch.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import multiprocessing
 import os
 import time
 
+import suite_watch
 import worker_turns
 
 
@@ -56,3 +58,9 @@ def test_each_file_is_a_group_and_the_hosts_tier_is_one():
     assert worker_turns.group_of("tests/cluster/test_x.py::test_a[1]") == "tests/cluster/test_x.py"
     assert worker_turns.group_of("tests/hosts/test_slurm.py::test_b") == "tests/hosts"
     assert worker_turns.group_of("tests/hosts/test_multihost.py::test_c") == "tests/hosts"
+
+
+def test_the_summary_s_minutes_round_before_they_split():
+    assert suite_watch._mmss(179.97) == "3:00.0"
+    assert suite_watch._mmss(61.24) == "1:01.2"
+    assert suite_watch._mmss(0.04) == "0:00.0"
