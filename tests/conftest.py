@@ -26,7 +26,7 @@ def pytest_configure(config):
     that times the tiers and checks for leftovers at the end (suite_watch.py)."""
     if not hasattr(config, "workerinput"):
         config.pluginmanager.register(suite_watch.SuiteWatch(), "ipydist-suite-watch")
-        if getattr(config.option, "numprocesses", None):
+        if suite_watch.with_workers(config):
             worker_turns.make_folder()
 
 

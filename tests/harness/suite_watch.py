@@ -26,6 +26,11 @@ from helpers import MARK_PREFIX, MARK_VAR, kill_left
 TIER_ORDER = ("logic", "hosts", "browser", "cluster")
 
 
+def with_workers(config) -> bool:
+    """Whether pytest-xdist runs this suite in several processes (``-n N``, N > 0)."""
+    return bool(getattr(config.option, "numprocesses", None))
+
+
 def tier_of(nodeid: str) -> str:
     parts = nodeid.split("/")
     return parts[1] if len(parts) > 2 and parts[0] == "tests" else "other"
@@ -185,7 +190,7 @@ class CpuClock:
     def lines(self, count: int = 15) -> list[str]:
         by_tier: dict[str, float] = {}
         for path, cpu in self.by_file.items():
-            by_tier[tier_of(path + "::")] = by_tier.get(tier_of(path + "::"), 0.0) + cpu
+            by_tier[tier_of(path)] = by_tier.get(tier_of(path), 0.0) + cpu
         ranked = sorted(self.by_file.items(), key=lambda kv: -kv[1])[:count]
         return ["busy CPU (all cores) per tier: " + ", ".join(
                     f"{tier} {_mmss(cpu)}" for tier, cpu in sorted(by_tier.items(),
@@ -233,6 +238,6 @@ class SuiteWatch:
                 terminalreporter.line("  " + line)
             for line in self.starts.lines():
                 terminalreporter.line(line)
-            if not getattr(terminalreporter.config.option, "numprocesses", None):
+            if not with_workers(terminalreporter.config):
                 for line in self.cpu.lines():
                     terminalreporter.line(line)

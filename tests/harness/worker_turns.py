@@ -18,6 +18,8 @@ import os
 import shutil
 import tempfile
 
+from suite_watch import tier_of
+
 #: The folder of the run's two lock files, made by the main process before the workers start
 #: (they inherit it); unset in a run of one process.
 TURNS_VAR = "IPYDIST_TEST_TURNS"
@@ -28,8 +30,7 @@ def group_of(nodeid: str) -> str:
     module's fixtures (its clusters) are made once; but every test of ``tests/hosts`` in one,
     since their namespace hosts take one address range and one Slurm's ports, one cluster of
     them at a time."""
-    path = nodeid.split("::")[0]
-    return "tests/hosts" if path.startswith("tests/hosts/") else path
+    return "tests/hosts" if tier_of(nodeid) == "hosts" else nodeid.split("::")[0]
 
 
 def make_folder() -> None:
@@ -47,7 +48,7 @@ def remove_folder() -> None:
 def turn(alone: bool):
     """Hold this worker's turn for one test: exclusive when ``alone``, shared otherwise."""
     folder = os.environ.get(TURNS_VAR)
-    if not folder or not os.environ.get("PYTEST_XDIST_WORKER"):
+    if not folder:
         yield
         return
     with open(os.path.join(folder, "gate"), "a") as gate, \
