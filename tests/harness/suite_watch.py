@@ -11,6 +11,7 @@ to its last test's end, whatever else ran beside it; its test time adds up its t
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import dataclass
@@ -175,28 +176,41 @@ class CpuClock:
 
     def __init__(self) -> None:
         self.by_file: dict[str, float] = {}
-        self._file: str | None = None
+        self.by_test: dict[str, float] = {}
+        self._test: str | None = None
         self._since = 0.0
 
     def at(self, nodeid: str | None) -> None:
-        path = None if nodeid is None else nodeid.split("::")[0]
-        if path == self._file:
-            return
+        """A test starts (``nodeid``) or the last one ended (None): the one before is charged
+        from its start until now, its module's fixtures and the teardown of the test before it
+        included."""
         now = _busy_seconds()
-        if self._file is not None:
-            self.by_file[self._file] = self.by_file.get(self._file, 0.0) + now - self._since
-        self._file, self._since = path, now
+        if self._test is not None:
+            spent = now - self._since
+            path = self._test.split("::")[0]
+            self.by_file[path] = self.by_file.get(path, 0.0) + spent
+            self.by_test[self._test] = self.by_test.get(self._test, 0.0) + spent
+        self._test, self._since = nodeid, now
+
+    def save(self, path) -> None:
+        """Every test's busy CPU seconds, most first, as JSON (``make test`` leaves it in
+        .pytest_cache/ipydist-cpu.json): where the next cut would pay."""
+        ranked = sorted(self.by_test.items(), key=lambda kv: -kv[1])
+        path.write_text(json.dumps({k: round(v, 2) for k, v in ranked}, indent=0))
 
     def lines(self, count: int = 15) -> list[str]:
         by_tier: dict[str, float] = {}
         for path, cpu in self.by_file.items():
             by_tier[tier_of(path)] = by_tier.get(tier_of(path), 0.0) + cpu
         ranked = sorted(self.by_file.items(), key=lambda kv: -kv[1])[:count]
+        tests = sorted(self.by_test.items(), key=lambda kv: -kv[1])[:count]
         return ["busy CPU (all cores) per tier: " + ", ".join(
                     f"{tier} {_mmss(cpu)}" for tier, cpu in sorted(by_tier.items(),
                                                                    key=lambda kv: -kv[1])),
                 "most busy CPU, by file:",
-                *(f"  {_mmss(cpu)}  {path}" for path, cpu in ranked)]
+                *(f"  {_mmss(cpu)}  {path}" for path, cpu in ranked),
+                "most busy CPU, by test (all in .pytest_cache/d/ipydist/cpu-per-test.json):",
+                *(f"  {_mmss(cpu)}  {nodeid}" for nodeid, cpu in tests)]
 
 
 class SuiteWatch:
@@ -219,6 +233,8 @@ class SuiteWatch:
 
     def pytest_sessionfinish(self, session) -> None:
         self.cpu.at(None)
+        if self.cpu.by_test and not with_workers(session.config):
+            self.cpu.save(session.config.cache.mkdir("ipydist") / "cpu-per-test.json")
         self.starts.stop()
         self.left = leftover_processes()
         if self.left and session.exitstatus == pytest.ExitCode.OK:

@@ -5,6 +5,7 @@ summary's times (tests/harness/suite_watch.py)."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import time
@@ -64,3 +65,19 @@ def test_the_summary_s_minutes_round_before_they_split():
     assert suite_watch._mmss(179.97) == "3:00.0"
     assert suite_watch._mmss(61.24) == "1:01.2"
     assert suite_watch._mmss(0.04) == "0:00.0"
+
+
+def test_each_test_is_charged_the_cpu_from_its_start_to_the_next(monkeypatch, tmp_path):
+    busy = iter([10.0, 13.0, 14.5, 20.0])
+    monkeypatch.setattr(suite_watch, "_busy_seconds", lambda: next(busy))
+    clock = suite_watch.CpuClock()
+    for nodeid in ["tests/cluster/a.py::t1", "tests/cluster/a.py::t2",
+                   "tests/hosts/b.py::t3", None]:
+        clock.at(nodeid)
+    assert clock.by_test == {"tests/cluster/a.py::t1": 3.0, "tests/cluster/a.py::t2": 1.5,
+                             "tests/hosts/b.py::t3": 5.5}
+    assert clock.by_file == {"tests/cluster/a.py": 4.5, "tests/hosts/b.py": 5.5}
+    clock.save(tmp_path / "cpu.json")
+    assert list(json.loads((tmp_path / "cpu.json").read_text())) == [
+        "tests/hosts/b.py::t3", "tests/cluster/a.py::t1", "tests/cluster/a.py::t2"]
+    assert "  0:05.5  tests/hosts/b.py::t3" in clock.lines()
