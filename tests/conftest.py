@@ -64,13 +64,26 @@ def shell():
     ip.run_line_magic("load_ext", "ipydist")
     yield ip
     magics = ip.magics_manager.registry["DistMagics"]
-    if magics.session is not None:
-        magics.session.stop(quiet=True)
+    for s in [magics.session, *_parked]:
+        if s is not None:
+            s.stop(quiet=True)
 
 
 @pytest.fixture
 def magics(shell):
     return shell.magics_manager.registry["DistMagics"]
+
+
+#: The shared cluster while tests that need none run (:func:`no_cluster`): set aside, still
+#: running, and given back to the next test that asks for it. An idle cluster costs no CPU; a
+#: restart cost 4 ranks importing torch on 2 cores (about 10 CPU-seconds), and the files that
+#: need no cluster sit between files that do (issue 46).
+_parked: list = []
+
+
+def _reusable(s) -> bool:
+    return s is not None and s.running and s.size == NP and not s.elastic \
+        and not s.death_report()
 
 
 def _four_ranks(shell, magics, option: str = ""):
@@ -79,11 +92,17 @@ def _four_ranks(shell, magics, option: str = ""):
     is replaced, so that the failure is that test's alone (at CI once, a restart that failed
     after a test killed a rank failed the 90 tests after it)."""
     s = magics.session
-    if s is None or not s.running or s.size != NP or s.elastic or s.death_report():
+    if not _reusable(s):
         if s is not None and s.running:
             s.stop(quiet=True)
-        result = shell.run_cell(f"%dist_start --np {NP}{option}")
-        result.raise_error()
+        parked = _parked.pop() if _parked else None
+        if _reusable(parked):
+            magics.session = parked
+        else:
+            if parked is not None and parked.running:
+                parked.stop(quiet=True)
+            result = shell.run_cell(f"%dist_start --np {NP}{option}")
+            result.raise_error()
     return magics.session
 
 
@@ -104,9 +123,13 @@ def plain_cluster(shell, magics):
 
 @pytest.fixture
 def no_cluster(shell, magics):
-    """The shell with no cluster running, and a snapshot of cluster processes before the test."""
-    if magics.session is not None and magics.session.running:
-        magics.session.stop(quiet=True)
+    """The shell with no cluster running, and a snapshot of cluster processes before the test
+    (the shared cluster's too, if it is parked: see :data:`_parked`)."""
+    s = magics.session
+    if _reusable(s) and not _parked:
+        _parked.append(s)
+    elif s is not None and s.running:
+        s.stop(quiet=True)
     magics.session = None
     return set(cluster_processes())
 

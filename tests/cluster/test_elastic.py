@@ -6,6 +6,8 @@ the kill (a replacement under the dead rank's number, rank 0's variables copied 
 every rank holds the survivors' parameters bit for bit, the variables defined before the kill
 are there on every rank, and training goes on identically in the next cell. Quiet and under
 CPU hogs (``IPYDIST_TEST_TRIALS`` trials each; ``make stress`` runs 10). No process is left.
+The tests that heal or rescale share one cluster, each on the state the one before left (a
+heal of a healed cluster), with its own model set up again.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import sys
 import threading
 import time
 
+import psutil
 import pytest
-from helpers import cluster_processes, run_cell
+from helpers import RANK_COMMAND, run_cell, wait_gone
 
 from ipydist.errors import RankDied
 
@@ -53,21 +56,94 @@ kept = {"note": "defined before the kill", "step": 3}
 """
 
 
+#: What a test may leave on the shared cluster that the next one must not meet: process sets
+#: (a shrink names the ones it removes) and hvd.elastic states (a heal rolls each back).
+RESET = """
+import gc
+from ipydist.torch.horovod import process_sets as _process_sets
+for _set in list(_process_sets._sets.values()):
+    hvd.remove_process_set(_set)
+for _name in ("state", "resets", "fit", "evens", "low", "spread"):
+    globals().pop(_name, None)
+gc.collect()
+"""
+
+#: The module's 4-rank --elastic cluster, shared by the tests that use :func:`elastic` (each
+#: heals or rescales it, and leaves it at 4 healthy ranks or at fewer, which the next one grows
+#: back). One start instead of nine: a start is four ranks importing torch (issue 46).
+_shared: dict = {}
+
+
+def _tree(session) -> dict[int, str]:
+    """pid -> command line of the cluster's controller, its mpiexec and everything under it
+    (every rank it started, replacements included): not the other clusters beside it."""
+    found = {}
+    for pid in session.cluster.pids():
+        try:
+            top = psutil.Process(pid)
+            for p in [top, *top.children(recursive=True)]:
+                found[p.pid] = " ".join(p.cmdline())
+        except psutil.Error:
+            continue
+    return found
+
+
+def _stop_shared() -> None:
+    """Stop the shared cluster; then no process of it may be left."""
+    session = _shared.pop("session", None)
+    if session is None:
+        return
+    tree = _tree(session)
+    session.stop(quiet=True)
+    left = {pid: tree[pid] for pid in wait_gone(tree, 10)}
+    assert not left, f"processes left after stopping: {left}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shared_elastic_cluster_stops_at_the_end():
+    yield
+    _stop_shared()
+
+
 @pytest.fixture
 def elastic(shell, magics, no_cluster):
-    """A fresh 4-rank --elastic cluster, with SETUP run; stopped after the test, which then
-    checks that no process of it is left."""
-    result = shell.run_cell(f"%dist_start --np {NP} --elastic")
-    result.raise_error()
-    session = magics.session
+    """The shared 4-rank --elastic cluster (:data:`_shared`; started again if a test left it
+    broken), reset (:data:`RESET`) and with SETUP run again. After the test: no process of a
+    rank that died or left is still running (the cluster's own checked when it stops)."""
+    session = _shared.get("session")
+    if session is not None:
+        magics.session = session
+        try:
+            if session.death_report():
+                raise RuntimeError(session.death_report())
+            session.run(RESET)
+            if session.size != NP:
+                shell.run_cell(f"%dist_scale --np {NP}").raise_error()
+        except Exception as e:  # left broken by a failed test: a fresh one
+            print(f"the shared elastic cluster is started again: {e}", file=sys.__stderr__)
+            magics.session = None
+            _stop_shared()
+            session = None
+    if session is None:
+        result = shell.run_cell(f"%dist_start --np {NP} --elastic")
+        result.raise_error()
+        session = _shared["session"] = magics.session
     session.run(SETUP)
     yield session
-    session.stop(quiet=True)
-    magics.session = None
+    magics.session = None  # set aside for the next test, not stopped
+    ranks = {r["pid"] for r in session.ranks}
     deadline = time.monotonic() + 10
-    while set(cluster_processes()) - no_cluster and time.monotonic() < deadline:
+    while True:
+        extra = {pid: cmd for pid, cmd in _tree(session).items()
+                 if RANK_COMMAND in cmd and pid not in ranks and not _launcher(cmd)}
+        if not extra or time.monotonic() > deadline:
+            break
         time.sleep(0.2)
-    assert not set(cluster_processes()) - no_cluster, "processes left after stopping"
+    assert not extra, f"processes of ranks that died or left still run: {extra}"
+
+
+def _launcher(cmd: str) -> bool:
+    return os.path.basename(cmd.split(" ", 1)[0]) in {"prterun", "mpiexec", "prted"}
 
 
 def _kill_mid_allreduce(shell, capsys, session, victim: int) -> tuple[float, float]:
