@@ -5,9 +5,13 @@ line of what it saw, for the test to check."""
 from __future__ import annotations
 
 import json
+import queue
 import shlex
+import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 from netns_hosts import HostCluster
 
@@ -42,3 +46,93 @@ def notebook_side(cluster: HostCluster, body: str, rank_code: str = "",
     assert done.returncode == 0 and lines, (
         f"exit {done.returncode}\n{text[-3000:]}\n{done.stderr.decode(errors='replace')[-3000:]}")
     return {**json.loads(lines[-1][len("RESULT "):]), "_stdout": text}
+
+
+#: The program of :class:`SharedNotebookSide`: one ``Session`` started, then each line of stdin
+#: (JSON: a body and its rank code) run as :func:`notebook_side` runs one, until stdin ends.
+SERVER = """
+import json, sys, traceback
+from ipydist import Session
+session = Session(**json.loads(sys.argv[1]))
+try:
+    session.start()
+    print("READY", flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        out = {}
+        try:
+            exec(request["body"], {"session": session, "out": out,
+                                   "RANK_CODE": request["rank_code"]})
+            print("RESULT " + json.dumps(out), flush=True)
+        except BaseException:
+            print("FAILED " + json.dumps(traceback.format_exc()), flush=True)
+finally:
+    session.stop(quiet=True)
+print("STOPPED", flush=True)
+"""
+
+
+class SharedNotebookSide:
+    """A notebook side on the login host whose ``Session`` (2 ranks on each node) lives across
+    tests, as a notebook's does across cells: :meth:`run` runs a body as :func:`notebook_side`
+    does, on the same cluster. For the tests whose subject is not the start or the end: each
+    start across hosts costs the CPU of four ranks importing torch and of ssh (issue 46)."""
+
+    def __init__(self, cluster: HostCluster, timeout: float = 180) -> None:
+        hosts = ",".join(f"{h.name}:2" for h in cluster.hosts)
+        mpi_args = shlex.join(["--prtemca", "plm_ssh_agent", cluster.rsh_agent])
+        options = json.dumps({"hosts": hosts, "mpi_args": mpi_args, "timeout": 180})
+        self.proc = cluster.popen("login", [sys.executable, "-c", SERVER, options],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)
+        self._lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True, name="login-side-reader").start()
+        self.started = self._until(("READY",), timeout)
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def _until(self, marks: tuple[str, ...], timeout: float) -> str:
+        """The output up to and with the first line that starts with one of ``marks``."""
+        text, deadline = "", time.monotonic() + timeout
+        while True:
+            try:
+                line = self._lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                self.proc.kill()
+                raise AssertionError(f"no {marks} within {timeout:g} s:\n{text[-3000:]}") from None
+            if line is None:
+                raise AssertionError(f"the notebook side ended (exit {self.proc.wait()}) "
+                                     f"before {marks}:\n{text[-3000:]}")
+            text += line
+            if line.startswith(marks):
+                return text
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def run(self, body: str, rank_code: str = "", timeout: float = 240) -> dict:
+        """``body`` run with ``session`` and ``RANK_CODE`` = ``rank_code``; ``out`` as it
+        filled it, with ``_stdout``: what the start printed, then what the body did."""
+        self.proc.stdin.write(json.dumps({"body": textwrap.dedent(body),
+                                          "rank_code": textwrap.dedent(rank_code)}) + "\n")
+        self.proc.stdin.flush()
+        text = self._until(("RESULT ", "FAILED "), timeout)
+        last = text.splitlines()[-1]
+        assert last.startswith("RESULT "), json.loads(last[len("FAILED "):]) + text[-3000:]
+        return {**json.loads(last[len("RESULT "):]), "_stdout": self.started + text}
+
+    def stop(self, timeout: float = 60) -> str:
+        """End the session (stdin closed) and the program; what it printed meanwhile."""
+        try:
+            self.proc.stdin.close()
+            return self._until(("STOPPED",), timeout)
+        finally:
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()

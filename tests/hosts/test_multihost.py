@@ -4,7 +4,10 @@ wheel's mpiexec and its ssh launch, as on a small cluster.
 
 Each test runs a short Python program on the login host -- the notebook's side, a
 ``Session`` -- which prints one JSON line of what it saw; the test checks it, and that
-nothing is left on any host afterwards.
+nothing is left on any host afterwards. The tests whose subject is neither the start nor the
+end run their programs one after another on one notebook side and its cluster, as cells of one
+notebook (login_side.SharedNotebookSide), and the last of them checks that its end leaves
+nothing on any host.
 """
 
 from __future__ import annotations
@@ -16,15 +19,51 @@ import time
 
 import pytest
 from framework_snippets import TINY_GPT
-from login_side import notebook_side
+from login_side import SharedNotebookSide, notebook_side
 from netns_hosts import unavailable
 
 REASON = unavailable()
 pytestmark = [pytest.mark.multihost, pytest.mark.skipif(REASON is not None, reason=str(REASON))]
 
 
-def test_two_hosts_two_ranks_each_collectives_and_the_wire(hosts):
-    out = notebook_side(hosts, """
+#: The notebook side that the tests whose subject is not the start or the end share
+#: (login_side.SharedNotebookSide): the cluster of the first of them, until
+#: test_stop_leaves_nothing_on_any_host ends it, or a test that starts its own needs the hosts
+#: empty.
+_shared: list[SharedNotebookSide] = []
+
+
+def _end_shared() -> None:
+    while _shared:
+        side = _shared.pop()
+        if side.alive:
+            side.stop()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shared_side_ends_with_the_module(host_cluster):
+    yield
+    _end_shared()
+
+
+@pytest.fixture
+def login_side(host_cluster) -> SharedNotebookSide:
+    """The shared notebook side, started if there is none (or the last one ended)."""
+    if not (_shared and _shared[-1].alive):
+        _end_shared()
+        _shared.append(SharedNotebookSide(host_cluster))
+    return _shared[-1]
+
+
+@pytest.fixture
+def hosts(hosts):
+    """conftest's, for a test that starts its own cluster: the shared one ended first, since
+    after the test no process may be left on any host."""
+    _end_shared()
+    return hosts
+
+def test_two_hosts_two_ranks_each_collectives_and_the_wire(host_cluster, login_side):
+    out = login_side.run("""
         import glob, json, os, psutil
         out["hosts"] = [r["host"] for r in session.ranks]
         out["cross"] = [(r["cross_rank"], r["cross_size"], r["local_rank"]) for r in session.ranks]
@@ -47,58 +86,22 @@ def test_two_hosts_two_ranks_each_collectives_and_the_wire(hosts):
         ifname = os.environ.get("GLOO_SOCKET_IFNAME")
         master = topology.get().master_addr
     """)
-    names = [h.name for h in hosts.hosts]
+    names = [h.name for h in host_cluster.hosts]
     assert out["hosts"] == [names[0]] * 2 + [names[1]] * 2, out["hosts"]
     assert out["cross"] == [[0, 2, 0], [0, 2, 1], [1, 2, 0], [1, 2, 1]]
     assert out["s"] == [6.0] * 4
     assert out["g"] == [[0.0, 1.0, 1.0, 2.0, 2.0, 2.0, 3.0, 3.0, 3.0, 3.0]] * 4
     assert out["b"] == [13.0] * 4
-    node_addresses = {h.address for h in hosts.hosts}
-    assert set(out["master"]) == {hosts.hosts[0].address}, "rank 0's address on the hosts' net"
+    node_addresses = {h.address for h in host_cluster.hosts}
+    assert set(out["master"]) == {host_cluster.hosts[0].address}, \
+        "rank 0's address on the hosts' net"
     assert all(i and i != "lo" for i in out["ifname"]), out["ifname"]
     assert out["curve"], "CurveZMQ server key and HMAC key in the connection file"
-    login = hosts.host("login").address
+    login = host_cluster.host("login").address
     assert out["controller_listens"] == [login], (
         f"the controller listens on the login host's address only: {out['controller_listens']}")
     assert "2 hosts; the controller listens on " + login in out["_stdout"]
     assert node_addresses.isdisjoint(out["controller_listens"])
-
-
-def test_a_remote_rank_killed_is_reported_with_its_host_and_restart_works(hosts):
-    out = notebook_side(hosts, """
-        import time
-        from ipydist.errors import RankDied, RankError
-        victim = session.ranks[3]
-        session.run("import ipydist.torch as hvd", output="rank0")
-        t0 = time.monotonic()
-        try:
-            session.run("import os, signal, time\\n"
-                        "if hvd.rank() == 3: os.kill(os.getpid(), signal.SIGKILL)\\n"
-                        "time.sleep(60)", output="rank0", timeout=90)
-        except Exception as e:
-            out["error"] = f"{type(e).__name__}: {e}"
-        out["seconds"] = time.monotonic() - t0
-        out["victim_host"] = victim["host"]
-        session.restart()
-        session.run("import torch, ipydist.torch as hvd\\n"
-                    "s = hvd.allreduce(torch.ones(1), op=hvd.Sum).item()", output="rank0")
-        out["after"] = session.pull("s")
-        out["hosts_after"] = sorted({r["host"] for r in session.ranks})
-    """, elastic=False)  # the plain job: mpiexec ends it, and a restart is the way on
-    assert "rank 3" in out["error"] and out["victim_host"] in out["error"], out["error"]
-    print(f"\nipydist-measure: remote SIGKILL reported after {out['seconds']:.2f} s")
-    assert out["seconds"] < 5, f"the death took {out['seconds']:.1f} s to report"
-    assert out["after"] == [4.0] * 4
-    assert out["hosts_after"] == sorted(h.name for h in hosts.hosts)
-
-
-def test_stop_leaves_nothing_on_any_host(hosts):
-    t0 = time.monotonic()
-    notebook_side(hosts, "out['started'] = len(session.ranks)")
-    left = hosts.wait_no_processes(10)
-    assert left == {}, left
-    print(f"\nipydist-measure: multihost start+stop of 4 ranks on 2 hosts "
-          f"{time.monotonic() - t0:.1f} s")
 
 
 TRAIN = """
@@ -119,13 +122,13 @@ params = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
 """
 
 
-def test_distributed_optimizer_across_hosts_matches_one_host(hosts):
+def test_distributed_optimizer_across_hosts_matches_one_host(host_cluster, login_side):
     import contextlib
     import io
 
     from ipydist import Session
 
-    out = notebook_side(hosts, """
+    out = login_side.run("""
         session.run(RANK_CODE, output="rank0")
         out["params"] = session.pull("params")
     """, rank_code=TRAIN)
@@ -138,40 +141,8 @@ def test_distributed_optimizer_across_hosts_matches_one_host(hosts):
     assert worst < 1e-5, f"across hosts and on one host differ by {worst:g}"
 
 
-def test_a_killed_notebook_kernel_leaves_nothing_on_any_host(hosts):
-    """SIGKILL of the notebook side (as a kernel killed by the OS): its watchdog ends mpiexec,
-    and mpiexec's own teardown ends the daemons and ranks on the other hosts."""
-    hosts_spec = ",".join(f"{h.name}:2" for h in hosts.hosts)
-    mpi_args = shlex.join(["--prtemca", "plm_ssh_agent", hosts.rsh_agent])
-    program = (f"from ipydist import Session\n"
-               f"s = Session(hosts={hosts_spec!r}, mpi_args={mpi_args!r}, timeout=180).start()\n"
-               "print('STARTED', flush=True)\nimport time\ntime.sleep(600)\n")
-    proc = hosts.popen("login", [sys.executable, "-c", program], stdout=subprocess.PIPE,
-                       stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 180
-        seen = b""
-        while b"STARTED" not in seen and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            seen += line
-        assert b"STARTED" in seen, seen.decode(errors="replace")[-2000:]
-        busy = {h.name: hosts.processes(h.name) for h in hosts.hosts}
-        assert all(busy.values()), f"ranks run on every node: {busy}"
-        proc.kill()
-        t0 = time.monotonic()
-        left = hosts.wait_no_processes(10)
-        print(f"\nipydist-measure: after SIGKILL of the notebook side, every host empty in "
-              f"{time.monotonic() - t0:.2f} s")
-        assert left == {}, left
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-def test_status_interrupt_and_the_keys_across_hosts(hosts):
-    out = notebook_side(hosts, """
+def test_status_interrupt_and_the_keys_across_hosts(host_cluster, login_side):
+    out = login_side.run("""
         import copy, glob, json, os, tempfile, time, zmq
         import ipyparallel
         out["status"] = str(session.status())
@@ -203,7 +174,7 @@ def test_status_interrupt_and_the_keys_across_hosts(hosts):
             finally:
                 os.unlink(f.name)
     """, timeout=300)
-    for h in hosts.hosts:
+    for h in host_cluster.hosts:
         assert h.name in out["status"], out["status"]
     assert out["timeout"] == "CellTimeout" and out["interrupt_s"] < 20, out
     assert out["after"] == [4.0] * 4, "the interrupted ranks on both hosts run the next cell"
@@ -260,11 +231,11 @@ hf_seen = (hf.args.world_size, hf.state.global_step, digest(gpt))
 """)
 
 
-def test_lightning_and_the_hugging_face_trainer_train_across_hosts(hosts):
+def test_lightning_and_the_hugging_face_trainer_train_across_hosts(host_cluster, login_side):
     """Issue 31: the frameworks' own multi-node settings on ranks over two hosts, unchanged."""
     pytest.importorskip("lightning")
     pytest.importorskip("transformers")
-    out = notebook_side(hosts, """
+    out = login_side.run("""
         session.run(RANK_CODE, output="rank0")
         out["hosts"] = [r["host"] for r in session.ranks]
         out["lightning"] = session.pull("lightning_seen")
@@ -277,6 +248,81 @@ def test_lightning_and_the_hugging_face_trainer_train_across_hosts(hosts):
     assert len({seen[3] for seen in lightning}) == 1, "identical parameters on every rank"
     hf = out["hf"]
     assert [seen[:2] for seen in hf] == [[4, 4]] * 4 and len({seen[2] for seen in hf}) == 1, hf
+
+
+def test_stop_leaves_nothing_on_any_host(host_cluster, login_side):
+    """The end of the shared cluster, which the tests above ran on (started here when this test
+    runs alone): once the session stops, no process is left on any host."""
+    assert login_side.run("out['started'] = len(session.ranks)")["started"] == 4
+    t0 = time.monotonic()
+    _shared.remove(login_side)
+    login_side.stop()
+    left = host_cluster.wait_no_processes(10)
+    if left:
+        host_cluster.kill_processes()  # so that the next test does not fail for them
+    assert left == {}, left
+    print(f"\nipydist-measure: multihost stop of 4 ranks on 2 hosts, every host empty in "
+          f"{time.monotonic() - t0:.1f} s")
+
+
+def test_a_remote_rank_killed_is_reported_with_its_host_and_restart_works(hosts):
+    out = notebook_side(hosts, """
+        import time
+        from ipydist.errors import RankDied, RankError
+        victim = session.ranks[3]
+        session.run("import ipydist.torch as hvd", output="rank0")
+        t0 = time.monotonic()
+        try:
+            session.run("import os, signal, time\\n"
+                        "if hvd.rank() == 3: os.kill(os.getpid(), signal.SIGKILL)\\n"
+                        "time.sleep(60)", output="rank0", timeout=90)
+        except Exception as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+        out["seconds"] = time.monotonic() - t0
+        out["victim_host"] = victim["host"]
+        session.restart()
+        session.run("import torch, ipydist.torch as hvd\\n"
+                    "s = hvd.allreduce(torch.ones(1), op=hvd.Sum).item()", output="rank0")
+        out["after"] = session.pull("s")
+        out["hosts_after"] = sorted({r["host"] for r in session.ranks})
+    """, elastic=False)  # the plain job: mpiexec ends it, and a restart is the way on
+    assert "rank 3" in out["error"] and out["victim_host"] in out["error"], out["error"]
+    print(f"\nipydist-measure: remote SIGKILL reported after {out['seconds']:.2f} s")
+    assert out["seconds"] < 5, f"the death took {out['seconds']:.1f} s to report"
+    assert out["after"] == [4.0] * 4
+    assert out["hosts_after"] == sorted(h.name for h in hosts.hosts)
+
+
+def test_a_killed_notebook_kernel_leaves_nothing_on_any_host(hosts):
+    """SIGKILL of the notebook side (as a kernel killed by the OS): its watchdog ends mpiexec,
+    and mpiexec's own teardown ends the daemons and ranks on the other hosts."""
+    hosts_spec = ",".join(f"{h.name}:2" for h in hosts.hosts)
+    mpi_args = shlex.join(["--prtemca", "plm_ssh_agent", hosts.rsh_agent])
+    program = (f"from ipydist import Session\n"
+               f"s = Session(hosts={hosts_spec!r}, mpi_args={mpi_args!r}, timeout=180).start()\n"
+               "print('STARTED', flush=True)\nimport time\ntime.sleep(600)\n")
+    proc = hosts.popen("login", [sys.executable, "-c", program], stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        seen = b""
+        while b"STARTED" not in seen and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen += line
+        assert b"STARTED" in seen, seen.decode(errors="replace")[-2000:]
+        busy = {h.name: hosts.processes(h.name) for h in hosts.hosts}
+        assert all(busy.values()), f"ranks run on every node: {busy}"
+        proc.kill()
+        t0 = time.monotonic()
+        left = hosts.wait_no_processes(10)
+        print(f"\nipydist-measure: after SIGKILL of the notebook side, every host empty in "
+              f"{time.monotonic() - t0:.2f} s")
+        assert left == {}, left
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_elastic_a_rank_killed_on_another_host_is_replaced_there(hosts):
