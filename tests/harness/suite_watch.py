@@ -233,8 +233,9 @@ class SuiteWatch:
 
     def pytest_sessionfinish(self, session) -> None:
         self.cpu.at(None)
-        if self.cpu.by_test and not with_workers(session.config):
-            self.cpu.save(session.config.cache.mkdir("ipydist") / "cpu-per-test.json")
+        cache = getattr(session.config, "cache", None)  # None under -p no:cacheprovider
+        if self.cpu.by_test and cache is not None and not with_workers(session.config):
+            self.cpu.save(cache.mkdir("ipydist") / "cpu-per-test.json")
         self.starts.stop()
         self.left = leftover_processes()
         if self.left and session.exitstatus == pytest.ExitCode.OK:
