@@ -187,9 +187,11 @@ class Session:
         if not dead:
             return ""
         # mpiexec ends the job, saying what ended the rank as it goes (unless --elastic heals)
-        if not self.can_heal:
+        if self.can_heal:  # the job lives on: the cause is in the daemons' log, a moment later
+            output = deaths.output_with_ends(self.cluster.mpiexec_output, dead, processes.is_here)
+        else:
             self.cluster.end_job_after_a_death(dead)
-        output = self.cluster.mpiexec_output(wait_for_exit=0.0 if self.can_heal else 2.0)
+            output = self.cluster.mpiexec_output(wait_for_exit=2.0)
         return deaths.describe_death(output, self.cluster.dead_ranks(), self.words.restart,
                                       self.cluster.plan.launcher, healing=self.can_heal,
                                       first=self.cluster.first_dead)

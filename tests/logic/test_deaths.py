@@ -4,6 +4,8 @@ PRRTE prints them at ``odls_base_verbose 5``)."""
 
 from __future__ import annotations
 
+import time
+
 from ipydist.notebook.launch import deaths
 
 LOG = """\
@@ -45,3 +47,18 @@ def test_the_logging_is_kept_out_of_what_a_failed_launch_shows():
     kept = [ln for ln in LOG.splitlines() if not deaths.is_child_end_logging(ln)]
     assert kept == []
     assert not deaths.is_child_end_logging("prterun noticed that process rank 2 with PID 1 ...")
+
+
+def test_the_report_waits_for_the_end_of_a_rank_here_and_not_for_one_elsewhere():
+    # the daemons log rank 1's end on the third look: the report waits for it
+    looks = iter(["", LOG.splitlines()[0], LOG])
+    read = lambda: next(looks, LOG)  # noqa: E731
+    assert deaths.output_with_ends(read, [RANKS[1]], lambda info: True) == LOG
+    # a rank on another host: its daemon's log never comes here, so none is waited for
+    t0 = time.monotonic()
+    assert deaths.output_with_ends(lambda: "", [RANKS[3]], lambda info: False) == ""
+    assert time.monotonic() - t0 < 0.5
+    # a rank here whose end is never logged: the report goes on after the wait
+    t0 = time.monotonic()
+    assert deaths.output_with_ends(lambda: "", [RANKS[3]], lambda info: True, wait=0.3) == ""
+    assert 0.3 <= time.monotonic() - t0 < 2

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import re
 import signal
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ipydist.specs import describe_ranks
@@ -71,6 +73,26 @@ def child_ends(output: str) -> dict[int, Death]:
         else:
             ends[pid] = Death(-1, words="exited with code 0")
     return ends
+
+
+#: How long a heal's report waits for the daemons' log of how a rank on this host ended: the
+#: notebook sees the process gone at once, mpiexec logs it a moment later (under load, after
+#: the report had been made without its cause).
+CHILD_END_WAIT_SECONDS = 2.0
+
+
+def output_with_ends(read: Callable[[], str], dead: list[dict], here: Callable[[dict], bool],
+                     wait: float = CHILD_END_WAIT_SECONDS) -> str:
+    """``read()`` (the launcher's output) once it holds the end of each rank of ``dead`` that
+    ran on this host (``here``), or after ``wait`` seconds. A rank on another host is not
+    waited for: its daemon's log is not forwarded."""
+    pids = [info["pid"] for info in dead if here(info)]
+    deadline = time.monotonic() + wait
+    output = read()
+    while any(pid not in child_ends(output) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        output = read()
+    return output
 
 
 def is_child_end_logging(line: str) -> bool:
