@@ -22,6 +22,7 @@ import time
 import psutil
 import pytest
 from helpers import RANK_COMMAND, run_cell, wait_gone
+from suite_watch import LAUNCHERS
 
 from ipydist.errors import RankDied
 
@@ -114,8 +115,8 @@ def elastic(shell, magics, no_cluster):
     if session is not None:
         magics.session = session
         try:
-            if session.death_report():
-                raise RuntimeError(session.death_report())
+            if death := session.death_report():
+                raise RuntimeError(death)
             session.run(RESET)
             if session.size != NP:
                 shell.run_cell(f"%dist_scale --np {NP}").raise_error()
@@ -136,18 +137,14 @@ def elastic(shell, magics, no_cluster):
     except Exception as e:
         print(f"the shared elastic cluster's heal failed: {e}", file=sys.__stderr__)
     ranks = {r["pid"] for r in session.ranks}
-    deadline = time.monotonic() + 10
-    while True:
-        extra = {pid: cmd for pid, cmd in _tree(session).items()
-                 if RANK_COMMAND in cmd and pid not in ranks and not _launcher(cmd)}
-        if not extra or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert not extra, f"processes of ranks that died or left still run: {extra}"
+    gone = {pid: cmd for pid, cmd in _tree(session).items()
+            if RANK_COMMAND in cmd and pid not in ranks and not _launcher(cmd)}
+    left = {pid: gone[pid] for pid in wait_gone(gone, 10)}
+    assert not left, f"processes of ranks that died or left still run: {left}"
 
 
 def _launcher(cmd: str) -> bool:
-    return os.path.basename(cmd.split(" ", 1)[0]) in {"prterun", "mpiexec", "prted"}
+    return os.path.basename(cmd.split(" ", 1)[0]) in LAUNCHERS | {"prted"}
 
 
 def _kill_mid_allreduce(shell, capsys, session, victim: int) -> tuple[float, float]:

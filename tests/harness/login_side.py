@@ -16,6 +16,13 @@ import time
 from netns_hosts import HostCluster
 
 
+def _placement(cluster: HostCluster, mpi_args: tuple[str, ...] = ()) -> tuple[str, str]:
+    """``Session``'s ``hosts`` (2 ranks on each node) and ``mpi_args`` (mpiexec's ssh through
+    the namespaces, then ``mpi_args``) for ``cluster``."""
+    return (",".join(f"{h.name}:2" for h in cluster.hosts),
+            shlex.join(["--prtemca", "plm_ssh_agent", cluster.rsh_agent, *mpi_args]))
+
+
 def notebook_side(cluster: HostCluster, body: str, rank_code: str = "",
                   timeout: float = 240, elastic: bool | None = None, transport: str = "auto",
                   mpi_args: tuple[str, ...] = ()) -> dict:
@@ -23,8 +30,7 @@ def notebook_side(cluster: HostCluster, body: str, rank_code: str = "",
     ``elastic`` and ``transport`` as ``Session`` takes them, ``mpi_args`` added to mpiexec's);
     ``body`` fills the dict ``out``, printed as the last line, and finds ``rank_code`` in
     ``RANK_CODE``."""
-    hosts = ",".join(f"{h.name}:2" for h in cluster.hosts)
-    mpi_args = shlex.join(["--prtemca", "plm_ssh_agent", cluster.rsh_agent, *mpi_args])
+    hosts, mpi_args = _placement(cluster, mpi_args)
     program = "\n".join([
         "import json, sys",
         "from ipydist import Session",
@@ -79,8 +85,7 @@ class SharedNotebookSide:
     start across hosts costs the CPU of four ranks importing torch and of ssh (issue 46)."""
 
     def __init__(self, cluster: HostCluster, timeout: float = 180) -> None:
-        hosts = ",".join(f"{h.name}:2" for h in cluster.hosts)
-        mpi_args = shlex.join(["--prtemca", "plm_ssh_agent", cluster.rsh_agent])
+        hosts, mpi_args = _placement(cluster)
         options = json.dumps({"hosts": hosts, "mpi_args": mpi_args, "timeout": 180})
         self.proc = cluster.popen("login", [sys.executable, "-c", SERVER, options],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE,
