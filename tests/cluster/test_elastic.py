@@ -136,7 +136,7 @@ def elastic(shell, magics, no_cluster):
         session.healed()  # a test that failed right after a kill: the heal may be under way
     except Exception as e:
         print(f"the shared elastic cluster's heal failed: {e}", file=sys.__stderr__)
-    ranks = {r["pid"] for r in session.ranks}
+    ranks = {pid for r in session.ranks for pid in (r["pid"], r["launched_pid"])}
     gone = {pid: cmd for pid, cmd in _tree(session).items()
             if RANK_COMMAND in cmd and pid not in ranks and not _launcher(cmd)}
     left = {pid: gone[pid] for pid in wait_gone(gone, 10)}

@@ -140,6 +140,7 @@ class Cluster:
             f"--IPEngine.enable_nanny={self.plan.multi_host}",
         ]
         cfg.environment = dict(self.plan.env)
+        cfg.environment.setdefault(protocol.FORKSERVER_ENV, secrets.token_hex(8))
         if not self.plan.multi_host:
             cfg.environment[protocol.RENDEZVOUS_PARENT_ENV] = self.profile_dir
         cluster.start_controller_sync()
@@ -292,7 +293,7 @@ class Cluster:
         (here it may be another process, which must not be signalled); mpiexec's or Slurm's
         teardown ends it."""
         pids = [p for info in self.ranks if processes.is_here(info)
-                for p in (info["pid"], info.get("nanny_pid")) if p]
+                for p in (info["pid"], info.get("launched_pid"), info.get("nanny_pid")) if p]
         if self._ipp is not None:
             for launcher in [self._ipp.controller, *self._ipp.engines.values()]:
                 if launcher is not None and getattr(launcher, "pid", -1) > 0:

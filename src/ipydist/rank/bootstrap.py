@@ -216,7 +216,14 @@ def end_with_launcher(poll: float = LAUNCHER_POLL_SECONDS) -> int:
     ended (issue 46). So each rank polls its parent's pid in a thread. Not
     ``prctl(PR_SET_PDEATHSIG)``: the kernel sends that signal when the parent *thread* that
     forked the rank ends, and a launcher may fork from a thread that ends before the job.
+    A rank forked by this host's fork server watches the process its launcher started instead
+    (:func:`ipydist.rank.forkserver.watch_stub`).
     """
+    from ipydist.rank import forkserver
+
+    if forkserver.lifeline is not None:
+        forkserver.watch_stub(_say_launcher_gone)
+        return forkserver.stub_pid
     parent = os.getppid()
     threading.Thread(target=_watch_launcher, args=(parent, poll), daemon=True,
                      name="ipydist-launcher-watch").start()
@@ -226,8 +233,15 @@ def end_with_launcher(poll: float = LAUNCHER_POLL_SECONDS) -> int:
 def _watch_launcher(parent: int, poll: float) -> None:
     while os.getppid() == parent:
         time.sleep(poll)
-    rank = os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ.get("PMI_RANK") or "?"
-    sys.stderr.write(f"ipydist: rank {rank} (pid {os.getpid()}) ends: its launcher (pid "
-                     f"{parent}) is gone, so its job is over.\n")
-    sys.stderr.flush()
+    _say_launcher_gone(parent)
     os._exit(1)
+
+
+def _say_launcher_gone(launcher: int) -> None:
+    rank = os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ.get("PMI_RANK") or "?"
+    try:
+        sys.stderr.write(f"ipydist: rank {rank} (pid {os.getpid()}) ends: its launcher (pid "
+                         f"{launcher}) is gone, so its job is over.\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass

@@ -19,6 +19,7 @@ from ipydist import protocol
 from ipydist.rank import (
     cell_numbers,
     consensus,
+    forkserver,
     frameworks,
     released_errors,
     watcher,
@@ -85,6 +86,8 @@ def info() -> dict:
         "cross_size": rt.cross_size,
         "host": rt.host or socket.gethostname(),
         "pid": os.getpid(),
+        #: The process its launcher started (a stub, where the fork server forked this rank).
+        "launched_pid": forkserver.stub_pid or os.getpid(),
         "device": str(rt.device),
         "backend": rt.backend if dist.is_initialized() else "(none)",
         "transport": "hierarchical" if rt.node_data is not None else rt.transport,

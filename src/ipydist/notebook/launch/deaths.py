@@ -86,13 +86,19 @@ def output_with_ends(read: Callable[[], str], dead: list[dict], here: Callable[[
     """``read()`` (the launcher's output) once it holds the end of each rank of ``dead`` that
     ran on this host (``here``), or after ``wait`` seconds. A rank on another host is not
     waited for: its daemon's log is not forwarded."""
-    pids = [info["pid"] for info in dead if here(info)]
+    pids = [launched_pid(info) for info in dead if here(info)]
     deadline = time.monotonic() + wait
     output = read()
     while any(pid not in child_ends(output) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
         output = read()
     return output
+
+
+def launched_pid(info: dict) -> int:
+    """The pid under which the launcher knows a rank (what its logs and reports name): the
+    process it started, which stands in for a rank forked by the host's fork server."""
+    return info.get("launched_pid") or info["pid"]
 
 
 def is_child_end_logging(line: str) -> bool:
@@ -134,7 +140,7 @@ def find_death(output: str, dead: list[dict]) -> Death | None:
     when no rank is dead."""
     if not dead:
         return None
-    by_pid = {info["pid"]: info["rank"] for info in dead}
+    by_pid = {launched_pid(info): info["rank"] for info in dead}
     found: Death | None = None
     if m := _OMPI_DEATH.search(output):
         found = Death(int(m.group(1)), signal=int(m.group(4)))
@@ -186,7 +192,7 @@ def describe_death(output: str, dead: list[dict], restart: str,
         ranks = sorted(info["rank"] for info in dead)
         text = "; ".join(
             f"rank {info['rank']} (pid {info['pid']} on {info['host']}) died"
-            + (f": {end.cause()}" if (end := ends.get(info["pid"])) and end.cause() else "")
+            + (f": {end.cause()}" if (end := ends.get(launched_pid(info))) and end.cause() else "")
             for info in sorted(dead, key=lambda i: i["rank"]))
         one = len(ranks) == 1
         return (f"{text}. The other ranks keep their state: {describe_ranks(ranks)} "
