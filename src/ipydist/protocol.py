@@ -51,7 +51,7 @@ RENDEZVOUS_PARENT_ENV = "IPYDIST_RENDEZVOUS_PARENT"
 #: ``--env``.
 CHECK_COLLECTIVES_ENV = "IPYDIST_CHECK_COLLECTIVES"
 #: The name of the cluster's fork servers, one per host, which import torch once and fork the
-#: host's ranks (``ipydist.rank.forkserver``); ``0`` (``--env IPYDIST_FORKSERVER=0``): every
+#: host's ranks (``ipydist.rank.start.forkserver``); ``0`` (``--env IPYDIST_FORKSERVER=0``): every
 #: rank imports torch itself.
 FORKSERVER_ENV = "IPYDIST_FORKSERVER"
 DEFAULT_PG_TIMEOUT = 600.0

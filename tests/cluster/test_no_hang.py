@@ -148,7 +148,8 @@ AGREE_SCRIPT = textwrap.dedent("""\
 RECOVER_SCRIPT = textwrap.dedent("""\
     import time
     import torch
-    from ipydist.rank import calls, bootstrap
+    from ipydist.rank import calls
+    from ipydist.rank.start import bootstrap
     import ipydist.torch as hvd
     from ipydist.torch._core import process_group
     rt = bootstrap.bootstrap()

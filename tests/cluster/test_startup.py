@@ -242,7 +242,7 @@ def test_ranks_that_wait_for_a_slow_one_sleep_instead_of_spinning(shell, capsys,
     run_ok(shell, capsys, """%%everyrank
 import time
 from mpi4py import MPI
-from ipydist.rank.bootstrap import meet_without_spinning
+from ipydist.rank.start.bootstrap import meet_without_spinning
 _comm = MPI.COMM_WORLD.Dup()
 def _waited(wait):
     _comm.Barrier()

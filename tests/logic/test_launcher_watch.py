@@ -1,5 +1,6 @@
-"""A rank ends when its launcher is gone (``ipydist.rank.bootstrap.end_with_launcher``, issue
-46): a real parent process is SIGKILLed, and its child, which watches it, ends by itself."""
+"""A rank ends when its launcher is gone
+(``ipydist.rank.start.bootstrap.end_with_launcher``, issue 46): a real parent process is
+SIGKILLed, and its child, which watches it, ends by itself."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ LAUNCHER = textwrap.dedent("""
 RANK = textwrap.dedent("""
     import os, time
     os.environ["OMPI_COMM_WORLD_RANK"] = "3"
-    from ipydist.rank.bootstrap import end_with_launcher
+    from ipydist.rank.start.bootstrap import end_with_launcher
     end_with_launcher(poll=0.05)
     print("guarded", flush=True)
     time.sleep(120)

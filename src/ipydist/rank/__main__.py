@@ -1,19 +1,19 @@
 """``python -m ipydist.rank [ipengine arguments]``: what mpiexec starts on every rank.
 
-Where a fork server runs the rank (:mod:`ipydist.rank.forkserver`), this process only stands
+Where a fork server runs the rank (:mod:`ipydist.rank.start.forkserver`), this process only stands
 in for it, and what follows runs in the forked rank.
 
 The heavy work (importing torch, pinning the GPU, the process-group rendezvous) happens in
-:func:`~ipydist.rank.bootstrap.bootstrap` while the notebook side is still starting the
+:func:`~ipydist.rank.start.bootstrap.bootstrap` while the notebook side is still starting the
 controller, so the first cell can run as soon as the engines register. Then the process
 becomes an ordinary ipyparallel engine, given the remaining arguments unchanged.
 """
 
-from ipydist.rank import forkserver
+from ipydist.rank.start import forkserver
 
 forkserver.run_rank_there()  # this host's fork server runs the rank, if there is one
 
-from ipydist.rank.bootstrap import bootstrap  # noqa: E402
+from ipydist.rank.start.bootstrap import bootstrap  # noqa: E402
 
 # First, before ipyparallel is even imported: the release watcher must block its signal before
 # any other thread exists (threads inherit the mask).

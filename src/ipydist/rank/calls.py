@@ -19,12 +19,12 @@ from ipydist import protocol
 from ipydist.rank import (
     cell_numbers,
     consensus,
-    forkserver,
     frameworks,
     released_errors,
     watcher,
 )
 from ipydist.rank.introspection import control, debugger
+from ipydist.rank.start import forkserver
 from ipydist.torch._core import events, process_group, resync, shims, topology, waiting
 from ipydist.torch._wire import handles
 from ipydist.torch.horovod import process_sets

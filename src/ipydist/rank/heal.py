@@ -9,9 +9,9 @@ orders the merged world so that a survivor keeps its rank and a replacement take
 of the rank it replaces (Bland et al., "Post-failure recovery of MPI communication
 capability", 2013: revoke, shrink, spawn, merge). The replacement runs ``python -m
 ipydist.rank`` like any rank, and its bootstrap finds that world
-(:func:`ipydist.rank.replacement.world`); both sides then make the rank's runtime and process
-group in the same collective steps (:func:`ipydist.rank.bootstrap.join`). It registers with the
-controller as a new engine, and the notebook copies rank 0's state to it
+(:func:`ipydist.rank.start.replacement.world`); both sides then make the rank's runtime and
+process group in the same collective steps (:func:`ipydist.rank.start.bootstrap.join`). It
+registers with the controller as a new engine, and the notebook copies rank 0's state to it
 (:mod:`ipydist.rank.state_copy`).
 """
 
@@ -21,7 +21,7 @@ import os
 import threading
 import time
 
-from ipydist.rank import replacement
+from ipydist.rank.start import replacement
 
 
 def heal(dead: list[int], replace: bool, hosts: list[str] | None = None,
@@ -93,7 +93,7 @@ def resize(size: int, env: list[str] = ()) -> dict:
 def _rejoin(world, rt, started: float) -> dict:
     """This rank's runtime and process group in ``world`` (the old group's connections are
     dropped: some lead to ranks gone); what the notebook may show."""
-    from ipydist.rank import bootstrap
+    from ipydist.rank.start import bootstrap
     from ipydist.torch._core import process_group, topology
 
     process_group.abandon()

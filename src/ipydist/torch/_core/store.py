@@ -5,7 +5,7 @@ all, so nothing on the machine's network can read or write the rendezvous keys. 
 TCPStore would listen on every interface, unauthenticated, whatever address it is given.
 Across hosts a file would need a filesystem every host shares and locks on it, so it is a
 TCPStore: rank 0 listens on a free port and tells the others over MPI; its address is the
-one on the network the hosts share (see ``ipydist.rank.bootstrap``).
+one on the network the hosts share (see ``ipydist.rank.start.bootstrap``).
 """
 
 from __future__ import annotations

@@ -384,7 +384,7 @@ def watch_stub(report) -> None:
 def main() -> None:
     key = os.environ.get(protocol.FORKSERVER_ENV, "")
     if not key:
-        sys.exit("ipydist.rank.forkserver: started without IPYDIST_FORKSERVER")
+        sys.exit("ipydist.rank.start.forkserver: started without IPYDIST_FORKSERVER")
     request = serve(key)
     if request is None:
         sys.exit(0)
@@ -394,6 +394,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":  # run by its real name, so a forked rank sees what _become set
-    from ipydist.rank import forkserver
+    from ipydist.rank.start import forkserver
 
     forkserver.main()

@@ -18,7 +18,8 @@ import time
 
 from ipydist import protocol
 from ipydist.errors import LaunchError
-from ipydist.rank import channel, device, replacement, watcher
+from ipydist.rank import channel, device, watcher
+from ipydist.rank.start import replacement
 from ipydist.specs import SpecError, parse_gpus
 
 
@@ -217,9 +218,9 @@ def end_with_launcher(poll: float = LAUNCHER_POLL_SECONDS) -> int:
     ``prctl(PR_SET_PDEATHSIG)``: the kernel sends that signal when the parent *thread* that
     forked the rank ends, and a launcher may fork from a thread that ends before the job.
     A rank forked by this host's fork server watches the process its launcher started instead
-    (:func:`ipydist.rank.forkserver.watch_stub`).
+    (:func:`ipydist.rank.start.forkserver.watch_stub`).
     """
-    from ipydist.rank import forkserver
+    from ipydist.rank.start import forkserver
 
     if forkserver.lifeline is not None:
         forkserver.watch_stub(_say_launcher_gone)
