@@ -140,7 +140,10 @@ class Cluster:
             f"--IPEngine.enable_nanny={self.plan.multi_host}",
         ]
         cfg.environment = dict(self.plan.env)
-        cfg.environment.setdefault(protocol.FORKSERVER_ENV, secrets.token_hex(8))
+        # One fork server per host for this cluster (a new name each start), unless turned
+        # off with --env or in the kernel's own environment.
+        off = os.environ.get(protocol.FORKSERVER_ENV) == "0"
+        cfg.environment.setdefault(protocol.FORKSERVER_ENV, "0" if off else secrets.token_hex(8))
         if not self.plan.multi_host:
             cfg.environment[protocol.RENDEZVOUS_PARENT_ENV] = self.profile_dir
         cluster.start_controller_sync()
