@@ -72,9 +72,16 @@ def test_a_rank_ends_with_its_stub_and_a_dead_server_stops_nothing(shell, capsys
     assert wait_gone(pids, 10) == []
 
 
-def test_the_server_ends_with_its_ranks_and_can_be_turned_off(shell, magics, no_cluster):
+def test_ranks_keep_their_binding_the_server_ends_with_them_and_can_be_turned_off(
+        shell, magics, no_cluster):
     shell.run_cell("%dist_start --np 2").raise_error()
     (server,) = _servers(magics.session)
+    # Open MPI binds each of 2 ranks to a core of its own: the process it started was bound,
+    # and the rank forked for it is bound alike (not as the server, which the first one
+    # started).
+    for info in magics.session.ranks:
+        stub = psutil.Process(info["launched_pid"]).cpu_affinity()
+        assert psutil.Process(info["pid"]).cpu_affinity() == stub, info
     magics.session.stop(quiet=True)
     magics.session = None
     assert wait_gone([server], 10) == [], "the fork server outlived its cluster"

@@ -46,7 +46,10 @@ def test_the_plan_keeps_one_host_on_loopback_and_names_the_launch():
     plan = slurm.plan(2, "openmpi", slurm.Request(), {"A": "1"}, None, env={})
     assert plan.launcher == "salloc" and plan.allocates and not plan.multi_host
     assert plan.env == {"A": "1", "GLOO_SOCKET_IFNAME": "lo", "OMPI_MCA_btl": "self,sm",
-                        "OMPI_MCA_coll_libnbc_iallreduce_algorithm": "3"}
+                        "OMPI_MCA_coll_libnbc_iallreduce_algorithm": "3",
+                        "IPYDIST_FORKSERVER": "0"}  # srun's tasks are the ranks themselves
+    assert slurm.plan(2, "openmpi", slurm.Request(), {"IPYDIST_FORKSERVER": "a"}, None,
+                      env={}).env["IPYDIST_FORKSERVER"] == "a", "--env wins"
     assert plan.title == "Slurm (salloc, then srun)"
     inside = slurm.plan(2, "openmpi", slurm.Request(), {}, None, env=ALLOCATION)
     assert inside.launcher == "srun" and not inside.allocates

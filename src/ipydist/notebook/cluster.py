@@ -141,7 +141,7 @@ class Cluster:
         ]
         cfg.environment = dict(self.plan.env)
         # One fork server per host for this cluster (a new name each start), unless turned
-        # off with --env or in the kernel's own environment.
+        # off (--env, the kernel's own environment, or the plan: see launch/slurm.py).
         off = os.environ.get(protocol.FORKSERVER_ENV) == "0"
         cfg.environment.setdefault(protocol.FORKSERVER_ENV, "0" if off else secrets.token_hex(8))
         if not self.plan.multi_host:

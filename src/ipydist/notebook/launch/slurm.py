@@ -22,6 +22,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 
+from ipydist import protocol
 from ipydist.errors import LaunchError
 from ipydist.notebook.launch.hosts import Hosts, with_route
 from ipydist.notebook.launch.hosts import choose as choose_hosts
@@ -140,6 +141,10 @@ def plan(np: int, flavor: str, request: Request, rank_env: dict[str, str],
         rank_env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if flavor == "openmpi":
         rank_env = {**openmpi_tuning(env), **rank_env}
+    # Each rank imports torch itself: Slurm accounts for, binds and confines each task as the
+    # process srun started, where a forked rank would be counted and confined as the fork
+    # server (ipydist.rank.start.forkserver).
+    rank_env.setdefault(protocol.FORKSERVER_ENV, "0")
     if flavor == "openmpi" and not any(k.startswith("OMPI_MCA_btl") for k in env):
         # as with mpiexec: across hosts MPI's TCP on the hosts' network, on one host shared
         # memory only (srun has no --mca: Open MPI reads these from the environment)

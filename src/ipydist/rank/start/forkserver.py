@@ -43,9 +43,10 @@ stub_pid: int | None = None
 
 #: What the server imports before it forks: the third-party modules every rank imports (its
 #: own modules stay out: they may read the environment when imported, and each rank has its
-#: own).
-PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "numpy", "mpi4py",
-           "ipyparallel.engine.app", "ipykernel.ipkernel", "IPython")
+#: own). In the order a rank imports them: ``tqdm.auto`` picks its bar when first imported,
+#: the text bar only before ipykernel's shell is (``ipydist.rank.progress``).
+PRELOAD = ("tqdm.autonotebook", "torch", "torch.distributed", "torch.nn.parallel", "numpy",
+           "mpi4py", "ipyparallel.engine.app", "ipykernel.ipkernel", "IPython")
 #: How long a stub waits for its rank's pid (the server may still be importing torch on a busy
 #: host) before it runs the rank itself.
 FORK_WAIT_SECONDS = 120.0
@@ -127,7 +128,8 @@ def _ask(conn: socket.socket) -> int | None:
     try:
         fds = _open_fds(exclude={conn.fileno(), read_end, write_end})
         request = {"argv": sys.argv, "env": dict(os.environ), "cwd": os.getcwd(),
-                   "stub": os.getpid(), "fds": [[fd, os.get_inheritable(fd)] for fd in fds]}
+                   "stub": os.getpid(), "fds": [[fd, os.get_inheritable(fd)] for fd in fds],
+                   "cores": sorted(os.sched_getaffinity(0)), "umask": _umask()}
         try:
             socket.send_fds(conn, [json.dumps(request).encode()], [*fds, read_end])
         except OSError:
@@ -149,6 +151,12 @@ def _keep(fd: int) -> None:
 
 
 _lifeline_writer: int | None = None
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _open_fds(exclude: set[int]) -> list[int]:
@@ -350,6 +358,10 @@ def _become(request: dict) -> dict:
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
+    os.umask(request["umask"])
+    # The cores mpiexec bound the stub to (Open MPI binds each of 2 ranks to a core of its
+    # own), not the first stub's, which the server inherited.
+    os.sched_setaffinity(0, request["cores"])
     sys.argv[:] = request["argv"]
     if "numpy.random" in sys.modules:  # imported here: each rank draws its own seed, as fresh
         sys.modules["numpy.random"].seed()
