@@ -204,6 +204,14 @@ def test_sigkill_during_a_write_leaves_the_previous_checkpoint(tmp_path):
 # --- on a real 4-rank cluster ---------------------------------------------------------------
 
 
+@pytest.fixture
+def cluster(cluster, shell):
+    """The shared cluster, with torch and ``hvd`` on every rank: a test here must not rely on
+    an earlier one's names (the cluster may have been started again since; issue 46)."""
+    shell.run_cell("%everyrank import torch, ipydist.torch as hvd").raise_error()
+    return cluster
+
+
 def ok(shell, capsys, code: str):
     result, out, err = run_cell(shell, capsys, code)
     if result.error_in_exec is not None:
