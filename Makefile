@@ -11,10 +11,9 @@ NP ?= 4
 # --dist loadgroup: each file whole in one worker, its module's clusters made once; the hosts
 # tier all in one, since it takes one address range and one Slurm; a test marked alone, or one
 # with its own CPU hogs, runs with nothing beside it: tests/harness/worker_turns.py). One, since
-# the suite is bound by the CPU: it keeps the machine busy for 44 CPU-minutes (cluster 25, hosts
-# 10, browser 8), ranks importing torch at each start the largest part, and on 2 cores 3 workers
-# took 29:59 where one took 31:57, every test 2.5 times as long (load average 23), and 9 tests
-# failed from it. Workers pay once the CPU a test costs comes down (issue 46).
+# the suite is bound by the CPU (35 CPU-minutes: cluster 20, hosts 8, browser 6) and not yet
+# safe beside itself: 2 workers took 21:55 where one took 28:56, and 6 tests failed there
+# (docs/developing.md says which and why).
 TEST_WORKERS ?= 0
 # Material for MkDocs prints a banner on every build (its end of life, May 2027, and its successor
 # Zensical); the variable silences the banner only, not warnings, which --strict makes errors.
