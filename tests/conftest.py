@@ -45,14 +45,23 @@ def pytest_runtest_protocol(item, nextitem):
         yield
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups off the marks
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's own (see below)
 def pytest_collection_modifyitems(config, items):
     """With several workers (``--dist loadgroup``): the long tiers first, and each test in its
-    worker group (worker_turns.group_of): a file whole in one worker, the hosts tier all in one."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        suite_watch.longest_first(items)
-        for item in items:
-            item.add_marker(pytest.mark.xdist_group(worker_turns.group_of(item.nodeid)))
+    worker group (worker_turns.group_of): a file whole in one worker, the hosts tier all in one.
+
+    pytest-xdist's scheduler reads a test's group from its id (``...::test@group``), which its
+    worker sets from the ``xdist_group`` mark by writing ``item._nodeid``; pytest 9.2 reads the
+    id from ``item._id``, so the group was lost and a file's tests were dealt to both workers
+    (each on its own shared cluster). So the id is set here."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    suite_watch.longest_first(items)
+    for item in items:
+        group = worker_turns.group_of(item.nodeid)
+        item.add_marker(pytest.mark.xdist_group(group))
+        if "@" not in item.nodeid and hasattr(item, "_id"):
+            item._id = type(item._id).parse(f"{item.nodeid}@{group}")
 
 
 @pytest.fixture(scope="session")
