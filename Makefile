@@ -12,8 +12,8 @@ NP ?= 4
 # tier all in one, since it takes one address range and one Slurm; a test marked alone, or one
 # with its own CPU hogs, runs with nothing beside it: tests/harness/worker_turns.py). One, since
 # the suite is bound by the CPU (35 CPU-minutes: cluster 20, hosts 8, browser 6) and not yet
-# safe beside itself: 2 workers took 21:55 where one took 28:56, and 6 tests failed there;
-# pytest 9.2 with pytest-xdist 3.8 applies no group, so files are split (docs/developing.md).
+# safe beside itself: 2 workers took 21:37 where one took 26:41, and 5 tests failed there
+# (docs/developing.md says which).
 TEST_WORKERS ?= 0
 # Material for MkDocs prints a banner on every build (its end of life, May 2027, and its successor
 # Zensical); the variable silences the banner only, not warnings, which --strict makes errors.
