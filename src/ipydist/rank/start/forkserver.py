@@ -24,6 +24,7 @@ mpiexec ends a rank by ending the process it started, SIGKILL included.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import select
@@ -141,16 +142,7 @@ def _ask(conn: socket.socket) -> int | None:
     if not reply or not reply.startswith(b"pid "):
         os.close(write_end)
         return None
-    _keep(write_end)
-    return int(reply.split()[1])
-
-
-def _keep(fd: int) -> None:
-    global _lifeline_writer
-    _lifeline_writer = fd
-
-
-_lifeline_writer: int | None = None
+    return int(reply.split()[1])  # write_end stays open for this stub's life
 
 
 def _umask() -> int:
@@ -347,7 +339,7 @@ def _become(request: dict) -> dict:
     """In the forked child: take the stub's descriptors, environment, folder and arguments."""
     global lifeline, stub_pid
     received = request["received"]
-    high = [os.dup(fd) if fd >= 1000 else _dup_high(fd) for fd in received]
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1000) for fd in received]  # clear of the targets
     for fd in received:
         os.close(fd)
     for (target, inheritable), fd in zip(request["fds"], high):
@@ -366,12 +358,6 @@ def _become(request: dict) -> dict:
     if "numpy.random" in sys.modules:  # imported here: each rank draws its own seed, as fresh
         sys.modules["numpy.random"].seed()
     return request
-
-
-def _dup_high(fd: int) -> int:
-    import fcntl
-
-    return fcntl.fcntl(fd, fcntl.F_DUPFD, 1000)
 
 
 def watch_stub(report) -> None:
