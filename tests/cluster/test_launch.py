@@ -54,6 +54,24 @@ def test_openmpi_plan_oversubscribes_allows_root_and_forwards_env(monkeypatch):
     assert not plan.multi_host
 
 
+def test_open_mpi_s_session_folder_goes_in_the_cluster_s_own_on_one_host(monkeypatch):
+    monkeypatch.delenv("PRTE_MCA_prte_tmpdir_base", raising=False)
+    key = "PRTE_MCA_prte_tmpdir_base"
+    one = mpiexec.plan("mpiexec", 2, "", {}, cores=2, flavor="openmpi", is_root=False)
+    assert mpiexec.session_folder_env(one, "/tmp/ipydist-x") == {key: "/tmp/ipydist-x"}
+    # not where the user chose one, across hosts, with MPICH, or past a socket path's length
+    mine = mpiexec.plan("mpiexec", 2, "--prtemca prte_tmpdir_base /scratch", {},
+                        flavor="openmpi", is_root=False)
+    across = mpiexec.plan("mpiexec", 4, "--host a:2,b:2", {}, flavor="openmpi", is_root=False,
+                          elastic=False)
+    mpich = mpiexec.plan("mpiexec", 2, "", {}, flavor="mpich", is_root=False)
+    for plan in (mine, across, mpich):
+        assert mpiexec.session_folder_env(plan, "/tmp/ipydist-x") == {}, plan.args
+    assert mpiexec.session_folder_env(one, "/" + "d" * 80) == {}
+    monkeypatch.setenv(key, "/scratch")
+    assert mpiexec.session_folder_env(one, "/tmp/ipydist-x") == {}
+
+
 def test_elastic_is_on_by_default_across_hosts_where_the_mpi_has_fault_tolerance(tmp_path):
     real = mpiexec.find_mpiexec()
     across = ["--host", "a:2,b:2"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 import time
 
@@ -91,12 +92,18 @@ def test_ranks_whose_mpiexec_is_killed_end_by_themselves(shell, capsys, no_clust
     each rank sees its launcher gone and ends itself (issue 46: a rank outlived its job)."""
     run_cell(shell, capsys, "%dist_start --np 2")[0].raise_error()
     pids = cluster_pids(magics.session)
+    # mpiexec's session folder (PMIx's sockets) is in the cluster's own folder, not the temp
+    # folder's ompi.<pid>, where a killed mpiexec left it to fail a later one with its pid
+    session = os.path.join(magics.session.cluster.profile_dir, f"ompi.{pids['mpiexec'][0]}")
+    assert os.path.isdir(session)
     try:
         psutil.Process(pids["mpiexec"][0]).kill()
         assert wait_gone(pids["engines"], timeout=5) == [], "ranks ran 5 s after mpiexec died"
     finally:
         run_cell(shell, capsys, "%dist_stop")
     assert wait_gone([p for group in pids.values() for p in group]) == []
+    assert not os.path.exists(session)
+    assert not os.path.exists(os.path.join(tempfile.gettempdir(), f"ompi.{pids['mpiexec'][0]}"))
 
 
 def test_dist_restart_replaces_every_process(shell, capsys, no_cluster, magics):

@@ -17,3 +17,13 @@ def pytest_collection_modifyitems(items):
         if used and "tests/logic/" in str(item.path).replace("\\", "/"):
             raise pytest.UsageError(
                 f"{item.nodeid} uses {sorted(used)}: cluster tests go in tests/cluster")
+
+
+@pytest.fixture
+def idle_shell(shell, magics, monkeypatch):
+    """The shared shell as if no cluster were running, for a test of what a magic says then.
+    With several workers a cluster test file may run first in the same worker and leave the
+    shared cluster in this shell (tests/conftest.py); it is set aside, not stopped, and given
+    back after the test."""
+    monkeypatch.setattr(magics, "session", None)
+    return shell

@@ -19,8 +19,10 @@ class _Kernel:
 
 
 @pytest.fixture
-def kernel_shell(shell, monkeypatch):
-    """The test shell (ipydist loaded), with no kernel until a test gives it one."""
+def kernel_shell(idle_shell, monkeypatch):
+    """The test shell (ipydist loaded), with no cluster (``idle_shell``) and no kernel until a
+    test gives it one."""
+    shell = idle_shell
     monkeypatch.setattr(shell, "kernel", None, raising=False)
     return shell
 

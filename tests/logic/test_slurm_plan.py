@@ -117,7 +117,8 @@ def test_a_rank_that_srun_saw_die_is_named_with_its_signal():
     assert "srun then stopped rank 2." in text
 
 
-def test_the_magic_takes_the_slurm_options_and_refuses_them_without_the_launcher(shell):
+def test_the_magic_takes_the_slurm_options_and_refuses_them_without_the_launcher(idle_shell):
+    shell = idle_shell
     from IPython.utils.capture import capture_output
 
     with capture_output() as captured:

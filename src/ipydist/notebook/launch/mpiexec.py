@@ -337,6 +337,33 @@ def describe_failure(what: str, output: str, code: int | None, mpiexec: str,
     return "\n".join(parts)
 
 
+#: PRRTE's MCA parameter for the folder its session folder (``ompi.<pid>``) goes in.
+SESSION_BASE = "prte_tmpdir_base"
+#: The longest Unix socket path (``sun_path`` less its final NUL): PMIx's rendezvous sockets go
+#: in the session folder, ``ompi.<pid>/pmix.<host>.tool.prterun-<host>-<pid>@0``.
+_SOCKET_PATH_MAX = 107
+
+
+def session_folder_env(plan: Plan, folder: str) -> dict[str, str]:
+    """On one host with Open MPI's mpiexec: the environment that puts mpiexec's session
+    folder inside ``folder`` (the cluster's own, removed when it stops), unless the user chose
+    one. By default it is ``$TMPDIR/ompi.<pid>``, which an mpiexec that was SIGKILLed leaves
+    behind, with PMIx's rendezvous sockets in it; an mpiexec started later with the same pid
+    (pids come round again: 32768 of them by default) then cannot bind its own and fails with
+    "The PMIx server's listener thread failed to start" (issue 46: once in a test run). Not
+    across hosts: the daemons there would make the folder on their own hosts, and leave it.
+    Not where PMIx's socket path would be too long for a Unix socket."""
+    if plan.flavor != "openmpi" or plan.multi_host or plan.command != [plan.mpiexec]:
+        return {}
+    if f"PRTE_MCA_{SESSION_BASE}" in os.environ or _mca_set(plan.args, SESSION_BASE):
+        return {}
+    host = socket.gethostname().split(".")[0]
+    longest = os.path.join(folder, "ompi.4194304", f"pmix.{host}.tool.prterun-{host}-4194304@0")
+    if len(longest) > _SOCKET_PATH_MAX:
+        return {}
+    return {f"PRTE_MCA_{SESSION_BASE}": folder}
+
+
 def _mca_set(user_args: list[str], name: str) -> bool:
     """Whether the user chose MCA parameter ``name`` (on the command line or in the env)."""
     if f"OMPI_MCA_{name}" in os.environ:
