@@ -87,7 +87,7 @@ def notebook_side(c: SlurmCluster, argv_prefix: list[str], code: str,
     done = c.run([*argv_prefix, sys.executable, "-c", code], timeout=timeout)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
     assert done.returncode == 0 and lines, (
-        f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-12000:]}")
     return {**json.loads(lines[-1][len("RESULT "):]), "_stdout": done.stdout,
             "_stderr": done.stderr}
 
