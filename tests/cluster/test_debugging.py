@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from helpers import run_cell, run_ok
+from helpers import TRIALS, run_cell, run_ok
 
 from ipydist.errors import RankError
 
@@ -101,6 +101,6 @@ def test_stacks_while_a_cell_runs(shell, capsys, cluster, magics):
 
 
 def test_stacks_while_a_cell_runs_under_load(shell, capsys, cluster, magics, hogs):
-    for _ in range(3):
+    for _ in range(TRIALS):
         found, _ = stacks_during_a_cell(magics.session)
         check_stacks(found)

@@ -21,13 +21,12 @@ import time
 
 import psutil
 import pytest
-from helpers import RANK_COMMAND, run_cell, wait_gone
+from helpers import RANK_COMMAND, TRIALS, run_cell, wait_gone
 from suite_watch import LAUNCHERS
 
 from ipydist.errors import RankDied
 
 NP = 4
-TRIALS = int(os.environ.get("IPYDIST_TEST_TRIALS", "2"))
 #: A model, its DistributedOptimizer and a sampler of this rank's part of the data, trained a
 #: few steps before the kill.
 SETUP = """

@@ -10,7 +10,7 @@ import contextlib
 import io
 
 import pytest
-from helpers import NP, pulled, run_cell, run_ok
+from helpers import NP, TRIALS, pulled, run_cell, run_ok
 
 import ipydist
 from ipydist.errors import RankError
@@ -129,7 +129,7 @@ def test_operations_started_across_a_barrier_meet_on_two_ranks(wire):
 def test_operations_across_a_barrier_meet_under_load(shell, capsys, cluster, hogs):
     """The same on a loaded machine (busy loops on every core), where the ranks reach the
     barrier and the starts in other orders."""
-    for _ in range(3):
+    for _ in range(TRIALS):
         run_ok(shell, capsys, "%%everyrank\n" + ACROSS_A_BARRIER)
         for outcome in pulled(shell, "outcome"):
             assert tuple(outcome) == expected(NP)

@@ -27,6 +27,7 @@ import time
 import pytest
 from helpers import (
     NP,
+    TRIALS,
     assert_collectives_work,
     idle_cpu_and_retired_connections,
     restart_and_check,
@@ -36,7 +37,6 @@ from helpers import (
 
 from ipydist.errors import CellInterrupted, CellTimeout, RankDied, RankError
 
-TRIALS = int(os.environ.get("IPYDIST_TEST_TRIALS", "2"))
 CHAOS_CELLS = int(os.environ.get("IPYDIST_TEST_CHAOS_CELLS", "10"))
 #: Seed of the chaos test's draws (printed, so a failure can be replayed).
 CHAOS_SEED = int(os.environ.get("IPYDIST_TEST_CHAOS_SEED", str(int(time.time()) % 100000)))

@@ -20,6 +20,10 @@ NP = 4
 #: and whose parts have shorter tests there: ``make stress`` runs them (IPYDIST_TEST_STRESS=1).
 STRESS = bool(os.environ.get("IPYDIST_TEST_STRESS"))
 _skipped_by_make_test = pytest.mark.skipif(not STRESS, reason="a long run: make stress runs it")
+#: How many times a failure test on a loaded machine runs its scenario: once in ``make test``
+#: (the feature, tested); ``make stress`` repeats them (``IPYDIST_TEST_TRIALS=10``), since a
+#: race shows in the repetitions, and the repetitions cost the suite its 15 minutes (issue 46).
+TRIALS = int(os.environ.get("IPYDIST_TEST_TRIALS", "1"))
 
 
 def stress(test):
