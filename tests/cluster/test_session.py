@@ -69,7 +69,7 @@ def test_session_context_manager_runs_and_cleans_up(capsys):
         s.run("pass")
 
 
-def test_dist_stop_ends_every_process(shell, capsys, no_cluster, magics):
+def test_dist_stop_ends_every_process(shell, capsys, no_cluster, magics, tmp_path):
     result, out, _ = run_cell(shell, capsys, "%dist_start --np 2")
     assert result.error_in_exec is None
     assert out.splitlines()[0].split() == ["rank", "host", "pid", "device", "backend",
@@ -79,10 +79,23 @@ def test_dist_stop_ends_every_process(shell, capsys, no_cluster, magics):
     # was SIGKILLed when its grace ran out (issue 46)
     pids["controller's children"] = [
         p.pid for p in psutil.Process(pids["controller"][0]).children(recursive=True)]
-    result, out, _ = run_cell(shell, capsys, "%dist_stop")
+    # A rank ends without tearing Python down (ipydist/rank/ending.py), yet as Python's exit
+    # would be seen: a file left open keeps what was written, atexit callbacks run.
+    result, out, err = run_cell(shell, capsys, f"""%%everyrank
+import atexit, os, ipydist.torch as hvd
+_kept = open(os.path.join({str(tmp_path)!r}, f"open-{{hvd.rank()}}.txt"), "w")
+_kept.write("written, never closed")
+atexit.register(lambda: open(os.path.join({str(tmp_path)!r}, f"atexit-{{hvd.rank()}}"), "w")
+                .write("ran"))""")
+    assert result.error_in_exec is None, (out, err)
+    result, out, err = run_cell(shell, capsys, "%dist_stop")
     assert "Stopped 2 ranks." in out
+    assert "finalize" not in out + err, "MPI finalized on every rank"
     for group, group_pids in pids.items():
         assert wait_gone(group_pids) == [], f"{group} still running"
+    for rank in range(2):
+        assert (tmp_path / f"open-{rank}.txt").read_text() == "written, never closed"
+        assert (tmp_path / f"atexit-{rank}").read_text() == "ran"
     _, out, _ = run_cell(shell, capsys, "%dist_stop")
     assert "No cluster is running." in out
 

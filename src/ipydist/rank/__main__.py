@@ -25,4 +25,6 @@ prefer_text_bars()  # before the engine's kernel exists, or tqdm.auto picks a wi
 
 from ipyparallel.engine.app import IPEngine  # noqa: E402
 
-IPEngine.launch_instance()
+from ipydist.rank import ending  # noqa: E402
+
+ending.run_then_exit(IPEngine.launch_instance)  # without tearing the interpreter down

@@ -1,0 +1,91 @@
+"""How a rank's process ends once its engine has stopped: what Python's own exit does that
+anyone can see, without tearing the interpreter down.
+
+A rank holds torch, numpy, IPython and the user's objects; Python's exit then clears every
+module and collects every object, about half a CPU-second per rank (measured with the modules
+a rank imports), on every stop and restart, for nothing: the process is going. So the rank does
+what is seen from outside and then leaves with ``os._exit``, as multiprocessing's forked
+workers do:
+
+- non-daemon threads are waited for, as Python waits for them;
+- ``atexit`` callbacks run (the user's, ``weakref.finalize``'s, multiprocessing's, logging's);
+- every file still open for writing is flushed, as its collection would have done: a cell's
+  ``f = open(...); f.write(...)`` without a close loses nothing;
+- MPI is finalized, which mpi4py would do at the very end of Python's exit (its launcher
+  counts a rank that left without it as failed);
+- stdout and stderr are flushed.
+
+What is not done: objects' ``__del__`` methods beyond these, which Python does not promise to
+run at exit either.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import io
+import os
+import sys
+import threading
+
+
+def run_then_exit(main) -> None:
+    """Run ``main()`` (the engine), then end the process as above, with the exit code that
+    ``main`` gave through ``SystemExit`` (0 when it returned). An exception that escapes is
+    printed, as Python prints it, and ends the process with 1."""
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        code = _exit_code(e.code)
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    exit_now(code)
+
+
+def exit_now(code: int) -> None:
+    for step in (_wait_for_threads, _run_atexit, _flush_open_files, _finalize_mpi):
+        try:
+            step()
+        except BaseException:  # the next steps still matter; Python's exit goes on too
+            pass
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
+
+
+def _exit_code(code) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)  # as Python does with sys.exit("message")
+    return 1
+
+
+def _wait_for_threads() -> None:
+    threading._shutdown()
+
+
+def _run_atexit() -> None:
+    atexit._run_exitfuncs()
+
+
+def _flush_open_files() -> None:
+    for obj in gc.get_objects():
+        if isinstance(obj, io.IOBase) and not isinstance(obj, io.RawIOBase):
+            try:
+                if not obj.closed and obj.writable():
+                    obj.flush()
+            except Exception:
+                pass
+
+
+def _finalize_mpi() -> None:
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
