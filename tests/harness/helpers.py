@@ -59,9 +59,20 @@ CHROMIUM_ARGS = [
 MARK_VAR = "IPYDIST_TEST_RUN"
 #: This test process's own mark, which everything it starts inherits (mpiexec, ranks,
 #: controllers, kernels): the suite runs in several processes at once (pytest-xdist), and a
-#: test counts only its own process's clusters, never a neighbour's.
+#: test counts only its own process's clusters, never a neighbour's. A process that inherited
+#: a mark (an xdist worker, a test run a test started) extends it, so that a run's marks all
+#: begin with its first process's (:func:`of_this_run`), and another run on the machine is
+#: never taken for this one's: the end-of-run sweep of one once killed the workers of another.
 MARK_PREFIX = "pytest-"
-RUN_MARK = os.environ[MARK_VAR] = f"{MARK_PREFIX}{os.getpid()}"
+_INHERITED = os.environ.get(MARK_VAR, "")
+RUN_MARK = os.environ[MARK_VAR] = (f"{_INHERITED}-{os.getpid()}"
+                                   if _INHERITED.startswith(MARK_PREFIX)
+                                   else f"{MARK_PREFIX}{os.getpid()}")
+
+
+def of_this_run(mark: str) -> bool:
+    """Whether ``mark`` is this process's, or one a process it started made from it."""
+    return mark == RUN_MARK or mark.startswith(RUN_MARK + "-")
 
 
 def new_mark() -> str:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import psutil
 import pytest
-from helpers import MARK_PREFIX, MARK_VAR, kill_left
+from helpers import MARK_VAR, kill_left, of_this_run
 
 #: The tiers in the order ``make test`` hands them out: the pure logic first (some of its tests
 #: use the worker's shell, and expect it with no cluster yet), then the longest files (the
@@ -96,10 +96,10 @@ def _mmss(seconds: float) -> str:
 
 def leftover_processes(wait: float = 10.0) -> dict[int, str]:
     """The processes that a test started (ranks, mpiexecs, controllers and their schedulers,
-    kernels, namespace hosts: their environment carries a mark that begins with
-    :data:`MARK_PREFIX`, a test process's or a test kernel's) still running ``wait`` seconds
-    after the last test; killed, so that nothing outlives the suite. This process and its own
-    children (pytest-xdist's workers, which inherit its mark) are not counted."""
+    kernels, namespace hosts: their environment carries a mark of this run, a test process's or
+    a test kernel's: ``helpers.of_this_run``) still running ``wait`` seconds after the last
+    test; killed, so that nothing outlives the suite. This process and its own children
+    (pytest-xdist's workers, whose marks extend its own) are not counted."""
     me = psutil.Process()
     ours = {me.pid, *(child.pid for child in me.children())}
     found = {}
@@ -107,7 +107,7 @@ def leftover_processes(wait: float = 10.0) -> dict[int, str]:
         if p.info["pid"] in ours:
             continue
         try:
-            if p.environ().get(MARK_VAR, "").startswith(MARK_PREFIX):
+            if of_this_run(p.environ().get(MARK_VAR, "")):
                 found[p.info["pid"]] = " ".join(p.info["cmdline"] or [])
         except psutil.Error:
             continue
@@ -144,7 +144,7 @@ class LaunchCounter:
                     continue
                 self._seen.add(key)
                 try:
-                    marked = p.environ().get(MARK_VAR, "").startswith(MARK_PREFIX)
+                    marked = of_this_run(p.environ().get(MARK_VAR, ""))
                 except psutil.Error:
                     continue
                 if marked:

@@ -384,8 +384,8 @@ def main() -> None:
     if not key:
         sys.exit("ipydist.rank.start.forkserver: started without IPYDIST_FORKSERVER")
     request = serve(key)
-    if request is None:
-        sys.exit(0)
+    if request is None:  # the last rank has ended: nothing to write or close, and tearing
+        os._exit(0)  # down an interpreter holding torch costs about half a CPU-second
     import runpy
 
     runpy._run_module_as_main(protocol.RANK_MODULE)  # as ``python -m ipydist.rank`` would
