@@ -7,14 +7,13 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet -c constraints.txt
 NP ?= 4
-# make test runs the suite in one process (0), or in this many at once (pytest-xdist,
-# --dist loadgroup: each file whole in one worker, its module's clusters made once; the hosts
-# tier all in one, since it takes one address range and one Slurm; a test marked alone, or one
-# with its own CPU hogs, runs with nothing beside it: tests/harness/worker_turns.py). One, since
-# the suite is bound by the CPU (35 CPU-minutes: cluster 20, hosts 8, browser 6) and not yet
-# safe beside itself: 2 workers took 21:37 where one took 26:41, and 5 tests failed there
-# (docs/developing.md says which).
-TEST_WORKERS ?= 0
+# make test runs the suite in this many processes at once (pytest-xdist, --dist loadgroup: each
+# file whole in one worker, its module's clusters made once; the hosts tier all in one, since it
+# takes one address range and one Slurm; a test marked alone, or one with its own CPU hogs, runs
+# with nothing beside it: tests/harness/worker_turns.py), or in one with 0. Two: the suite is
+# bound by the CPU of a 2-core machine, and two keep both cores busy while one waits (a start, a
+# stop, a timeout): 16:53 where one took 26:09 (make 19:54 and 29:01; docs/developing.md).
+TEST_WORKERS ?= 2
 # Material for MkDocs prints a banner on every build (its end of life, May 2027, and its successor
 # Zensical); the variable silences the banner only, not warnings, which --strict makes errors.
 MKDOCS := NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs
