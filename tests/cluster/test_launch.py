@@ -119,7 +119,8 @@ def test_openmpi_plan_leaves_fitting_runs_and_user_choices_alone():
     )
     # the user's transports, and gloo kept on loopback (one host)
     tuning = "OMPI_MCA_coll_libnbc_iallreduce_algorithm"
-    assert plan.args == ["-x", tuning, "-x", "GLOO_SOCKET_IFNAME", "--mca", "btl", "self,tcp"]
+    assert plan.args == ["-x", tuning, "-x", "GLOO_SOCKET_IFNAME", "-x", "IPYDIST_FORKSERVER",
+                         "--mca", "btl", "self,tcp"]
     assert plan.env["GLOO_SOCKET_IFNAME"] == "lo" and plan.env[tuning] == "3"
     assert plan.notes == [] and "OMPI_ALLOW_RUN_AS_ROOT" not in plan.env
 
@@ -135,8 +136,13 @@ def test_multi_host_plan():
         "mpiexec", 8, "--hostfile hosts", {"A": "1"}, cores=2, flavor="mpich", is_root=True
     )
     assert plan.multi_host and plan.args == [
-        "-genvlist", "A,IPP_PROFILE_DIR,IPP_CLUSTER_ID", "--hostfile", "hosts"], (
-        "ipyparallel's variables reach engines that ssh started with a clean environment")
+        "-genvlist", "A,IPYDIST_FORKSERVER,IPP_PROFILE_DIR,IPP_CLUSTER_ID", "--hostfile",
+        "hosts"], ("ipyparallel's variables, and which fork server a host's ranks ask, reach "
+                   "engines that ssh started with a clean environment")
+    # named once, where the user sets it too (--env IPYDIST_FORKSERVER=0)
+    off = mpiexec.plan("mpiexec", 8, "--hostfile hosts", {"IPYDIST_FORKSERVER": "0"}, cores=2,
+                       flavor="openmpi", is_root=True)
+    assert off.args.count("IPYDIST_FORKSERVER") == 1
     assert "GLOO_SOCKET_IFNAME" not in plan.env, "ranks on several hosts need a real interface"
     assert mpiexec.controller_address(True)[0] == "*"
     assert mpiexec.controller_address(False) == ("127.0.0.1", None)

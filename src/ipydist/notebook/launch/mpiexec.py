@@ -153,6 +153,11 @@ def mpich_library(mpiexec: str) -> str | None:
 #: the connection files are, and its id). On this host they inherit it; on others, ssh starts
 #: them with a clean environment, so mpiexec must forward these.
 IPP_ENV = ("IPP_PROFILE_DIR", "IPP_CLUSTER_ID")
+#: What the cluster sets in mpiexec's environment at each start, for every rank: which fork
+#: server a host's ranks ask (a new one per cluster: ``notebook/cluster.py``). Forwarded by
+#: name, as the ranks' own variables are, since mpiexec passes its environment to ranks on its
+#: own host only (until issue 46, ranks on other hosts never used their host's fork server).
+_PER_CLUSTER_ENV = (protocol.FORKSERVER_ENV,)
 
 
 @dataclass
@@ -254,7 +259,7 @@ def plan(
             # second probing libfabric and UCX, and the TCP transport listens on every
             # interface of every rank.
             args += ["--mca", "btl", "self,sm"]
-        for name in [*rank_env, *(IPP_ENV if multi_host else ())]:
+        for name in dict.fromkeys([*rank_env, *_PER_CLUSTER_ENV, *(IPP_ENV if multi_host else ())]):
             args += ["-x", name]
     elif flavor == "mpich":
         if not multi_host:  # (another host may keep its MPICH elsewhere)
@@ -266,7 +271,8 @@ def plan(
             if forker is not None:
                 command = [forker]
                 args.append("-exitinfo")  # how each rank ended, when all have
-        names = [*rank_env, *(IPP_ENV if multi_host else ())]
+        names = list(dict.fromkeys([*rank_env, *_PER_CLUSTER_ENV,
+                                    *(IPP_ENV if multi_host else ())]))
         if names:
             args += ["-genvlist", ",".join(names)]
         if not multi_host and np > cores:
