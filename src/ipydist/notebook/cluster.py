@@ -146,7 +146,7 @@ class Cluster:
         cfg.environment.setdefault(protocol.FORKSERVER_ENV, "0" if off else secrets.token_hex(8))
         if not self.plan.multi_host:
             cfg.environment[protocol.RENDEZVOUS_PARENT_ENV] = self.profile_dir
-            cfg.environment.update(mpiexec.session_folder_env(self.plan, self.profile_dir))
+        cfg.environment.update(mpiexec.session_folder_env(self.plan, self.profile_dir))
         cluster.start_controller_sync()
         cluster.start_engines_sync()
 

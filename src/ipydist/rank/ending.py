@@ -45,7 +45,8 @@ def run_then_exit(main) -> None:
 
 
 def exit_now(code: int) -> None:
-    for step in (_wait_for_threads, _run_atexit, _flush_open_files, _finalize_mpi):
+    # Python's own exit waits for threads, then runs atexit's callbacks
+    for step in (threading._shutdown, atexit._run_exitfuncs, _flush_open_files, _finalize_mpi):
         try:
             step()
         except BaseException:  # the next steps still matter; Python's exit goes on too
@@ -65,14 +66,6 @@ def _exit_code(code) -> int:
         return code & 0xFF
     print(code, file=sys.stderr)  # as Python does with sys.exit("message")
     return 1
-
-
-def _wait_for_threads() -> None:
-    threading._shutdown()
-
-
-def _run_atexit() -> None:
-    atexit._run_exitfuncs()
 
 
 def _flush_open_files() -> None:

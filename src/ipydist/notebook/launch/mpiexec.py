@@ -160,6 +160,12 @@ IPP_ENV = ("IPP_PROFILE_DIR", "IPP_CLUSTER_ID")
 _PER_CLUSTER_ENV = (protocol.FORKSERVER_ENV,)
 
 
+def _forwarded(rank_env: dict[str, str], multi_host: bool) -> list[str]:
+    """The variables mpiexec passes on to every rank by name, each once: the ranks' own, the
+    cluster's fork server, and across hosts ipyparallel's."""
+    return list(dict.fromkeys([*rank_env, *_PER_CLUSTER_ENV, *(IPP_ENV if multi_host else ())]))
+
+
 @dataclass
 class Plan:
     """The mpiexec arguments and environment for one cluster, plus notes for the user."""
@@ -259,7 +265,7 @@ def plan(
             # second probing libfabric and UCX, and the TCP transport listens on every
             # interface of every rank.
             args += ["--mca", "btl", "self,sm"]
-        for name in dict.fromkeys([*rank_env, *_PER_CLUSTER_ENV, *(IPP_ENV if multi_host else ())]):
+        for name in _forwarded(rank_env, multi_host):
             args += ["-x", name]
     elif flavor == "mpich":
         if not multi_host:  # (another host may keep its MPICH elsewhere)
@@ -271,9 +277,7 @@ def plan(
             if forker is not None:
                 command = [forker]
                 args.append("-exitinfo")  # how each rank ended, when all have
-        names = list(dict.fromkeys([*rank_env, *_PER_CLUSTER_ENV,
-                                    *(IPP_ENV if multi_host else ())]))
-        if names:
+        if names := _forwarded(rank_env, multi_host):
             args += ["-genvlist", ",".join(names)]
         if not multi_host and np > cores:
             notes.append(f"{np} ranks on {cores} cores: ranks share cores.")

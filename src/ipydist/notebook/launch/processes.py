@@ -172,7 +172,5 @@ def _reap_children(procs: list[psutil.Process]) -> None:
     for p in procs:
         try:
             os.waitpid(p.pid, os.WNOHANG)
-        except ChildProcessError:  # not this process's child, or reaped already
-            pass
-        except OSError:
+        except OSError:  # ChildProcessError: not this process's child, or reaped already
             pass
