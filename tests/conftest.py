@@ -91,8 +91,12 @@ _parked: list = []
 
 
 def _reusable(s) -> bool:
+    """Whether the shared cluster can serve the next test: running, 4 ranks, not elastic, none
+    dead, and none still busy with a request a failed test left behind (a cell that timed out
+    and did not stop when released), which the next test's cells would queue behind: at a run
+    of make test, one such cell failed the 25 tests after it."""
     return s is not None and s.running and s.size == NP and not s.elastic \
-        and not s.death_report()
+        and not s.death_report() and not s.cluster.busy_ranks(list(range(s.size)))
 
 
 def _four_ranks(shell, magics, option: str = ""):

@@ -65,6 +65,30 @@ last = hvd.join()
         assert after == expected
 
 
+def test_a_joined_rank_serves_the_newest_optimizer_of_the_announced_step(shell, capsys,
+                                                                       cluster):
+    """An optimizer made before with the same shapes (the cell that makes it run again, one
+    left mid-step) is still alive; the others step the new one, which a joined rank serves,
+    whatever order the registry holds them in."""
+    run_ok(shell, capsys, """%%everyrank
+import torch, ipydist.torch as hvd
+from ipydist.torch._wire import signature
+from ipydist.torch.horovod import join as _join
+def made():
+    w = torch.nn.Parameter(torch.zeros(3))
+    return w, hvd.DistributedOptimizer(torch.optim.SGD([w], lr=1.0), named_parameters=[("w", w)])
+old_w, old = made()
+old.zero_grad()
+old_w.sum().backward()     # left mid-step
+w, opt = made()
+words = signature.header("optimizer step", **opt._signature())
+chosen = [_join._server_for(words) is opt, old.serves_step(words)]
+old.synchronize()          # its step, finished on every rank alike
+del old, old_w
+""")
+    assert pulled(shell, "chosen") == [[True, True]] * NP
+
+
 def test_calls_a_joined_rank_cannot_serve_raise_on_the_others(shell, capsys, cluster,
                                                                transport):
     run_ok(shell, capsys, """%%everyrank

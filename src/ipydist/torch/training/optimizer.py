@@ -326,9 +326,10 @@ class _DistributedMixin(CheckpointMixin):
 
     def serves_step(self, words: list[int]) -> bool:
         """Whether the step the other ranks announced (``words``, their header) is one of
-        this optimizer's."""
-        return bool(self._buckets) and words == signature.header(
-            "optimizer step", **self._signature())
+        this optimizer's: join serves the world's steps, which a process set's optimizer
+        does not take part in (its steps go over the set's own communicators)."""
+        return bool(self._buckets) and self._process_set is global_process_set \
+            and words == signature.header("optimizer step", **self._signature())
 
     def serve_joined_step(self) -> None:
         """Take part in the other ranks' step with no gradients (zeros, as Horovod's joined
