@@ -14,6 +14,8 @@ import suite_watch
 import worker_turns
 from helpers import NP, cluster_processes, run_cell
 
+from ipydist.notebook.launch import kept_forkserver
+
 # The tests press the stop button as IPython's does (``_thread.interrupt_main``), which does
 # nothing where SIGINT is ignored: in a shell without job control, a command started in the
 # background (``make test &``, nohup) inherits SIGINT ignored. A notebook kernel always has
@@ -76,6 +78,7 @@ def shell():
     for s in [magics.session, *_parked]:
         if s is not None:
             s.stop(quiet=True)
+    kept_forkserver.stop_all()  # as the kernel's exit would: before the suite's leftover check
 
 
 @pytest.fixture

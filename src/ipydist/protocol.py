@@ -54,6 +54,9 @@ CHECK_COLLECTIVES_ENV = "IPYDIST_CHECK_COLLECTIVES"
 #: host's ranks (``ipydist.rank.start.forkserver``); ``0`` (``--env IPYDIST_FORKSERVER=0``): every
 #: rank imports torch itself.
 FORKSERVER_ENV = "IPYDIST_FORKSERVER"
+#: Given only to a fork server the notebook keeps between its clusters: the descriptor of the
+#: pipe whose closing (the notebook's process ended) ends the server.
+FORKSERVER_OWNER_ENV = "IPYDIST_FORKSERVER_OWNER"
 DEFAULT_PG_TIMEOUT = 600.0
 
 

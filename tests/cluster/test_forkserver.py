@@ -1,16 +1,21 @@
 """Ranks forked from one fork server per host (``ipydist.rank.start.forkserver``, issue 46): what
-mpiexec starts stands in for its rank, the server imports torch once and ends with the last
-rank, and a rank ends with the process mpiexec started for it, whatever ended that."""
+mpiexec starts stands in for its rank, the server imports torch once, the notebook keeps the
+one on its host for its next cluster (one a cluster's stub started ends with the last rank),
+and a rank ends with the process mpiexec started for it, whatever ended that."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 
 import psutil
 from helpers import run_cell, wait_gone
 
+from ipydist import protocol
 from ipydist.errors import RankDied
+from ipydist.notebook.launch import kept_forkserver
 
 SERVER = "ipydist.rank.start.forkserver"
 
@@ -72,19 +77,30 @@ def test_a_rank_ends_with_its_stub_and_a_dead_server_stops_nothing(shell, capsys
     assert wait_gone(pids, 10) == []
 
 
-def test_ranks_keep_their_binding_the_server_ends_with_them_and_can_be_turned_off(
+def test_ranks_keep_their_binding_and_the_kept_server_serves_the_next_start(
         shell, magics, no_cluster):
     shell.run_cell("%dist_start --np 2").raise_error()
     (server,) = _servers(magics.session)
+    assert server in kept_forkserver.running(), "the server on this host is the kept one"
+    assert psutil.Process(server).ppid() == os.getpid()
     # Open MPI binds each of 2 ranks to a core of its own: the process it started was bound,
-    # and the rank forked for it is bound alike (not as the server, which the first one
+    # and the rank forked for it is bound alike (not as the server, which the notebook
     # started).
     for info in magics.session.ranks:
         stub = psutil.Process(info["launched_pid"]).cpu_affinity()
         assert psutil.Process(info["pid"]).cpu_affinity() == stub, info
+    ranks = [info["pid"] for info in magics.session.ranks]
     magics.session.stop(quiet=True)
     magics.session = None
-    assert wait_gone([server], 10) == [], "the fork server outlived its cluster"
+    assert wait_gone(ranks, 10) == []
+    assert psutil.Process(server).is_running() and not psutil.Process(server).children()
+
+    shell.run_cell("%dist_start --np 2").raise_error()
+    try:
+        assert _servers(magics.session) == {server}, "the next start forks from the kept one"
+    finally:
+        magics.session.stop(quiet=True)
+        magics.session = None
 
     shell.run_cell("%dist_start --np 2 --env IPYDIST_FORKSERVER=0").raise_error()
     try:
@@ -94,3 +110,42 @@ def test_ranks_keep_their_binding_the_server_ends_with_them_and_can_be_turned_of
     finally:
         magics.session.stop(quiet=True)
         magics.session = None
+
+
+def test_a_server_named_for_one_cluster_ends_with_it(shell, magics, no_cluster):
+    """A server a cluster's first stub starts (on other hosts, or named with --env) is that
+    cluster's: it ends with its last rank."""
+    shell.run_cell(f"%dist_start --np 2 --env IPYDIST_FORKSERVER=own{os.getpid()}").raise_error()
+    try:
+        (server,) = _servers(magics.session)
+        assert server not in kept_forkserver.running()
+    finally:
+        magics.session.stop(quiet=True)
+        magics.session = None
+    assert wait_gone([server], 10) == [], "the fork server outlived its cluster"
+
+
+def test_kept_servers_one_per_environment_end_with_their_owner(tmp_path):
+    """A server is kept per environment (at most KEPT_MAX, the one used longest ago ended
+    first), and ends with the process that keeps it, SIGKILL included."""
+    owner = subprocess.Popen([sys.executable, "-c", f"""
+import sys, time
+from ipydist.notebook.launch import kept_forkserver as k
+first = k.key_for({{"X_OF_TEST": "1"}})
+assert k.key_for({{"X_OF_TEST": "1", "{protocol.RENDEZVOUS_PARENT_ENV}": "/elsewhere"}}) == first
+second = k.key_for({{"X_OF_TEST": "2"}})
+(oldest,) = [p for p in k.running()][:1]
+third = k.key_for({{"X_OF_TEST": "3"}})
+assert len({{first, second, third}}) == 3 and len(k.running()) == k.KEPT_MAX
+assert oldest not in k.running()
+print(*k.running(), oldest, flush=True)
+time.sleep(60)
+"""], stdout=subprocess.PIPE, text=True)
+    try:
+        *kept, evicted = map(int, owner.stdout.readline().split())
+        assert wait_gone([evicted], 10) == [], "the server used longest ago was not ended"
+        assert all(psutil.pid_exists(pid) for pid in kept), kept
+    finally:
+        owner.kill()
+        owner.wait()
+    assert wait_gone(kept, 10) == [], "a kept server outlived its owner"

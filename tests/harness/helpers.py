@@ -13,6 +13,8 @@ import uuid
 import psutil
 import pytest
 
+from ipydist.notebook.launch import kept_forkserver
+
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 NP = 4
 
@@ -92,10 +94,14 @@ def cluster_processes(mark: str | None = None, ranks_only: bool = False) -> dict
     Without ``mark``: every rank, its mpiexec, and every controller of an ipydist profile that
     this test process started (:data:`RUN_MARK`). With ``mark``: every process whose
     environment carries ``MARK_VAR=mark`` (a test's own kernel and whatever it started).
-    ``ranks_only``: only ranks (and their mpiexec).
+    ``ranks_only``: only ranks (and their mpiexec). The fork servers this process keeps
+    between its clusters (``kept_forkserver``) are not a cluster's: they are left out.
     """
+    kept = set(kept_forkserver.running())
     found = {}
     for p in psutil.process_iter(["pid", "cmdline"]):
+        if p.info["pid"] in kept:
+            continue
         cmd = " ".join(p.info["cmdline"] or [])
         if ranks_only and RANK_COMMAND not in cmd:
             continue

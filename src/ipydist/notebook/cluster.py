@@ -23,7 +23,7 @@ import time
 from ipydist import protocol
 from ipydist.errors import ClusterError
 from ipydist.notebook import ipp, watchdog
-from ipydist.notebook.launch import mpiexec, processes, slurm, startup
+from ipydist.notebook.launch import kept_forkserver, mpiexec, processes, slurm, startup
 from ipydist.notebook.output import display
 from ipydist.specs import describe_ranks, parse_ranks
 
@@ -140,13 +140,18 @@ class Cluster:
             f"--IPEngine.enable_nanny={self.plan.multi_host}",
         ]
         cfg.environment = dict(self.plan.env)
-        # One fork server per host for this cluster (a new name each start), unless turned
-        # off (--env, the kernel's own environment, or the plan: see launch/slurm.py).
-        off = os.environ.get(protocol.FORKSERVER_ENV) == "0"
-        cfg.environment.setdefault(protocol.FORKSERVER_ENV, "0" if off else secrets.token_hex(8))
         if not self.plan.multi_host:
             cfg.environment[protocol.RENDEZVOUS_PARENT_ENV] = self.profile_dir
         cfg.environment.update(mpiexec.session_folder_env(self.plan, self.profile_dir))
+        # A fork server per host, unless turned off (--env, the kernel's own environment, or
+        # the plan: see launch/slurm.py): on this host the one this process keeps between its
+        # clusters, elsewhere one of this cluster's own (a new name each start).
+        if os.environ.get(protocol.FORKSERVER_ENV) == "0":
+            cfg.environment.setdefault(protocol.FORKSERVER_ENV, "0")
+        elif protocol.FORKSERVER_ENV not in cfg.environment:
+            cfg.environment[protocol.FORKSERVER_ENV] = (
+                secrets.token_hex(8) if self.plan.multi_host
+                else kept_forkserver.key_for(cfg.environment))
         cluster.start_controller_sync()
         cluster.start_engines_sync()
 

@@ -1,7 +1,7 @@
 """``python -m ipydist.rank [ipengine arguments]``: what mpiexec starts on every rank.
 
 Where a fork server runs the rank (:mod:`ipydist.rank.start.forkserver`), this process only stands
-in for it, and what follows runs in the forked rank.
+in for it (:mod:`ipydist.rank.start.stub`), and what follows runs in the forked rank.
 
 The heavy work (importing torch, pinning the GPU, the process-group rendezvous) happens in
 :func:`~ipydist.rank.start.bootstrap.bootstrap` while the notebook side is still starting the
@@ -9,9 +9,9 @@ controller, so the first cell can run as soon as the engines register. Then the 
 becomes an ordinary ipyparallel engine, given the remaining arguments unchanged.
 """
 
-from ipydist.rank.start import forkserver
+from ipydist.rank.start import stub
 
-forkserver.run_rank_there()  # this host's fork server runs the rank, if there is one
+stub.run_rank_there()  # this host's fork server runs the rank, if there is one
 
 from ipydist.rank.start.bootstrap import bootstrap  # noqa: E402
 

@@ -1,22 +1,28 @@
 """One process per host imports torch once; the host's ranks are forked from it.
 
-What mpiexec starts on every rank (``python -m ipydist.rank``) is then a small *stub*: it asks
-this host's fork server for a rank, hands over everything it got from its launcher (its
-arguments, environment, working folder and every open file descriptor: stdout and stderr
-that mpiexec reads, MPICH's PMI socket), and stands in for that rank towards its launcher:
-it forwards signals to it and ends as it ends (by the same signal, or with the same code).
+What mpiexec starts on every rank (``python -m ipydist.rank``) is then a small *stub*
+(:mod:`ipydist.rank.start.stub`): it asks this host's fork server for a rank, hands over
+everything it got from its launcher, and stands in for that rank towards its launcher.
 
 Why: importing torch costs each rank about 2.7 CPU-seconds, and a host's ranks all import
 it at once, so on a 2-core machine a 4-rank start spent 5 s of its 7 s importing the same
 modules four times (and a shared file system serves the same files once per rank). Forked
 ranks also share those modules' memory pages until they write them.
 
-The server is started by the first stub of a cluster on a host (one per cluster, named by
-:data:`~ipydist.protocol.FORKSERVER_ENV`, which the notebook sets), imports torch before
-anything of MPI or CUDA is touched, and ends as soon as the last rank it forked has ended, so
-it outlives no job. Anything that goes wrong on the way (no server starts, it dies, it has
-a thread when it should fork) leaves the stub to run the rank itself, as without it.
-``--env IPYDIST_FORKSERVER=0`` turns it off.
+A server imports torch before anything of MPI or CUDA is touched, and is named by
+:data:`~ipydist.protocol.FORKSERVER_ENV`, which the notebook sets. Two lifetimes:
+
+- *kept*: on the notebook's own host, the notebook starts the server itself and keeps it
+  between its clusters (``ipydist.notebook.launch.kept_forkserver``), so that a restart does
+  not import torch again (a 4-rank start 2.4 -> 1.4 s). It ends when the notebook's process
+  does: it holds the read end of a pipe (:data:`~ipydist.protocol.FORKSERVER_OWNER_ENV`)
+  whose write end only the notebook holds, so SIGKILL included.
+- *per cluster*: on other hosts (and where the kept one is gone) the first stub of a cluster
+  starts one, which ends as soon as the last rank it forked has ended, so it outlives no job.
+
+Anything that goes wrong on the way (no server starts, it dies, it has a thread when it
+should fork) leaves the stub to run the rank itself, as without it. ``--env
+IPYDIST_FORKSERVER=0`` turns it off.
 
 A forked rank ends when its stub is gone (a pipe whose other end only the stub holds):
 mpiexec ends a rank by ending the process it started, SIGKILL included.
@@ -30,7 +36,6 @@ import os
 import select
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -51,20 +56,10 @@ stub_pid: int | None = None
 PRELOAD = ("tqdm.autonotebook", "torch", "torch.distributed", "torch.nn.parallel", "numpy",
            "mpi4py", "ipyparallel.engine.app", "ipykernel.ipkernel", "IPython",
            "ipykernel.debugger", "stack_data")
-#: How long a stub waits for its rank's pid (the server may still be importing torch on a busy
-#: host) before it runs the rank itself.
-FORK_WAIT_SECONDS = 120.0
-#: How long a new server may take to listen before the stub runs the rank itself.
-LISTEN_WAIT_SECONDS = 10.0
 #: A server that no stub asked within this ends (a stub that started it and then died).
 IDLE_SECONDS = 60.0
-#: How often a waiting stub looks at its launcher.
-POLL_SECONDS = 0.5
-#: Signals a stub passes on to its rank: how mpiexec, Slurm and people end or interrupt one.
-FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
-             signal.SIGUSR2, signal.SIGCONT)
 _MESSAGE_MAX = 1 << 20
-_FDS_MAX = 250
+FDS_MAX = 250
 
 
 def address(key: str) -> str:
@@ -73,176 +68,11 @@ def address(key: str) -> str:
     return f"\0ipydist-forkserver-{os.getuid()}-{key}"
 
 
-# --- the stub: what mpiexec started ------------------------------------------------------------
-
-def run_rank_there() -> None:
-    """In the process mpiexec started: have this host's fork server run the rank, stand in
-    for it, and exit as it exits. Returns only where the rank is to run here instead: in a
-    rank forked by the server, with the server turned off, or when the server failed."""
-    key = os.environ.get(protocol.FORKSERVER_ENV, "")
-    if lifeline is not None or key in ("", "0"):
-        return
-    try:
-        conn = _connect(key)
-    except OSError:
-        return
-    with conn:
-        child = _ask(conn)
-        if child is None:
-            return
-        _stand_in(conn, child)
-
-
-def _connect(key: str) -> socket.socket:
-    started = False
-    deadline = time.monotonic() + LISTEN_WAIT_SECONDS
-    while True:
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            conn.connect(address(key))
-            return conn
-        except OSError:
-            conn.close()
-            if time.monotonic() > deadline:
-                raise
-        if not started:
-            _start_server()
-            started = True
-        time.sleep(0.02)
-
-
-def _start_server() -> None:
-    """Start the server as a grandchild that no one here waits on (init reaps it), with this
-    stub's environment (what mpiexec gave every rank) and none of its descriptors: mpiexec
-    reads a rank's output until every holder of its pipes has closed them."""
-    middle = os.fork()
-    if middle == 0:
-        try:
-            subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.DEVNULL,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             close_fds=True, start_new_session=True)
-        finally:
-            os._exit(0)
-    os.waitpid(middle, 0)
-
-
-def _ask(conn: socket.socket) -> int | None:
-    """Send this process's whole start to the server; the forked rank's pid, or None."""
-    read_end, write_end = os.pipe()  # the lifeline: only this stub holds the write end
-    try:
-        fds = _open_fds(exclude={conn.fileno(), read_end, write_end})
-        request = {"argv": sys.argv, "env": dict(os.environ), "cwd": os.getcwd(),
-                   "stub": os.getpid(), "fds": [[fd, os.get_inheritable(fd)] for fd in fds],
-                   "cores": sorted(os.sched_getaffinity(0)), "umask": _umask()}
-        try:
-            socket.send_fds(conn, [json.dumps(request).encode()], [*fds, read_end])
-        except OSError:
-            os.close(write_end)
-            return None
-    finally:
-        os.close(read_end)
-    reply = _receive(conn, FORK_WAIT_SECONDS)
-    if not reply or not reply.startswith(b"pid "):
-        os.close(write_end)
-        return None
-    return int(reply.split()[1])  # write_end stays open for this stub's life
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _open_fds(exclude: set[int]) -> list[int]:
-    fds = []
-    for name in os.listdir("/proc/self/fd"):
-        fd = int(name)
-        if fd in exclude:
-            continue
-        try:
-            os.fstat(fd)  # the listing's own descriptor is closed by now
-        except OSError:
-            continue
-        fds.append(fd)
-    return sorted(fds)[:_FDS_MAX]
-
-
-def _receive(conn: socket.socket, timeout: float) -> bytes | None:
-    """One message from the server, waiting while this stub's launcher lives; None when the
-    server is gone or the wait is over."""
-    parent = os.getppid()
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if os.getppid() != parent:
-            return None
-        ready, _, _ = select.select([conn], [], [], POLL_SECONDS)
-        if ready:
-            try:
-                return conn.recv(256) or None
-            except OSError:
-                return None
-    return None
-
-
-def _stand_in(conn: socket.socket, child: int) -> None:
-    """Forward signals to the rank, and exit as it does (the server reports how)."""
-    for sig in FORWARDED:
-        signal.signal(sig, lambda s, _f: _forward(child, s))
-    parent = os.getppid()
-    while True:
-        if os.getppid() != parent:  # the launcher is gone: so is the job (the rank follows)
-            os._exit(1)
-        try:
-            ready, _, _ = select.select([conn], [], [], POLL_SECONDS)
-        except InterruptedError:
-            continue
-        if not ready:
-            continue
-        try:
-            reply = conn.recv(256)
-        except OSError:
-            reply = b""
-        if reply.startswith(b"exit "):
-            _exit_as(int(reply.split()[1]))
-        if not reply:  # the server died: wait for the rank by its pid
-            _wait_for(child)
-            os._exit(1)
-
-
-def _forward(child: int, sig: int) -> None:
-    try:
-        os.kill(child, sig)
-    except OSError:
-        pass
-
-
-def _wait_for(pid: int) -> None:
-    while True:
-        try:
-            os.kill(pid, 0)
-        except OSError:
-            return
-        time.sleep(POLL_SECONDS)
-
-
-def _exit_as(status: int) -> None:
-    """End this stub as the rank ended: by the same signal, or with the same code."""
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        if sig not in (signal.SIGKILL, signal.SIGSTOP):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
-        os.kill(os.getpid(), sig)
-        time.sleep(1)
-    sys.stdout.flush()
-    os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
-
-
 # --- the server --------------------------------------------------------------------------------
 
-def serve(key: str) -> dict | None:
-    """Listen, import, fork a rank for each stub that asks; end when the last rank has ended.
+def serve(key: str, owner: int | None = None) -> dict | None:
+    """Listen, import, fork a rank for each stub that asks; end when the last rank has ended,
+    or with ``owner`` (a kept server: the read end of its owner's pipe) when that pipe closes.
     Returns only in a forked rank, with its stub's request (whose descriptors are in place)."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
@@ -266,14 +96,18 @@ def serve(key: str) -> dict | None:
     stubs: dict[int, socket.socket | None] = {}  # rank pid -> its stub's connection
     served = False
     started = time.monotonic()
-    while stubs if served else time.monotonic() - started < IDLE_SECONDS:
+    watched = [] if owner is None else [owner]
+    while _goes_on(owner, stubs, served, started):
         connections = [c for c in stubs.values() if c is not None]
         try:
-            ready, _, _ = select.select([listener, wake_read, *connections], [], [], 1.0)
+            ready, _, _ = select.select([listener, wake_read, *watched, *connections], [],
+                                        [], 1.0)
         except InterruptedError:
             ready = []
         if wake_read in ready:
             os.read(wake_read, 512)
+        if owner in ready and not os.read(owner, 1):
+            return None  # the notebook's process ended; its ranks end with their stubs
         _reap(stubs)
         for pid, conn in stubs.items():
             if conn in ready and not conn.recv(16, socket.MSG_PEEK):  # its stub died: its
@@ -292,8 +126,8 @@ def serve(key: str) -> dict | None:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             for other in (listener, conn, *connections):
                 other.close()
-            os.close(wake_read)
-            os.close(wake_write)
+            for fd in (wake_read, wake_write, *watched):
+                os.close(fd)
             return _become(request)
         for fd in request["received"]:
             os.close(fd)
@@ -307,9 +141,17 @@ def serve(key: str) -> dict | None:
     return None
 
 
+def _goes_on(owner: int | None, stubs: dict, served: bool, started: float) -> bool:
+    """Whether the server serves on: a kept one until its owner's pipe closes (``serve``
+    looks at it), one per cluster while it has ranks, or until IDLE_SECONDS pass unasked."""
+    if owner is not None:
+        return True
+    return bool(stubs) if served else time.monotonic() - started < IDLE_SECONDS
+
+
 def _take_request(conn: socket.socket) -> dict | None:
     try:
-        data, fds, _flags, _addr = socket.recv_fds(conn, _MESSAGE_MAX, _FDS_MAX + 1)
+        data, fds, _flags, _addr = socket.recv_fds(conn, _MESSAGE_MAX, FDS_MAX + 1)
         request = json.loads(data)
     except (OSError, ValueError):
         return None
@@ -386,7 +228,8 @@ def main() -> None:
     key = os.environ.get(protocol.FORKSERVER_ENV, "")
     if not key:
         sys.exit("ipydist.rank.start.forkserver: started without IPYDIST_FORKSERVER")
-    request = serve(key)
+    owner = os.environ.pop(protocol.FORKSERVER_OWNER_ENV, None)
+    request = serve(key, None if owner is None else int(owner))
     if request is None:  # the last rank has ended: nothing to write or close, and tearing
         os._exit(0)  # down an interpreter holding torch costs about half a CPU-second
     import runpy
