@@ -132,7 +132,8 @@ def test_kept_servers_one_per_environment_end_with_their_owner(tmp_path):
 import sys, time
 from ipydist.notebook.launch import kept_forkserver as k
 first = k.key_for({{"X_OF_TEST": "1"}})
-assert k.key_for({{"X_OF_TEST": "1", "{protocol.RENDEZVOUS_PARENT_ENV}": "/elsewhere"}}) == first
+assert k.key_for({{"X_OF_TEST": "1", "{protocol.RENDEZVOUS_PARENT_ENV}": "/elsewhere",
+                  "PYTEST_CURRENT_TEST": "another", "OMPI_MCA_btl": "self"}}) == first
 second = k.key_for({{"X_OF_TEST": "2"}})
 (oldest,) = [p for p in k.running()][:1]
 third = k.key_for({{"X_OF_TEST": "3"}})

@@ -13,6 +13,7 @@ import uuid
 import psutil
 import pytest
 
+from ipydist import protocol
 from ipydist.notebook.launch import kept_forkserver
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -114,6 +115,27 @@ def cluster_processes(mark: str | None = None, ranks_only: bool = False) -> dict
         except psutil.Error:
             continue
         found[p.info["pid"]] = cmd
+    return found
+
+
+FORKSERVER_MODULE = "ipydist.rank.start.forkserver"
+
+
+def kept_forkservers(pids) -> set[int]:
+    """Those of ``pids`` that are fork servers a notebook process keeps between its clusters
+    (``kept_forkserver``; they end with that process): started with the owner's pipe and
+    not forked from another server, as the ranks are (whose environment, as /proc shows it,
+    is their server's)."""
+    found = set()
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            if (FORKSERVER_MODULE in " ".join(p.cmdline())
+                    and protocol.FORKSERVER_OWNER_ENV in p.environ()
+                    and FORKSERVER_MODULE not in " ".join(p.parent().cmdline())):
+                found.add(pid)
+        except (psutil.Error, AttributeError):  # gone; or no parent
+            continue
     return found
 
 

@@ -13,12 +13,14 @@ end only this process holds (:data:`~ipydist.protocol.FORKSERVER_OWNER_ENV`); th
 end, SIGKILL included, closes it. :func:`stop_all` ends the servers at once (at exit too).
 
 What a server imports may depend on the environment it sees then (``OMP_NUM_THREADS`` is
-read as OpenMP loads; ``LD_PRELOAD``, ``LD_LIBRARY_PATH``), so a server is kept for the
-environment its ranks get, less what names one cluster (its profile folder, its fork
-server): a start with another ``--env`` gets a server of its own. At most :data:`KEPT_MAX`
-are kept, the one used longest ago ended first, unless a running cluster still uses it. Not
-across hosts, nor under Slurm, where each cluster's stubs start their own (see the server's
-module).
+read as OpenMP loads; ``LD_PRELOAD``, ``PYTHONPATH``), so a server is kept for the environment
+its ranks get, less what no module it imports reads (:data:`NOT_READ_ON_IMPORT`: ipydist's
+own variables and ipyparallel's, which the ranks read after the fork; MPI's launch
+variables, read by MPI's init in the rank; pytest's bookkeeping): a start with another
+``--env OMP_NUM_THREADS=2`` gets a server of its own, one with another ``--transport`` not.
+At most :data:`KEPT_MAX` are kept, the one used longest ago ended first, unless a running
+cluster still uses it. Not across hosts, nor under Slurm, where each cluster's stubs start
+their own (see the server's module).
 """
 
 from __future__ import annotations
@@ -40,11 +42,10 @@ from ipydist import protocol
 #: 300 MB, and a notebook's clusters mostly share one environment. More run while clusters
 #: use them.
 KEPT_MAX = 2
-#: Variables that name one cluster (a new value each start), not what a server imports with.
-PER_CLUSTER = frozenset({
-    protocol.FORKSERVER_ENV, protocol.FORKSERVER_OWNER_ENV, protocol.RENDEZVOUS_PARENT_ENV,
-    "IPP_CLUSTER_ID", "IPP_PROFILE_DIR", "PRTE_MCA_prte_tmpdir_base",
-})
+#: Variables by the start of their names that no module a server imports reads as it is
+#: imported: the ranks read them after the fork (ipydist's, ipyparallel's), MPI's init reads
+#: them in the rank (Open MPI's, PRRTE's, PMIx's), or they change at every test (pytest's).
+NOT_READ_ON_IMPORT = ("IPYDIST_", "IPP_", "OMPI_", "PRTE_", "PMIX_", "PYTEST_")
 
 
 @dataclass
@@ -102,10 +103,11 @@ def key_for(cluster_env: dict[str, str]) -> str:
 
 
 def fingerprint(env: dict[str, str]) -> str:
-    """What tells two environments apart for a server's imports: all but :data:`PER_CLUSTER`."""
+    """What tells two environments apart for a server's imports: all but
+    :data:`NOT_READ_ON_IMPORT`."""
     digest = hashlib.sha256()
     for name, value in sorted(env.items()):
-        if name not in PER_CLUSTER:
+        if not name.startswith(NOT_READ_ON_IMPORT):
             digest.update(f"{name}={value}\0".encode())
     return digest.hexdigest()
 
@@ -120,8 +122,8 @@ def _start(env: dict[str, str]) -> Kept:
     try:
         process = subprocess.Popen(
             [sys.executable, "-m", "ipydist.rank.start.forkserver"],
-            env={**{k: v for k, v in env.items() if k not in PER_CLUSTER},
-                 protocol.FORKSERVER_ENV: key, protocol.FORKSERVER_OWNER_ENV: str(read_end)},
+            env={**env, protocol.FORKSERVER_ENV: key,
+                 protocol.FORKSERVER_OWNER_ENV: str(read_end)},
             pass_fds=[read_end], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL, start_new_session=True)  # a Ctrl-C here is not its
     except BaseException:
