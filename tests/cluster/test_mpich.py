@@ -16,6 +16,7 @@ import re
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 from helpers import (
     NP,
@@ -28,7 +29,7 @@ from helpers import (
 )
 
 from ipydist.errors import RankDied
-from ipydist.notebook.launch import processes
+from ipydist.notebook.launch import kept_forkserver, processes
 
 MPICH = Path(sys.executable).parent.parent / "mpich" / "bin"
 
@@ -58,6 +59,9 @@ def test_on_one_host_nothing_listens_beyond_loopback_and_collectives_work(shell,
     session, out = start_mpich()
     assert session.cluster.plan.launcher == "mpiexec.gforker", session.cluster.plan.command
     assert session.cluster.plan.title == "MPICH" and f"{NP} ranks ready" in out, out
+    servers = {psutil.Process(info["pid"]).ppid() for info in session.ranks}
+    assert len(servers) == 1 and not servers & set(kept_forkserver.running()), (
+        "MPICH's ranks come from a fork server of the cluster's own, not the kept one")
     result, _, err = run_cell(shell, capsys, """%%everyrank
 from mpi4py import MPI
 from ipydist.torch._core import topology

@@ -144,14 +144,16 @@ class Cluster:
             cfg.environment[protocol.RENDEZVOUS_PARENT_ENV] = self.profile_dir
         cfg.environment.update(mpiexec.session_folder_env(self.plan, self.profile_dir))
         # A fork server per host, unless turned off (--env, the kernel's own environment, or
-        # the plan: see launch/slurm.py): on this host the one this process keeps between its
-        # clusters, elsewhere one of this cluster's own (a new name each start).
+        # the plan: see launch/slurm.py): with Open MPI on this host the one this process
+        # keeps between its clusters, elsewhere one of this cluster's own (a new name each
+        # start; MPICH's too: one of its starts from a kept server once segfaulted in MPI's
+        # init, in a full run, and it was not seen again, so it keeps what was proven).
         if os.environ.get(protocol.FORKSERVER_ENV) == "0":
             cfg.environment.setdefault(protocol.FORKSERVER_ENV, "0")
         elif protocol.FORKSERVER_ENV not in cfg.environment:
+            keep = not self.plan.multi_host and self.plan.flavor == "openmpi"
             cfg.environment[protocol.FORKSERVER_ENV] = (
-                secrets.token_hex(8) if self.plan.multi_host
-                else kept_forkserver.key_for(cfg.environment))
+                kept_forkserver.key_for(cfg.environment) if keep else secrets.token_hex(8))
         cluster.start_controller_sync()
         cluster.start_engines_sync()
 

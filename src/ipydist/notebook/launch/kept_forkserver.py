@@ -19,8 +19,8 @@ own variables and ipyparallel's, which the ranks read after the fork; MPI's laun
 variables, read by MPI's init in the rank; pytest's bookkeeping): a start with another
 ``--env OMP_NUM_THREADS=2`` gets a server of its own, one with another ``--transport`` not.
 At most :data:`KEPT_MAX` are kept, the one used longest ago ended first, unless a running
-cluster still uses it. Not across hosts, nor under Slurm, where each cluster's stubs start
-their own (see the server's module).
+cluster still uses it. Only with Open MPI on this host: across hosts, under Slurm and with
+MPICH each cluster's stubs start their own (see the server's module).
 """
 
 from __future__ import annotations
