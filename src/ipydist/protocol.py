@@ -125,6 +125,9 @@ KERNEL_NP_ENV = "IPYDIST_KERNEL_NP"
 
 #: How a rank runs: ``python -m ipydist.rank``, then ipyparallel's engine arguments.
 RANK_MODULE = "ipydist.rank"
+#: A host's fork server: ``python -m ipydist.rank.start.forkserver``; a notebook starts the one
+#: it keeps on its host, a rank's stub the one of its cluster elsewhere.
+FORKSERVER_MODULE = "ipydist.rank.start.forkserver"
 #: Start of the one-line message a rank prints when it cannot start
 #: (``ipydist: rank 1 on HOST: what to fix``); the notebook shows these lines first.
 ERROR_PREFIX = "ipydist: rank"

@@ -17,7 +17,7 @@ from ipydist import protocol
 from ipydist.errors import RankDied
 from ipydist.notebook.launch import kept_forkserver
 
-SERVER = "ipydist.rank.start.forkserver"
+SERVER = protocol.FORKSERVER_MODULE
 
 
 def _cmdline(pid: int) -> str:

@@ -118,9 +118,6 @@ def cluster_processes(mark: str | None = None, ranks_only: bool = False) -> dict
     return found
 
 
-FORKSERVER_MODULE = "ipydist.rank.start.forkserver"
-
-
 def kept_forkservers(pids) -> set[int]:
     """Those of ``pids`` that are fork servers a notebook process keeps between its clusters
     (``kept_forkserver``; they end with that process): started with the owner's pipe and
@@ -130,9 +127,9 @@ def kept_forkservers(pids) -> set[int]:
     for pid in pids:
         try:
             p = psutil.Process(pid)
-            if (FORKSERVER_MODULE in " ".join(p.cmdline())
+            if (protocol.FORKSERVER_MODULE in " ".join(p.cmdline())
                     and protocol.FORKSERVER_OWNER_ENV in p.environ()
-                    and FORKSERVER_MODULE not in " ".join(p.parent().cmdline())):
+                    and protocol.FORKSERVER_MODULE not in " ".join(p.parent().cmdline())):
                 found.add(pid)
         except (psutil.Error, AttributeError):  # gone; or no parent
             continue

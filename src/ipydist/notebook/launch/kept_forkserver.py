@@ -29,7 +29,6 @@ import atexit
 import hashlib
 import os
 import secrets
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from dataclasses import dataclass
 import psutil
 
 from ipydist import protocol
+from ipydist.notebook.launch import processes
 
 #: How many servers (one per environment) are kept at once: each holds torch imported, about
 #: 300 MB, and a notebook's clusters mostly share one environment. More run while clusters
@@ -65,18 +65,15 @@ class Kept:
         except psutil.Error:
             return False
 
-    def end(self, wait: float = 5.0) -> None:
+    def end(self) -> None:
+        """Close its pipe (which ends it), and end it at once should it still be importing."""
         try:
             os.close(self.pipe)
         except OSError:
             pass
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(wait)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if self.alive():
+            processes.end([psutil.Process(self.process.pid)])
+        self.process.poll()  # its exit status, if processes.end did not reap it
 
 
 #: Environment fingerprint -> its server, the one used last at the end.
@@ -121,7 +118,7 @@ def _start(env: dict[str, str]) -> Kept:
     read_end, write_end = os.pipe()  # neither inherited by anything else this process starts
     try:
         process = subprocess.Popen(
-            [sys.executable, "-m", "ipydist.rank.start.forkserver"],
+            [sys.executable, "-m", protocol.FORKSERVER_MODULE],
             env={**env, protocol.FORKSERVER_ENV: key,
                  protocol.FORKSERVER_OWNER_ENV: str(read_end)},
             pass_fds=[read_end], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,

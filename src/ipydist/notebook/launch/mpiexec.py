@@ -154,7 +154,7 @@ def mpich_library(mpiexec: str) -> str | None:
 #: them with a clean environment, so mpiexec must forward these.
 IPP_ENV = ("IPP_PROFILE_DIR", "IPP_CLUSTER_ID")
 #: What the cluster sets in mpiexec's environment at each start, for every rank: which fork
-#: server a host's ranks ask (a new one per cluster: ``notebook/cluster.py``). Forwarded by
+#: server a host's ranks ask (``notebook/cluster.py``). Forwarded by
 #: name, as the ranks' own variables are, since mpiexec passes its environment to ranks on its
 #: own host only (until issue 46, ranks on other hosts never used their host's fork server).
 _PER_CLUSTER_ENV = (protocol.FORKSERVER_ENV,)

@@ -12,13 +12,15 @@ ranks also share those modules' memory pages until they write them.
 A server imports torch before anything of MPI or CUDA is touched, and is named by
 :data:`~ipydist.protocol.FORKSERVER_ENV`, which the notebook sets. Two lifetimes:
 
-- *kept*: on the notebook's own host, the notebook starts the server itself and keeps it
-  between its clusters (``ipydist.notebook.launch.kept_forkserver``), so that a restart does
-  not import torch again (a 4-rank start 2.4 -> 1.4 s). It ends when the notebook's process
-  does: it holds the read end of a pipe (:data:`~ipydist.protocol.FORKSERVER_OWNER_ENV`)
-  whose write end only the notebook holds, so SIGKILL included.
-- *per cluster*: on other hosts (and where the kept one is gone) the first stub of a cluster
-  starts one, which ends as soon as the last rank it forked has ended, so it outlives no job.
+- *kept*: on the notebook's own host, with Open MPI, the notebook starts the server itself
+  and keeps it between its clusters (``ipydist.notebook.launch.kept_forkserver``), so that a
+  restart does not import torch again (a 4-rank start 2.4 -> 1.3 s). It ends when the
+  notebook's process does: it holds the read end of a pipe
+  (:data:`~ipydist.protocol.FORKSERVER_OWNER_ENV`) whose write end only the notebook holds, so
+  SIGKILL included.
+- *per cluster*: on other hosts, with MPICH (and where the kept one is gone) the first stub
+  of a cluster starts one, which ends as soon as the last rank it forked has ended, so it
+  outlives no job.
 
 Anything that goes wrong on the way (no server starts, it dies, it has a thread when it
 should fork) leaves the stub to run the rank itself, as without it. ``--env

@@ -78,9 +78,9 @@ def _start_server() -> None:
     middle = os.fork()
     if middle == 0:
         try:
-            subprocess.Popen([sys.executable, "-m", forkserver.__name__], stdin=subprocess.DEVNULL,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             close_fds=True, start_new_session=True)
+            subprocess.Popen([sys.executable, "-m", protocol.FORKSERVER_MODULE],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, close_fds=True, start_new_session=True)
         finally:
             os._exit(0)
     os.waitpid(middle, 0)

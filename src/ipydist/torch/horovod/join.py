@@ -17,7 +17,6 @@ it out), so nothing hangs. The check must be on (it is by default).
 
 from __future__ import annotations
 
-import itertools
 import weakref
 from typing import Protocol
 
@@ -43,23 +42,21 @@ class StepServer(Protocol):
         """Take part in the others' step with no gradients, its check already made."""
 
 
-#: Every step server alive on this rank -> when it was registered (a serial).
+#: Every step server alive on this rank, oldest first (a dict keeps the order of insertion,
+#: a set does not).
 _servers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_serials = itertools.count()
 
 
 def serve_steps_of(server: StepServer) -> None:
     """Let a rank in ``join()`` serve ``server``'s steps when the others announce one."""
-    _servers[server] = next(_serials)
+    _servers[server] = None
 
 
 def _server_for(words: list[int]) -> StepServer | None:
     """The newest step server whose step the others announced: a cell run again leaves the
     optimizer it made before alive (in ``Out``, in a closure) with the same parameters'
     shapes, and the others step the new one; a set's iteration order would pick either."""
-    matching = [(serial, server) for server, serial in list(_servers.items())
-                if server.serves_step(words)]
-    return max(matching, key=lambda found: found[0])[1] if matching else None
+    return next((s for s in reversed(list(_servers)) if s.serves_step(words)), None)
 
 
 for _op in ReduceOp:  # so that the ops the others name can be read back
