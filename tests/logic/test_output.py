@@ -1,6 +1,13 @@
 """Pure logic of merging the ranks' output lines."""
 
-from ipydist.notebook.output.lines import ALL, LineMerger, Redraw
+from ipydist.notebook.output.lines import (
+    ALL,
+    HOLD_SECONDS,
+    MAX_HOLD_SECONDS,
+    LineMerger,
+    Redraw,
+    hold_for_load,
+)
 
 
 def test_identical_lines_are_shown_once():
@@ -26,6 +33,14 @@ def test_a_late_rank_still_merges_within_the_hold():
     assert m.ready(now=0.1) == []
     m.feed(1, "stdout", "loss 0.5\n", now=0.2)
     assert m.ready(now=0.2) == [(ALL, "stdout", "loss 0.5\n")]
+
+
+def test_the_hold_grows_with_the_machine_s_load_within_bounds():
+    assert hold_for_load(0.3, 2) == HOLD_SECONDS  # idle: the shortest wait
+    assert hold_for_load(2.0, 2) == HOLD_SECONDS  # one process per CPU
+    assert hold_for_load(6.0, 2) == 3 * HOLD_SECONDS  # three per CPU: three times as long
+    assert hold_for_load(500.0, 2) == MAX_HOLD_SECONDS
+    assert hold_for_load(4.0, 0) == 4 * HOLD_SECONDS  # no CPU count: taken as one
 
 
 def test_partial_lines_wait_for_their_newline_or_the_end():

@@ -10,6 +10,7 @@ too, and interrupts the ranks.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from ipydist.notebook.introspection import debugging
 from ipydist.notebook.live.view import LiveView
 from ipydist.notebook.output import display, rich
 from ipydist.notebook.output.iopub import IOPubCollector
-from ipydist.notebook.output.lines import LineMerger, Redraw
+from ipydist.notebook.output.lines import LineMerger, Redraw, hold_for_load
 from ipydist.notebook.stall import StallWatch
 from ipydist.protocol import CELL_NUMBER_KEY, DEBUG_RANKS_KEY
 from ipydist.specs import describe_ranks
@@ -78,7 +79,8 @@ class CellRun:
         self.breakpoints = debugging.Breakpoints(
             self.cluster, lambda: self._emit(self.merger.ready(now=float("inf"))))
         self.shown = targets if output == "all" else targets[:1]
-        self.merger = LineMerger(self.shown)
+        self.merger = LineMerger(self.shown, hold_for_load(os.getloadavg()[0],
+                                                           os.cpu_count() or 1))
         self.displays = rich.DisplayBook(self.shown)
         self.bars = display.Bars()
         self.live = LiveView(session.metrics, session.size, cell=number)

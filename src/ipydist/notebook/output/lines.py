@@ -21,6 +21,12 @@ import time
 from collections import deque
 
 ALL = "all ranks"
+#: How long a line waits for the other ranks' copies on an idle machine. A rank's lines come in
+#: batches (ipykernel sends what it printed every 0.2 s), so the ranks' copies of a line arrive
+#: together unless a rank waited for a CPU: on a loaded machine they come further apart.
+HOLD_SECONDS = 0.25
+#: The most a line waits, however loaded the machine.
+MAX_HOLD_SECONDS = 2.0
 STREAMS = ("stdout", "stderr")
 #: The "stream" of a display that :meth:`LineMerger.ready` hands out.
 DISPLAY = "display"
@@ -42,6 +48,14 @@ class Redraw(str):
         return line
 
 
+def hold_for_load(load: float, cpus: int) -> float:
+    """How long a line waits for the other ranks' copies, given the machine's load (runnable
+    processes, averaged over a minute) and its CPUs: :data:`HOLD_SECONDS` while each CPU has
+    one process to run, as many times longer as each has more (the ranks' copies of a line come
+    apart by how long each waits to be scheduled), at most :data:`MAX_HOLD_SECONDS`."""
+    return min(MAX_HOLD_SECONDS, HOLD_SECONDS * max(1.0, load / max(1, cpus)))
+
+
 class LineMerger:
     """Buffers each rank's stream text and hands out tagged lines when they are ready.
 
@@ -56,7 +70,7 @@ class LineMerger:
     recognises a later copy: see :mod:`ipydist.notebook.output.rich`).
     """
 
-    def __init__(self, ranks: list[int], hold: float = 0.25):
+    def __init__(self, ranks: list[int], hold: float = HOLD_SECONDS):
         self.ranks = list(ranks)
         self.hold = hold
         self._partial: dict[tuple[int, str], str] = {}
