@@ -7,7 +7,7 @@ import sys
 import time
 
 import pytest
-from helpers import NP, plain, run_cell
+from helpers import NP, as_merged, plain, run_cell
 from IPython.core.error import UsageError
 
 from ipydist.errors import RankError
@@ -153,7 +153,8 @@ lin_w = lin.weight.detach().clone()
 
 
 def test_output_is_streamed_live_and_tagged(shell, capsys, cluster):
-    """The first line reaches the notebook while the cell is still running."""
+    """The first line reaches the notebook while the cell is still running (a line no other
+    rank prints waits up to 1 s for copies, on a loaded machine: the cell runs 4 s)."""
     arrivals: list[tuple[float, str]] = []
 
     class Recorder:
@@ -171,7 +172,7 @@ def test_output_is_streamed_live_and_tagged(shell, capsys, cluster):
 import time, ipydist.torch as hvd
 print("start on", hvd.rank(), flush=True)
 print("same everywhere", flush=True)
-time.sleep(2.5)
+time.sleep(4)
 print("done")
 """)
         ended = time.monotonic()
@@ -181,8 +182,8 @@ print("done")
     text = "".join(t for _, t in arrivals)
     for r in range(NP):
         assert f"[rank {r}] start on {r}\n" in text
-    assert text.count("[all ranks] same everywhere\n") == 1
-    assert "[all ranks] done\n" in text
+    assert as_merged(text).count("[all ranks] same everywhere\n") == 1
+    assert "[all ranks] done\n" in as_merged(text)
     first = next(t for t, chunk in arrivals if "start on" in chunk)
     assert ended - first > 1.5, "output arrived only when the cell ended"
 
@@ -252,7 +253,7 @@ status = inner()
     assert shell.run_line_magic("dist_pull", "status --rank 0") == "fine"
     # the cluster still works after the error
     _, out, _ = ok(shell, capsys, "%everyrank print(hvd.allreduce(torch.ones(1), op=hvd.Sum))")
-    assert f"[all ranks] tensor([{NP}.])" in out
+    assert f"[all ranks] tensor([{NP}.])" in as_merged(out)
 
 
 def test_same_exception_on_all_ranks_is_shown_once(shell, capsys, cluster):
@@ -334,10 +335,10 @@ t = torch.ones(1); dist.all_reduce(t)
 print("reused", t.item())
 dist.destroy_process_group()
 """)
-    assert f"[all ranks] reused {float(NP)}" in out
+    assert f"[all ranks] reused {float(NP)}" in as_merged(out)
     assert "keeps the gloo group of 4 ranks that %dist_start made" in err
     _, out, _ = ok(shell, capsys, "%everyrank print(hvd.allreduce(torch.ones(1), op=hvd.Sum))")
-    assert f"[all ranks] tensor([{float(NP):g}.])" in out
+    assert f"[all ranks] tensor([{float(NP):g}.])" in as_merged(out)
 
 
 def test_init_after_destroy_gets_a_fresh_group_without_a_fixed_port(shell, capsys, cluster):
@@ -352,6 +353,6 @@ t = torch.ones(1); dist.all_reduce(t)
 print("fresh", t.item(), dist.get_world_size())
 dist.destroy_process_group()
 """)
-    assert f"[all ranks] fresh {float(NP)} {NP}" in out
+    assert f"[all ranks] fresh {float(NP)} {NP}" in as_merged(out)
     _, out, _ = ok(shell, capsys, "%everyrank print(hvd.allreduce(torch.ones(1), op=hvd.Sum))")
-    assert f"[all ranks] tensor([{float(NP):g}.])" in out
+    assert f"[all ranks] tensor([{float(NP):g}.])" in as_merged(out)

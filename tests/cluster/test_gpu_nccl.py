@@ -12,7 +12,7 @@ import threading
 
 import pytest
 import torch
-from helpers import run_cell, run_ok
+from helpers import as_merged, run_cell, run_ok
 
 from ipydist.errors import CellTimeout, RankError
 
@@ -87,7 +87,7 @@ def _same_ranks_train_on(shell, capsys, session, pids) -> None:
 train(3)
 print("same:", same_everywhere(), os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"))
 """)
-    assert "[all ranks] same: True 2" in out, out
+    assert "[all ranks] same: True 2" in as_merged(out, torch.cuda.device_count()), out
 
 
 def test_the_group_serves_cuda_with_nccl_and_cpu_with_gloo(shell, capsys, nccl):
@@ -107,8 +107,8 @@ ok.append(c.eq(hvd.size()).all().item())
 ok.append(hvd.allgather_object(hvd.rank()) == list(range(hvd.size())))
 print("all right:", all(ok))
 """)
-    assert "[all ranks] cpu:gloo,cuda:nccl" in out, out
-    assert "[all ranks] all right: True" in out, out
+    assert "[all ranks] cpu:gloo,cuda:nccl" in as_merged(out, torch.cuda.device_count()), out
+    assert "[all ranks] all right: True" in as_merged(out, torch.cuda.device_count()), out
 
 
 @pytest.mark.parametrize("when", ["before backward", "after backward"])
@@ -120,7 +120,7 @@ def test_a_rank_that_raises_leaves_no_step_half_applied(shell, capsys, nccl, whe
     out = run_ok(shell, capsys, "%everyrank print('unchanged:', bool(weights().equal(start)), "
                                 "bool(weights().isfinite().all()))")
     # the first step of the cell never completed on any rank: nothing of it was applied
-    assert "[all ranks] unchanged: True True" in out, out
+    assert "[all ranks] unchanged: True True" in as_merged(out, torch.cuda.device_count()), out
     _same_ranks_train_on(shell, capsys, nccl, pids)
 
 
@@ -135,7 +135,7 @@ def test_the_stop_button_during_step_applies_nothing_of_it(shell, capsys, nccl):
     assert isinstance(result.error_in_exec, KeyboardInterrupt), err
     out = run_ok(shell, capsys, "%everyrank print('as before the step:', "
                                 "bool(weights().equal(before_step)))")
-    assert "[all ranks] as before the step: True" in out, out
+    assert "[all ranks] as before the step: True" in as_merged(out, torch.cuda.device_count()), out
     _same_ranks_train_on(shell, capsys, nccl, pids)
 
 
@@ -155,7 +155,7 @@ p = hvd.allreduce(torch.ones(4, device=hvd.device()), op=hvd.Sum, process_set=pa
     if hvd.rank() in (0, 1) else torch.full((4,), 2.0)
 print("sums:", s[0].item() == hvd.size(), p[0].item() == 2.0)
 """)
-    assert "[all ranks] sums: True True" in out, out
+    assert "[all ranks] sums: True True" in as_merged(out, torch.cuda.device_count()), out
     _same_ranks_train_on(shell, capsys, nccl, pids)
 
 
@@ -184,7 +184,7 @@ last = hvd.join()
 ok["join"] = last in range(n)
 print("bad:", sorted(k for k, v in ok.items() if not v))
 """)
-    assert "[all ranks] bad: []" in out, out
+    assert "[all ranks] bad: []" in as_merged(out, torch.cuda.device_count()), out
 
 
 def test_checkpoints_with_block_momentum_mid_block_on_cuda(shell, capsys, nccl, tmp_path):
@@ -211,7 +211,8 @@ others = [torch.cuda.memory_allocated(i) for i in range(torch.cuda.device_count(
 print("back:", all(torch.equal(a, b) for a, b in zip(local, net.parameters())),
       "others' GPUs untouched:", not any(others))
 """)
-    assert "[all ranks] back: True others' GPUs untouched: True" in out, out
+    assert "[all ranks] back: True others' GPUs untouched: True" in as_merged(
+        out, torch.cuda.device_count()), out
 
 
 def test_sync_batch_norm_on_cuda_against_one_batch_norm(shell, capsys, nccl):
@@ -255,5 +256,4 @@ big = torch.randn(32, 64, 56, 56, device=dev, requires_grad=True)
 ratio = peak(hvd.SyncBatchNorm(64).to(dev), big) / peak(torch.nn.BatchNorm2d(64).to(dev), big)
 print("ok:", max(errors.values()) < 1e-3, auto_dtype, ratio <= 1.5, errors, round(ratio, 2))
 """)
-    assert "[all ranks] ok: True True True" in out or out.count("ok: True True True") == \
-        torch.cuda.device_count(), out
+    assert "[all ranks] ok: True True True" in as_merged(out, torch.cuda.device_count()), out

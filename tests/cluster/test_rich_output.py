@@ -26,7 +26,8 @@ CELLS = {
     "same": "%%everyrank\ndisplay(HTML('<b>the same everywhere</b>'))",
     "rank0_then_line": "%%everyrank\nif hvd.rank() == 0:\n    display(HTML('<b>chart</b>'))\n"
                        "print('epoch 1')",
-    "rank0_lags": "%%everyrank\nimport time\nif hvd.rank() == 0:\n    time.sleep(1)\n"
+    # rank 0 lags past the longest wait for the other ranks' copies (1 s, on a loaded machine)
+    "rank0_lags": "%%everyrank\nimport time\nif hvd.rank() == 0:\n    time.sleep(2.5)\n"
                   "display(HTML('<b>late on rank 0</b>'))",
     "rank0": "%%everyrank --output rank0\n" + HTML_OF_EACH_RANK,
     "tqdm_auto": "%%everyrank\nfrom tqdm.auto import tqdm\nimport time\nif hvd.rank() == 1:\n"

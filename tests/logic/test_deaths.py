@@ -62,3 +62,20 @@ def test_the_report_waits_for_the_end_of_a_rank_here_and_not_for_one_elsewhere()
     t0 = time.monotonic()
     assert deaths.output_with_ends(lambda: "", [RANKS[3]], lambda info: True, wait=0.3) == ""
     assert 0.3 <= time.monotonic() - t0 < 2
+
+
+def test_a_crash_backtrace_keeps_its_signal_and_innermost_frames_in_a_launch_message():
+    from ipydist.notebook.launch import mpiexec
+
+    crash = ["[node2:00020] *** Process received signal ***",
+             "[node2:00020] Signal: Segmentation fault (11)",
+             *(f"[node2:00020] [{i:2d}] /lib/libfoo.so(+0x{i:x})[0x7f{i:x}]" for i in range(30)),
+             "[node2:00020] *** End of error message ***",
+             "srun: error: node2: task 2: Segmentation fault"]
+    short = deaths.shorter_backtraces(crash)
+    assert short[:3] == crash[:3] and short[11] == crash[11]  # the signal, frames 0 to 9
+    assert short[12:] == ["[node2:00020] ... and 20 more frames", *crash[-2:]]
+    message = mpiexec.describe_failure("salloc exited", "\n".join(crash), 14, "salloc")
+    assert "Signal: Segmentation fault (11)" in message and "[ 0] /lib/libfoo.so" in message
+    # a backtrace at the very end of the output is cut too
+    assert deaths.shorter_backtraces(crash[:20])[-1] == "[node2:00020] ... and 8 more frames"

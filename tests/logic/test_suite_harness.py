@@ -81,3 +81,18 @@ def test_each_test_is_charged_the_cpu_from_its_start_to_the_next(monkeypatch, tm
     assert list(json.loads((tmp_path / "cpu.json").read_text())) == [
         "tests/hosts/b.py::t3", "tests/cluster/a.py::t1", "tests/cluster/a.py::t2"]
     assert "  0:05.5  tests/hosts/b.py::t3" in clock.lines()
+
+
+def test_as_merged_reads_every_rank_s_tagged_copy_of_a_line_as_one_merged_line():
+    from helpers import as_merged
+
+    apart = "[rank 1] alive 4.0\n[rank 2] alive 4.0\n[rank 3] alive 4.0\n[rank 0] alive 4.0\n"
+    assert as_merged(apart) == "[all ranks] alive 4.0\n"
+    # what not every rank printed stays tagged, in its place; merged lines stay as they are
+    mixed = ("[rank 0] start on 0\n[all ranks] same\n[rank 1] x\n[rank 0] x\n[rank 2] x\n"
+             "[rank 1] start on 1\n")
+    assert as_merged(mixed) == mixed
+    assert as_merged(mixed + "[rank 3] x\n") == (
+        "[rank 0] start on 0\n[all ranks] same\n[all ranks] x\n[rank 1] start on 1\n")
+    assert as_merged("[rank 0] a\n[rank 1] a", np=2) == "[all ranks] a\n"
+    assert as_merged("[rank 0] a\n[rank 0] a\n", np=2) == "[rank 0] a\n[rank 0] a\n"

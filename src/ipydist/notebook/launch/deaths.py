@@ -107,6 +107,33 @@ def is_child_end_logging(line: str) -> bool:
         "] local:launch" in line) or ("] hwloc:set on child" in line)
 
 
+#: A frame of the backtrace Open MPI prints for a rank that crashed:
+#: "[node2:00020] [14] /lib/libpython3.11.so.1.0(+0x27ba3b)[0x7f0941c7ba3b]" ("[ 3]" below 10).
+_FRAME = re.compile(r"^(\[[^\]]+\]) \[ ?(\d+)\] ")
+#: The frames of a crash kept in a message: the innermost, where it crashed.
+FRAMES_SHOWN = 10
+
+
+def shorter_backtraces(lines: list[str]) -> list[str]:
+    """``lines`` with each crash backtrace cut to its innermost :data:`FRAMES_SHOWN` frames
+    and a line saying how many more there were: a message shows a launcher's last lines, and a
+    backtrace of 30 frames would push out the signal and the frames that say where a rank
+    crashed (they come first; the interpreter's own frames follow)."""
+    out: list[str] = []
+    more: dict[str, int] = {}  # process -> frames left out, not yet said
+    for line in lines:
+        frame = _FRAME.match(line)
+        if frame and int(frame.group(2)) >= FRAMES_SHOWN:
+            more[frame.group(1)] = more.get(frame.group(1), 0) + 1
+            continue
+        for process, count in more.items():
+            out.append(f"{process} ... and {count} more frames")
+        more.clear()
+        out.append(line)
+    out += [f"{process} ... and {count} more frames" for process, count in more.items()]
+    return out
+
+
 @dataclass(frozen=True)
 class Death:
     """The rank that died first and what ended it, as far as the launcher said."""

@@ -336,8 +336,9 @@ def describe_failure(what: str, output: str, code: int | None, mpiexec: str,
     """The message for a launch that failed: the ranks' own lines, then the launcher's last
     words (``mpiexec``: its path), then ``hint`` when no rank said what was wrong."""
     ours = [ln for ln in output.splitlines() if ln.startswith(protocol.ERROR_PREFIX)]
-    tail = [ln for ln in output.splitlines()
-            if ln.strip() and ln not in ours and not deaths.is_child_end_logging(ln)][-25:]
+    tail = deaths.shorter_backtraces([
+        ln for ln in output.splitlines()
+        if ln.strip() and ln not in ours and not deaths.is_child_end_logging(ln)])[-25:]
     parts = [what + (f" (exit code {code})." if code not in (None, 0) else ".")]
     parts += ours
     if tail:

@@ -26,7 +26,7 @@ ALL = "all ranks"
 #: together unless a rank waited for a CPU: on a loaded machine they come further apart.
 HOLD_SECONDS = 0.25
 #: The most a line waits, however loaded the machine.
-MAX_HOLD_SECONDS = 2.0
+MAX_HOLD_SECONDS = 1.0
 STREAMS = ("stdout", "stderr")
 #: The "stream" of a display that :meth:`LineMerger.ready` hands out.
 DISPLAY = "display"
