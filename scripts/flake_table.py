@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SUMMARY = re.compile(r"^=+ (.*) in [\d.]+s")
+SUMMARY = re.compile(r"^=* ?(\d+ (?:passed|failed|error).*?) in [\d.]+s")
 
 
 def files(paths: list[str]) -> list[Path]:

@@ -156,17 +156,24 @@ class Session:
             local_gpus.check_gpus_here(self.gpus, self.backend, self.np, self.gpus_per_rank)
         for note in plan.notes:  # information, not a warning: no red stderr block
             print(note)
-        progress = display.Progress()
-        self.cluster = Cluster(plan, self.np, self.timeout)
         if not self._stop_at_exit_registered:
             atexit.register(_stop_at_exit, weakref.ref(self))
             self._stop_at_exit_registered = True
-        try:
-            self.cluster.start(progress, started=t0)
-        except BaseException:
-            progress.close()
-            self.stop(quiet=True)
-            raise
+        for attempt in (1, 2):
+            progress = display.Progress()
+            self.cluster = Cluster(plan, self.np, self.timeout)
+            try:
+                self.cluster.start(progress, started=t0)
+                break
+            except BaseException as e:
+                progress.close()
+                again = (attempt == 1 and isinstance(e, ClusterError)
+                         and deaths.crashed_in_mpi_init(_launch_output(self.cluster)))
+                self.stop(quiet=True)
+                if not again:
+                    raise
+                print(deaths.CRASHED_IN_MPI_INIT_NOTE)
+                t0 = time.perf_counter()
         progress.close()
         self.metrics.new_cluster()  # its ranks number their metric batches from 0
         self.startup_seconds = time.perf_counter() - t0
@@ -384,6 +391,14 @@ class Session:
         buttons). See :mod:`ipydist.notebook.live.cluster_view`."""
         self._require_running(alive=False)
         return self.monitor.open_view()
+
+
+def _launch_output(cluster: Cluster) -> str:
+    """What the launcher of a start that failed printed ("" where none was started)."""
+    try:
+        return cluster.mpiexec_output()
+    except Exception:
+        return ""
 
 
 def _stop_at_exit(ref) -> None:

@@ -166,3 +166,44 @@ def test_transport_gloo_puts_cpu_collectives_back_on_the_process_group(capsys):
               "total = hvd.allreduce(t, op=hvd.Sum).tolist()")
         assert s.pull("wire") == [False, False]
         assert s.pull("total") == [[2.0] * 3] * 2
+
+
+#: Put in a rank's path by the test below: rank 1's process crashes as Open MPI's race in
+#: MPI_Init does (open-mpi/ompi#12495), with the report Open MPI prints; IPYDIST_TEST_CRASH says
+#: when: "once:FILE" (the first time, leaving FILE) or "always".
+_CRASH_IN_MPI_INIT = """
+import os, signal, sys
+when = os.environ.get("IPYDIST_TEST_CRASH", "")
+first = when.startswith("once:") and not os.path.exists(when[5:])
+if os.environ.get("OMPI_COMM_WORLD_RANK") == "1" and (first or when == "always"):
+    if first:
+        open(when[5:], "w").close()
+    sys.stderr.write(
+        "[vm:00042] *** Process received signal ***\\n"
+        "[vm:00042] Signal: Segmentation fault (11)\\n"
+        "[vm:00042] [ 0] /lib/x86_64-linux-gnu/libc.so.6(+0x3c050)[0x7f7c2c65a050]\\n"
+        "[vm:00042] [ 1] libmpi.so.40(mca_pml_ob1_recv_frag_callback_match+0x95)[0x7f7c2ae7]\\n"
+        "[vm:00042] [ 2] libmpi.so.40(ompi_mpi_init+0x425)[0x7f7c2ac91215]\\n"
+        "[vm:00042] *** End of error message ***\\n")
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGSEGV)
+"""
+
+
+def test_a_start_whose_rank_crashed_inside_mpi_init_is_tried_again_once(tmp_path, capsys):
+    """A crash inside MPI_Init is MPI's own race (no code of the rank ran yet): the start is
+    tried again, once, saying why; another failed start is not (tests/cluster/test_bad_input
+    .py), nor a crash there a second time."""
+    (tmp_path / "sitecustomize.py").write_text(_CRASH_IN_MPI_INIT)
+    marker = tmp_path / "crashed"
+    env = {"PYTHONPATH": str(tmp_path), "IPYDIST_TEST_CRASH": f"once:{marker}"}
+    with ipydist.Session(np=2, env=env) as s:
+        assert marker.exists()  # the first start met the crash
+        assert s.run("6 * 7").execute_results[1]["data"]["text/plain"] == "42"
+    out = capsys.readouterr().out
+    assert out.count("a rank crashed inside MPI_Init") == 1, out
+    assert "open-mpi/ompi#12495" in out and "2 ranks ready in" in out, out
+    env["IPYDIST_TEST_CRASH"] = "always"
+    with pytest.raises(ClusterError, match="ompi_mpi_init"):
+        ipydist.Session(np=2, env=env).start()
+    assert capsys.readouterr().out.count("a rank crashed inside MPI_Init") == 1

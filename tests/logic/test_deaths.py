@@ -79,3 +79,23 @@ def test_a_crash_backtrace_keeps_its_signal_and_innermost_frames_in_a_launch_mes
     assert "Signal: Segmentation fault (11)" in message and "[ 0] /lib/libfoo.so" in message
     # a backtrace at the very end of the output is cut too
     assert deaths.shorter_backtraces(crash[:20])[-1] == "[node2:00020] ... and 8 more frames"
+
+
+def test_only_a_crash_inside_mpi_init_counts_as_mpi_s_own_race():
+    # as Open MPI 5.0.11 printed it under srun (tests/hosts/test_slurm_launch.py, beside hogs)
+    race = """salloc: Granted job allocation 5
+[node1:00309] *** Process received signal ***
+[node1:00309] Signal: Segmentation fault (11)
+[node1:00309] Signal code: Address not mapped (1)
+[node1:00309] Failing at address: 0xe0
+[node1:00309] [ 0] /lib/x86_64-linux-gnu/libc.so.6(+0x3c050)[0x7f7c2c65a050]
+[node1:00309] [ 1] /v/lib/libmpi.so.40(mca_pml_ob1_recv_frag_callback_match+0x95)[0x7f7c2ae78f25]
+[node1:00309] [ 8] /v/lib/libopen-pal.so.80(opal_progress+0x84)[0x7f7c2b019ab4]
+[node1:00309] [ 9] /v/lib/libmpi.so.40(ompi_mpi_init+0x425)[0x7f7c2ac91215]
+[node1:00309] *** End of error message ***
+srun: error: node1: task 0: Segmentation fault"""
+    assert deaths.crashed_in_mpi_init(race)
+    in_torch = race.replace("ompi_mpi_init+0x425", "at::native::add+0x10")
+    assert not deaths.crashed_in_mpi_init(in_torch)  # a crash of the rank's own code
+    assert not deaths.crashed_in_mpi_init("srun: error: node1: task 0: Segmentation fault")
+    assert not deaths.crashed_in_mpi_init("ipydist: rank 0 on vm: ompi_mpi_init failed")
