@@ -134,10 +134,8 @@ def shorter_backtraces(lines: list[str]) -> list[str]:
     return out
 
 
-#: A frame of Open MPI's startup in a crash's backtrace.
-_MPI_INIT_FRAME = re.compile(
-    r"^\[[^\]]+\] \[ ?\d+\] .*\b(ompi_mpi_init|ompi_mpi_instance_init|PMPI_Init(_thread)?)\b",
-    re.MULTILINE)
+#: The functions of Open MPI's startup, as a crash's backtrace names them.
+_MPI_INIT_FUNCTIONS = re.compile(r"\b(ompi_mpi_init|ompi_mpi_instance_init|PMPI_Init(_thread)?)\b")
 #: Said when a start is tried again after a crash inside MPI's own startup.
 CRASHED_IN_MPI_INIT_NOTE = (
     "ipydist: a rank crashed inside MPI_Init, before any of ipydist's or your code ran on it "
@@ -149,7 +147,8 @@ def crashed_in_mpi_init(output: str) -> bool:
     """Whether a launcher's ``output`` shows a rank that crashed inside Open MPI's MPI_Init
     (a signal, and a backtrace through ``ompi_mpi_init``): a race of MPI's own, which a
     second start does not meet again, unlike a crash that any code of the rank causes."""
-    return "*** Process received signal ***" in output and bool(_MPI_INIT_FRAME.search(output))
+    return "*** Process received signal ***" in output and any(
+        _FRAME.match(line) and _MPI_INIT_FUNCTIONS.search(line) for line in output.splitlines())
 
 
 @dataclass(frozen=True)
