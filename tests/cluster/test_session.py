@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 import threading
 import time
@@ -13,6 +14,7 @@ from helpers import as_merged, run_cell, wait_gone
 
 import ipydist
 from ipydist.errors import ClusterError, RankError
+from ipydist.notebook.launch import processes
 from ipydist.specs import SpecError
 
 
@@ -80,13 +82,15 @@ def test_dist_stop_ends_every_process(shell, capsys, no_cluster, magics, tmp_pat
     pids["controller's children"] = [
         p.pid for p in psutil.Process(pids["controller"][0]).children(recursive=True)]
     # A rank ends without tearing Python down (ipydist/rank/ending.py), yet as Python's exit
-    # would be seen: a file left open keeps what was written, atexit callbacks run.
+    # would be seen: a file left open keeps what was written, atexit callbacks run, even one
+    # that takes a second (mpiexec, told to end the job, killed ranks half a second in).
     result, out, err = run_cell(shell, capsys, f"""%%everyrank
-import atexit, os, ipydist.torch as hvd
+import atexit, os, time, ipydist.torch as hvd
 _kept = open(os.path.join({str(tmp_path)!r}, f"open-{{hvd.rank()}}.txt"), "w")
 _kept.write("written, never closed")
-atexit.register(lambda: open(os.path.join({str(tmp_path)!r}, f"atexit-{{hvd.rank()}}"), "w")
-                .write("ran"))""")
+atexit.register(lambda: (time.sleep(1), open(os.path.join({str(tmp_path)!r},
+                                                          f"atexit-{{hvd.rank()}}"), "w")
+                                        .write("ran")))""")
     assert result.error_in_exec is None, (out, err)
     result, out, err = run_cell(shell, capsys, "%dist_stop")
     assert "Stopped 2 ranks." in out
@@ -98,6 +102,18 @@ atexit.register(lambda: open(os.path.join({str(tmp_path)!r}, f"atexit-{{hvd.rank
         assert (tmp_path / f"atexit-{rank}").read_text() == "ran"
     _, out, _ = run_cell(shell, capsys, "%dist_stop")
     assert "No cluster is running." in out
+
+
+def test_ranks_asked_to_end_end_cleanly(no_cluster):
+    """A SIGTERM is how a rank is asked to end (the stop sends it; mpiexec and Slurm forward
+    it): each rank ends with exit code 0 and says nothing, so mpiexec sees its job end well.
+    ipyparallel's engine ended with a traceback and code 1, and mpiexec then killed the ranks
+    still in MPI's finalize."""
+    with ipydist.Session(np=2) as s:
+        s.cluster.signal(signal.SIGTERM)
+        output = s.cluster.mpiexec_output(wait_for_exit=30)
+        assert processes.exit_code(s.cluster.launcher_process()) == 0, output
+        assert "Traceback" not in output
 
 
 def test_ranks_whose_mpiexec_is_killed_end_by_themselves(shell, capsys, no_cluster, magics):

@@ -23,8 +23,7 @@ from ipydist.rank.progress import prefer_text_bars  # noqa: E402
 
 prefer_text_bars()  # before the engine's kernel exists, or tqdm.auto picks a widget
 
-from ipyparallel.engine.app import IPEngine  # noqa: E402
-
 from ipydist.rank import ending  # noqa: E402
+from ipydist.rank.engine import RankEngine  # noqa: E402
 
-ending.run_then_exit(IPEngine.launch_instance)  # without tearing the interpreter down
+ending.run_then_exit(RankEngine.launch_instance)  # without tearing the interpreter down

