@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import psutil
 from helpers import run_cell, wait_gone
@@ -70,6 +71,31 @@ def test_a_rank_ends_with_its_stub_and_a_dead_server_stops_nothing(shell, capsys
         result, out, err = run_cell(shell, capsys, "%everyrank _t.item()")
         assert isinstance(result.error_in_exec, RankDied), (result.error_in_exec, out, err)
         assert "rank 2" in str(result.error_in_exec), str(result.error_in_exec)
+    finally:
+        pids = [p for info in session.ranks for p in (info["pid"], info["launched_pid"])]
+        session.stop(quiet=True)
+        magics.session = None
+    assert wait_gone(pids, 10) == []
+
+
+def test_a_rank_whose_python_cannot_run_is_ended_by_the_server_when_its_stub_goes(
+        shell, capsys, magics, no_cluster):
+    """A rank stuck in a C call that holds the GIL cannot see its stub go (Open MPI deadlocked
+    so in its finalize after a heal, and the rank outlived its job): the server kills it
+    when its own end does not come (forkserver.STUB_GONE_GRACE_SECONDS)."""
+    shell.run_cell("%dist_start --np 2").raise_error()
+    session = magics.session
+    try:
+        result, out, err = run_cell(shell, capsys, """%%everyrank --ranks 1
+import ctypes, threading, time
+threading.Thread(target=lambda: (time.sleep(0.5), ctypes.PyDLL(None).sleep(600)),
+                 daemon=True).start()""")
+        assert result.error_in_exec is None, (out, err)
+        time.sleep(1.5)  # the thread holds the GIL by now
+        victim = session.ranks[1]
+        assert psutil.Process(victim["pid"]).status() != psutil.STATUS_ZOMBIE
+        os.kill(victim["launched_pid"], signal.SIGKILL)
+        assert wait_gone([victim["pid"]], 10) == [], "the rank outlived its stub by 10 s"
     finally:
         pids = [p for info in session.ranks for p in (info["pid"], info["launched_pid"])]
         session.stop(quiet=True)

@@ -82,6 +82,10 @@ class Cluster:
         #: (:meth:`end_job_after_a_death`): the first death is among them, not among the
         #: ranks it ended.
         self.first_dead: list[dict] | None = None
+        #: A rank was replaced, dropped or added since the start: MPI's world then holds a dead
+        #: process or a spawned one, and its finalize may never end (a stop ends such a job
+        #: at once, :meth:`_let_ranks_end`)
+        self.world_changed = False
         #: The ranks' MPI shared-memory segments, looked up once they started: a rank killed
         #: leaves them, and the stop removes them.
         self._shared_memory: set[str] = set()
@@ -269,6 +273,7 @@ class Cluster:
             self.engine_ids[rank] = engine_id
         self._views = {}
         self._rank_procs = []
+        self.world_changed = True
 
     def keep_ranks(self, ranks: list[int]) -> None:
         """Only ``ranks`` are left, renumbered from 0 in their order (the world went on
@@ -277,12 +282,14 @@ class Cluster:
         self.engine_ids = [self.engine_ids[old] for old in ranks]
         self._views = {}
         self._rank_procs = []
+        self.world_changed = True
 
     def drop_ranks(self, size: int) -> None:
         """The ranks from ``size`` up have left the cluster (``Session.scale``)."""
         del self.ranks[size:], self.engine_ids[size:]
         self._views = {}
         self._rank_procs = []
+        self.world_changed = True
 
     def call(self, name: str, *args, timeout: float, ranks: list[int] | None = None):
         """``ipydist.rank.calls.<name>(*args)`` on every rank (or on ``ranks``); the replies
@@ -448,10 +455,13 @@ class Cluster:
         ends as Python's exit would be seen), and wait up to :data:`RANKS_END_SECONDS` for
         mpiexec to see its job over. Only when every rank is alive and idle: a busy rank goes
         on with its request, and a dead one would keep its peers in MPI's finalize; such a
-        job is ended by mpiexec at once, as before."""
+        job is ended by mpiexec at once, as before, and so is one whose world changed (after
+        a heal, Open MPI's finalize deadlocked holding the GIL on the ranks of another
+        host)."""
         launcher = self._mpiexec_launcher()
         proc = getattr(launcher, "process", None)
-        if proc is None or self.client is None or not self.ranks or not processes.alive(proc):
+        if (proc is None or self.client is None or not self.ranks or self.world_changed
+                or not processes.alive(proc)):
             return
         try:
             if self.dead_ranks() or any(ipp.has_pending_requests(self.client, engine)

@@ -60,6 +60,11 @@ PRELOAD = ("tqdm.autonotebook", "torch", "torch.distributed", "torch.nn.parallel
            "ipykernel.debugger", "stack_data")
 #: A server that no stub asked within this ends (a stub that started it and then died).
 IDLE_SECONDS = 60.0
+#: A rank whose stub is gone ends by itself at once (:func:`watch_stub`); one still there after
+#: this long is killed by the server: its Python cannot run. Open MPI deadlocked in a TCP send
+#: while marking a dead peer failed, in MPI's finalize after a heal, holding the GIL that the
+#: rank's watching thread waited for; the rank and its nanny outlived their job.
+STUB_GONE_GRACE_SECONDS = 3.0
 _MESSAGE_MAX = 1 << 20
 FDS_MAX = 250
 
@@ -96,6 +101,7 @@ def serve(key: str, owner: int | None = None) -> dict | None:
     signal.set_wakeup_fd(wake_write)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     stubs: dict[int, socket.socket | None] = {}  # rank pid -> its stub's connection
+    overdue: dict[int, float] = {}  # rank pid -> when it is killed, its stub being gone
     served = False
     started = time.monotonic()
     watched = [] if owner is None else [owner]
@@ -115,6 +121,8 @@ def serve(key: str, owner: int | None = None) -> dict | None:
             if conn in ready and not conn.recv(16, socket.MSG_PEEK):  # its stub died: its
                 conn.close()  # rank follows (watch_stub), and is reaped here
                 stubs[pid] = None
+                overdue[pid] = time.monotonic() + STUB_GONE_GRACE_SECONDS
+        _kill_overdue(stubs, overdue)
         if listener not in ready:
             continue
         conn, _ = listener.accept()
@@ -149,6 +157,20 @@ def _goes_on(owner: int | None, stubs: dict, served: bool, started: float) -> bo
     if owner is not None:
         return True
     return bool(stubs) if served else time.monotonic() - started < IDLE_SECONDS
+
+
+def _kill_overdue(stubs: dict, overdue: dict[int, float]) -> None:
+    """SIGKILL each rank that outlived its stub by :data:`STUB_GONE_GRACE_SECONDS`."""
+    now = time.monotonic()
+    for pid, when in list(overdue.items()):
+        if pid not in stubs:  # reaped
+            del overdue[pid]
+        elif now >= when:
+            del overdue[pid]
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
 
 
 def _take_request(conn: socket.socket) -> dict | None:
