@@ -8,7 +8,8 @@ what is seen from outside and then leaves with ``os._exit``, as multiprocessing'
 workers do:
 
 - non-daemon threads are waited for, as Python waits for them;
-- ``atexit`` callbacks run (the user's, ``weakref.finalize``'s, multiprocessing's, logging's);
+- ``atexit`` callbacks run (the user's, ``weakref.finalize``'s, multiprocessing's, logging's),
+  with the garbage collector's full passes made cheap (objects alive before are set aside);
 - every file still open for writing is flushed, as its collection would have done: a cell's
   ``f = open(...); f.write(...)`` without a close loses nothing;
 - MPI is finalized, which mpi4py would do at the very end of Python's exit (its launcher
@@ -47,7 +48,7 @@ def run_then_exit(main) -> None:
 
 def exit_now(code: int) -> None:
     # Python's own exit waits for threads, then runs atexit's callbacks
-    for step in (threading._shutdown, atexit._run_exitfuncs, _flush_open_files, _finalize_mpi):
+    for step in (threading._shutdown, _run_exit_callbacks, _flush_open_files, _finalize_mpi):
         try:
             step()
         except BaseException:  # the next steps still matter; Python's exit goes on too
@@ -58,6 +59,18 @@ def exit_now(code: int) -> None:
         except Exception:
             pass
     os._exit(code)
+
+
+def _run_exit_callbacks() -> None:
+    """atexit's callbacks, with every object alive now set aside from the garbage collector
+    (``gc.freeze``): IPython's callback (the engine's shell clears its namespace) ends with a
+    full collection, 0.14 s of a 0.3 s stop in a rank that holds torch, to find nothing but
+    what reference counting frees anyway as the namespace is cleared."""
+    gc.freeze()
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        gc.unfreeze()  # the open files are looked for among every object next
 
 
 def _exit_code(code) -> int:
