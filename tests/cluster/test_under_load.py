@@ -23,6 +23,7 @@ import re
 import sys
 import threading
 import time
+import traceback
 
 import pytest
 from helpers import (
@@ -219,7 +220,8 @@ def test_loaded_chaos_keeps_the_ranks_identical_and_no_cell_takes_over_15_s(
         if timer:
             timer.join()
         error = result.error_in_exec
-        where = f"cell {i} ({kind}, seed {CHAOS_SEED}): {error!r}\n{err[-2000:]}"
+        trace = "".join(traceback.format_exception(error))[-3000:] if error else ""
+        where = f"cell {i} ({kind}, seed {CHAOS_SEED}): {error!r}\n{trace}\n{err[-2000:]}"
         _report(f"chaos cell {i} {kind}: {elapsed:.2f} s")
         assert elapsed < 15, f"{where}: took {elapsed:.1f} s"
         if kind in expected:

@@ -169,7 +169,7 @@ class CellRun:
     def _all_done(self) -> bool:
         """Whether every rank replied, or can no longer: it lost its reply, or was released and
         did not stop in time."""
-        if self.ar.wait(POLL_SECONDS):
+        if ipp.wait(self.ar, POLL_SECONDS):
             return True
         now = time.monotonic()
         running = [r for r in ipp.still_running(self.ar, self.targets) if r not in self.dead]
@@ -294,7 +294,7 @@ class CellRun:
         none has arrived for OUTPUT_STALL_SECONDS, so a rank that died mid-output cannot hang
         the cell."""
         last_arrival = time.monotonic()
-        while not self.ar.wait_for_output(POLL_SECONDS):
+        while not ipp.wait(self.ar, POLL_SECONDS, output=True):
             if self._show():
                 last_arrival = time.monotonic()
             elif time.monotonic() - last_arrival > OUTPUT_STALL_SECONDS:

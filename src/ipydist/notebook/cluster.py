@@ -300,7 +300,7 @@ class Cluster:
         """
         ranks = list(range(self.size)) if ranks is None else list(ranks)
         ar = self.view(ranks).apply_async(protocol.on_rank, name, *args)
-        if not ar.wait(timeout):
+        if not ipp.wait(ar, timeout):
             late = ipp.still_running(ar, ranks)
             self.abort([ipp.msg_id(ar, ranks, r) for r in late], late)
             raise TimeoutError(f"{describe_ranks(late)} did not answer within {timeout:g} s")
