@@ -307,8 +307,9 @@ class Session:
                 raise RankDied(report)
             wait_until_idle(cluster, waits_for, self.words.restart)
         if cluster.recovery_owed is not None:  # the last cell ended before every rank stopped
-            released, cluster.recovery_owed = cluster.recovery_owed, None
-            for note in recovery.recover(cluster, released, self.words.restart):
+            notes = recovery.recover(cluster, cluster.recovery_owed, self.words.restart)
+            cluster.recovery_owed = None  # still owed after a Ctrl-C in the middle of it
+            for note in notes:
                 print(f"ipydist: before this cell: {note}", file=sys.stderr, flush=True)
         stopping = None if debug_ranks is None else parse_ranks(debug_ranks, self.size)
         started = time.perf_counter()
