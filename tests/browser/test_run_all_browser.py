@@ -128,7 +128,8 @@ def test_run_all_goes_through_the_failure_notebook(lab, front_end, page, console
     run_all_cells(page)
     cells = _wait_until_run(page, timeout=240)
     prompts = [c["prompt"] for c in cells]
-    assert all(ran(p) for p in prompts), f"Run All stopped: {prompts}"
+    last = [c for c in cells if ran(c["prompt"])][-1:]
+    assert all(ran(p) for p in prompts), f"Run All stopped: {prompts}, after {last}"
 
     raised = _cell(cells, 'raise ValueError("bad batch on rank 3")')
     text = "\n".join(raised["outputs"])

@@ -464,8 +464,7 @@ class Cluster:
                 or not processes.alive(proc)):
             return
         try:
-            if self.dead_ranks() or any(ipp.has_pending_requests(self.client, engine)
-                                        for engine in self.engine_ids):
+            if self.dead_ranks() or self.busy_ranks(list(range(self.size))):
                 return
             self.signal(signal.SIGTERM)
         except Exception:  # a controller gone: mpiexec ends the job
