@@ -129,6 +129,8 @@ class Session:
         self.healing: healing.Heal | None = None  # a heal under way
         #: The ranks whose code raised in the last cell (``debug()``'s default is the lowest).
         self.failed_ranks: list[int] = []
+        #: The number the ranks gave the last cell they ran (``notebook.cell``).
+        self.last_cell_number = 0
         self._stop_at_exit_registered = False
 
     # --- lifecycle ---------------------------------------------------------------------------

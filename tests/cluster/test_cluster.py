@@ -256,6 +256,18 @@ status = inner()
     assert f"[all ranks] tensor([{NP}.])" in as_merged(out)
 
 
+def test_every_rank_numbers_a_cell_alike_after_cells_on_some_ranks(cluster):
+    """Requests with no notebook cell of their own (``Session.run`` called twice in one cell,
+    or outside a shell): the ranks' own counts ran apart when some ranks ran more of them,
+    and a stack named one cell 18 on one rank and 19 on the others."""
+    for ranks in ([0], [0], [1, 2]):
+        cluster.run("pass", ranks=ranks)
+    cluster.run("_count = get_ipython().execution_count")
+    counts = cluster.pull("_count")
+    assert len(set(counts)) == 1, counts
+    assert counts[0] - 1 == cluster.last_cell_number, (counts, cluster.last_cell_number)
+
+
 def test_same_exception_on_all_ranks_is_shown_once(shell, capsys, cluster):
     result, _, _ = run_cell(shell, capsys, "%%everyrank\nundefined_name")
     error = result.error_in_exec

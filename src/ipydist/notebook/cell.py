@@ -68,13 +68,13 @@ class CellRun:
         self.deadline = None if not timeout else started + float(timeout)
         self.timeout = timeout
         self.collector = IOPubCollector(targets)
-        number = _execution_count()
+        number = _cell_number(session)
         # where breakpoint() stops: on debug_ranks (all by default), if a person can type
         stopping = (targets if debug_ranks is None else debug_ranks) if (
             debugging.can_prompt()) else None
         self.ar = ipp.execute(self.cluster.view(targets), code, self.collector.watch,
                               {DEBUG_RANKS_KEY: stopping,
-                               **({CELL_NUMBER_KEY: number} if number else {})})
+                               CELL_NUMBER_KEY: number})
         session.monitor.cell_started(number, targets)
         self.breakpoints = debugging.Breakpoints(
             self.cluster, lambda: self._emit(self.merger.ready(now=float("inf"))))
@@ -347,6 +347,17 @@ class CellRun:
             elif step.kind == "retag":
                 display.retag(step.shown.handle, step.shown.tag)
         self.bars.flush()
+
+
+def _cell_number(session) -> int:
+    """The number every rank gives this cell: the notebook's ``In [N]``, or the one after the
+    last given when that is taken (a second request from one notebook cell, or none from a
+    shell). Given here, the same to every rank: each rank's own count ran apart from the
+    others' once a cell ran on some ranks only (a stack named the same cell 18 on one rank
+    and 19 on the others)."""
+    number = max(_execution_count() or 0, session.last_cell_number + 1)
+    session.last_cell_number = number
+    return number
 
 
 def _execution_count() -> int | None:

@@ -5,8 +5,10 @@ cells and ipydist's own requests never reach it, or reach it unnumbered).
 The notebook puts its number in the request's metadata (:data:`ipydist.protocol.CELL_NUMBER_KEY`).
 IPython takes the cell's number before any of its events fire, but after transforming the
 cell's text; so the number is set by an input transformer that leaves the text as it is.
-The count only moves forward: the rank's input history keeps one entry per number, and two
-requests from one notebook cell (two ``Session.run`` calls) number the second one on.
+The count only moves forward: the rank's input history keeps one entry per number. The
+notebook gives every rank of a request the same number, and one never given before (a second
+request from one notebook cell takes the next): a rank that ran fewer cells than the others
+catches up, so every rank names a cell alike.
 """
 
 from __future__ import annotations
