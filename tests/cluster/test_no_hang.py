@@ -206,3 +206,30 @@ def test_a_recovery_a_rank_misses_is_abandoned_on_every_rank_and_says_restart():
         assert float(recover.split()[-1]) < 1.0 + 3.0 + 1.0, recover
         after = next(line for line in out.splitlines() if line.startswith(f"after {me} "))
         assert "could not be rebuilt: restart the cluster (%dist_restart)" in after, out
+
+
+FAILED_START_SCRIPT = textwrap.dedent("""\
+    import time
+    from mpi4py import MPI
+    from ipydist.rank import ending
+    if MPI.COMM_WORLD.rank == 1:  # as a rank whose engine failed to start
+        def engine():
+            raise ValueError("no engine on rank 1")
+        ending.run_then_exit(engine)
+    time.sleep(60)  # rank 0: an engine serving on
+""")
+
+
+def test_a_rank_whose_engine_failed_ends_its_job_at_once():
+    """Its end left MPI unfinalized: Open MPI's finalize waits for every rank, so the failed
+    rank waited there while the others served, and a start waited out its --timeout (120 s,
+    when a rank once read the controller's connection file half written)."""
+    plan = mpiexec.plan(mpiexec.find_mpiexec(), 2, elastic=False)
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [plan.mpiexec, *plan.args, "-n", "2", sys.executable, "-c", FAILED_START_SCRIPT],
+        env={**os.environ, **plan.env}, capture_output=True, text=True, timeout=90)
+    took = time.monotonic() - t0
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "ValueError: no engine on rank 1" in proc.stderr, proc.stderr
+    assert took < 30, f"the job lasted {took:.0f} s: the failed rank waited in MPI's finalize"

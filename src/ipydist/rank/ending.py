@@ -13,7 +13,10 @@ workers do:
 - every file still open for writing is flushed, as its collection would have done: a cell's
   ``f = open(...); f.write(...)`` without a close loses nothing;
 - MPI is finalized, which mpi4py would do at the very end of Python's exit (its launcher
-  counts a rank that left without it as failed);
+  counts a rank that left without it as failed), but only on a clean end: Open MPI's finalize
+  waits for every rank to reach it, so a rank whose engine failed (its start, say) waited
+  there while the others served on, and the start waited out its whole ``--timeout``. Left
+  unfinalized, it is a failed rank to its launcher at once, as a crash is;
 - stdout and stderr are flushed.
 
 What is not done: objects' ``__del__`` methods beyond these, which Python does not promise to
@@ -48,7 +51,10 @@ def run_then_exit(main) -> None:
 
 def exit_now(code: int) -> None:
     # Python's own exit waits for threads, then runs atexit's callbacks
-    for step in (threading._shutdown, _run_exit_callbacks, _flush_open_files, _finalize_mpi):
+    steps = [threading._shutdown, _run_exit_callbacks, _flush_open_files]
+    if code == 0:
+        steps.append(_finalize_mpi)
+    for step in steps:
         try:
             step()
         except BaseException:  # the next steps still matter; Python's exit goes on too

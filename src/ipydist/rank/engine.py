@@ -1,4 +1,5 @@
-"""The engine a rank runs: ipyparallel's, ending cleanly when it is asked to.
+"""The engine a rank runs: ipyparallel's, ending cleanly when it is asked to, and starting
+from a connection file only when it is whole.
 
 A SIGTERM is how a rank is asked to end (ipydist's stop sends it, mpiexec and Slurm forward
 it). ipyparallel's engine then stops its event loop under the ``run_sync`` of its ``start``,
@@ -11,13 +12,29 @@ still escapes.
 
 from __future__ import annotations
 
+import json
+import time
+
 from ipyparallel.engine.app import IPEngine
+
+#: How often a rank looks again at a connection file the controller is still writing.
+WHOLE_FILE_POLL_SECONDS = 0.02
 
 
 class RankEngine(IPEngine):
-    """ipyparallel's engine, whose SIGTERM ends it with exit code 0."""
+    """ipyparallel's engine, whose SIGTERM ends it with exit code 0, and which reads its
+    connection file only once the controller has written all of it."""
 
     _stop_asked = False
+
+    def load_connection_file(self):
+        """ipyparallel's engine waits for the file to exist, then reads it, and the controller
+        writes it in place (``open``, then ``write``): under load a rank read it empty and
+        failed its start ("Expecting value: line 1 column 1"). Read it once it is whole, for
+        as long as the engine waits for it to exist."""
+        if not self.connection_info_env:
+            _wait_until_whole(self.url_file, self.wait_for_url_file)
+        super().load_connection_file()
 
     def _signal_stop(self, sig, frame):
         self._stop_asked = True
@@ -29,3 +46,18 @@ class RankEngine(IPEngine):
         except RuntimeError:
             if not self._stop_asked:
                 raise
+
+
+def _wait_until_whole(path: str, seconds: float) -> None:
+    """Until ``path`` holds a whole JSON document, or ``seconds`` have passed (the engine's own
+    read then says what is wrong with it)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            with open(path) as f:
+                json.load(f)
+            return
+        except (OSError, ValueError):
+            if time.monotonic() >= deadline:
+                return
+        time.sleep(WHOLE_FILE_POLL_SECONDS)
