@@ -23,6 +23,10 @@ could start a collective and hang this rank), and IPython's own evaluation stays
 
 from __future__ import annotations
 
+import contextlib
+import os
+import pickle
+import tempfile
 import threading
 import time
 
@@ -97,8 +101,42 @@ def _reply(request: dict) -> dict:
                                    set(request.get("omit_sections") or ()))
 
 
+def save_parso_cache_atomically() -> None:
+    """Make parso (jedi's parser) write each file of its cache whole or not at all.
+
+    parso keeps the modules it parsed in a cache every Python of the user shares
+    (``~/.cache/jedi``), and writes each file in place. A rank warms jedi up right after its
+    start (:func:`warm`), so a stop or a kill soon after a start can end it mid-write: it once
+    left an empty file, which parso's load does not survive, and from then on every kernel on
+    the machine, the notebook's own too, completed nothing. Here a file is written beside its
+    place and renamed into it."""
+    try:
+        from parso import cache
+    except ImportError:
+        return
+    if getattr(getattr(cache, "_save_to_file_system", None), "atomic", False):
+        return
+
+    def save_whole(hashed_grammar, path, item, cache_path=None):
+        target = cache._get_hashed_path(hashed_grammar, path, cache_path=cache_path)
+        fd, written = tempfile.mkstemp(dir=os.path.dirname(target), suffix=".part")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                pickle.dump(item, f, pickle.HIGHEST_PROTOCOL)
+            os.replace(written, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(written)
+            raise
+
+    save_whole.atomic = True
+    cache._save_to_file_system = save_whole
+
+
 def _make_safe(shell) -> None:
-    """No user code runs for a completion (see the module docstring)."""
+    """No user code runs for a completion (see the module docstring), and parso's cache is
+    written safely (:func:`save_parso_cache_atomically`)."""
+    save_parso_cache_atomically()
     try:
         import jedi
 
