@@ -42,9 +42,13 @@ def pytest_runtest_protocol(item, nextitem):
     """A test marked ``alone`` runs with no other worker's test beside it (worker_turns.py), and
     so does one that makes its own load (``hogs``): it keeps every core busy anyway, and its
     bars are set for its own load, not for its own and the other workers' together."""
-    alone = item.get_closest_marker("alone") is not None or "hogs" in item.fixturenames
-    with worker_turns.turn(alone=alone):
+    alone = _is_alone(item)
+    with worker_turns.turn(alone=alone, keep=nextitem is not None and _is_alone(nextitem)):
         yield
+
+
+def _is_alone(item) -> bool:
+    return item.get_closest_marker("alone") is not None or "hogs" in item.fixturenames
 
 
 @pytest.hookimpl(trylast=True)  # after pytest-xdist's own (see below)

@@ -161,6 +161,13 @@ class LaunchCounter:
                 *(f"  {n:3d}  {path}" for path, n in ranked)]
 
 
+def worker_turns():
+    """worker_turns.py, imported when first needed (it imports this module)."""
+    import worker_turns as turns
+
+    return turns
+
+
 def _busy_seconds() -> float:
     """CPU seconds the whole machine has spent busy since it started (every core, every
     process): what the suite's processes cost, ranks and browsers included."""
@@ -255,6 +262,11 @@ class SuiteWatch:
                 terminalreporter.line("  " + line)
             for line in self.starts.lines():
                 terminalreporter.line(line)
+            waits = worker_turns().waits()
+            if waits:
+                terminalreporter.line(
+                    f"alone tests: {len(waits)} waited {sum(waits):.1f} s in all for their "
+                    f"turns (the longest {max(waits):.1f} s), a core idle meanwhile")
             if not with_workers(terminalreporter.config):
                 for line in self.cpu.lines():
                     terminalreporter.line(line)

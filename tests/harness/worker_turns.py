@@ -17,6 +17,7 @@ import fcntl
 import os
 import shutil
 import tempfile
+import time
 
 from suite_watch import tier_of
 
@@ -44,24 +45,63 @@ def remove_folder() -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+#: The exclusive turn this worker kept from one ``alone`` test for the next (its open lock
+#: files), or None.
+_kept: tuple | None = None
+
+
 @contextlib.contextmanager
-def turn(alone: bool):
-    """Hold this worker's turn for one test: exclusive when ``alone``, shared otherwise."""
+def turn(alone: bool, keep: bool = False):
+    """Hold this worker's turn for one test: exclusive when ``alone``, shared otherwise.
+
+    ``keep``: an alone test whose worker's next test is alone too keeps its exclusive turn for
+    that one. Otherwise the other workers start a test in between, and the next alone test waits
+    for it to end with a core idle (test_under_load.py has five in a row)."""
+    global _kept
     folder = os.environ.get(TURNS_VAR)
     if not folder:
         yield
         return
-    with open(os.path.join(folder, "gate"), "a") as gate, \
-            open(os.path.join(folder, "room"), "a") as room:
-        try:
-            if alone:
-                fcntl.flock(gate, fcntl.LOCK_EX)  # no test starts from now on
-                fcntl.flock(room, fcntl.LOCK_EX)  # the running ones end
-            else:
-                fcntl.flock(gate, fcntl.LOCK_SH)  # waits while an alone test goes first
-                fcntl.flock(room, fcntl.LOCK_SH)
-                fcntl.flock(gate, fcntl.LOCK_UN)
-            yield
-        finally:
+    if _kept is not None:
+        gate, room = _kept
+        _kept = None
+    else:
+        gate = open(os.path.join(folder, "gate"), "a")  # closed below
+        room = open(os.path.join(folder, "room"), "a")
+        started = time.monotonic()
+        if alone:
+            fcntl.flock(gate, fcntl.LOCK_EX)  # no test starts from now on
+            fcntl.flock(room, fcntl.LOCK_EX)  # the running ones end
+            _note_wait(folder, time.monotonic() - started)
+        else:
+            fcntl.flock(gate, fcntl.LOCK_SH)  # waits while an alone test goes first
+            fcntl.flock(room, fcntl.LOCK_SH)
+            fcntl.flock(gate, fcntl.LOCK_UN)
+    try:
+        yield
+    finally:
+        if alone and keep:
+            _kept = gate, room
+        else:
             fcntl.flock(room, fcntl.LOCK_UN)
             fcntl.flock(gate, fcntl.LOCK_UN)
+            gate.close()
+            room.close()
+
+
+def _note_wait(folder: str, seconds: float) -> None:
+    """Add the seconds an alone test waited for its turn to the run's tally (one line each,
+    appended whole)."""
+    with open(os.path.join(folder, "waits"), "a") as tally:
+        tally.write(f"{seconds:.3f}\n")
+
+
+def waits() -> list[float]:
+    """In the main process, at the end: the seconds each alone test waited for its turn (the
+    other workers' tests ending, the cores half idle meanwhile)."""
+    folder = os.environ.get(TURNS_VAR)
+    try:
+        with open(os.path.join(folder or "", "waits")) as tally:
+            return [float(line) for line in tally if line.strip()]
+    except OSError:
+        return []

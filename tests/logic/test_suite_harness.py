@@ -17,8 +17,9 @@ import worker_turns
 def _worker(folder: str, name: str, plan: list[tuple[bool, float]], log) -> None:
     os.environ[worker_turns.TURNS_VAR] = folder
     os.environ["PYTEST_XDIST_WORKER"] = name
-    for alone, seconds in plan:
-        with worker_turns.turn(alone):
+    for i, (alone, seconds) in enumerate(plan):
+        keep = i + 1 < len(plan) and plan[i + 1][0]  # as conftest.py: the next is alone too
+        with worker_turns.turn(alone, keep=alone and keep):
             start = time.monotonic()
             time.sleep(seconds)
             log.put((name, alone, start, time.monotonic()))
@@ -46,6 +47,30 @@ def test_an_alone_test_overlaps_no_other_and_the_others_overlap(tmp_path):
     assert overlapping == [], overlapping
     # without the alone one, tests of different workers did run side by side
     assert any(x[0] != y[0] and x[2] < y[3] and y[2] < x[3] for x in others for y in others)
+
+
+def test_alone_tests_in_a_row_keep_their_turn_and_their_waits_are_told(tmp_path, monkeypatch):
+    ctx = multiprocessing.get_context("fork")
+    log = ctx.Queue()
+    # one worker keeps running short tests; the other runs three alone tests in a row
+    plans = {"gw0": [(False, 0.05)] * 40, "gw1": [(False, 0.05), (True, 0.2), (True, 0.2),
+                                                   (True, 0.2), (False, 0.05)]}
+    procs = [ctx.Process(target=_worker, args=(str(tmp_path), n, p, log))
+             for n, p in plans.items()]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    runs = [log.get(timeout=5) for _ in range(sum(len(p) for p in plans.values()))]
+    alone = sorted(r for r in runs if r[1])
+    first, last = min(r[2] for r in alone), max(r[3] for r in alone)
+    between = [r for r in runs if not r[1] and r[2] < last and first < r[3]]
+    assert between == [], "another worker's test ran between alone tests in a row"
+    monkeypatch.setenv(worker_turns.TURNS_VAR, str(tmp_path))
+    waits = worker_turns.waits()
+    assert len(waits) == 1, "the second and third took the first's turn without waiting"
+    assert 0 <= waits[0] < 5
 
 
 def test_nothing_is_locked_in_a_run_of_one_process(monkeypatch):
