@@ -56,12 +56,25 @@ def send(proc, sig: int) -> None:
             proc.send_signal(sig)
 
 
-def exit_code(proc) -> int | None:
-    """A process's exit code once it has exited (psutil remembers it after the reaping wait)."""
-    try:
-        return proc.wait(0)
-    except (psutil.Error, psutil.TimeoutExpired):
-        return None
+def exit_code(proc, settle: float = 1.0) -> int | None:
+    """The exit code of ``proc``, a child of this process that has exited (None while it runs).
+
+    ipyparallel's launcher waits on the same psutil process in a thread of its own. When that
+    thread has reaped the child but not yet stored the code, this wait finds no child and
+    psutil answers None (an mpiexec that failed at once was told without its exit code, once
+    in a full run); the thread stores the code a moment later, so a None is asked again for up
+    to ``settle`` seconds."""
+    deadline = time.monotonic() + settle
+    while True:
+        try:
+            code = proc.wait(0)
+        except psutil.TimeoutExpired:
+            return None  # still running
+        except psutil.Error:
+            code = None
+        if code is not None or time.monotonic() >= deadline:
+            return code
+        time.sleep(0.02)
 
 
 def read_text(path: str) -> str:
