@@ -31,6 +31,7 @@ from ipydist.notebook.output import display, rich
 from ipydist.notebook.output.iopub import IOPubCollector
 from ipydist.notebook.output.lines import LineMerger, Redraw, hold_for_load
 from ipydist.notebook.stall import StallWatch
+from ipydist.notebook.stop_button import StopButton
 from ipydist.protocol import CELL_NUMBER_KEY, DEBUG_RANKS_KEY
 from ipydist.specs import describe_ranks
 
@@ -102,30 +103,8 @@ class CellRun:
     def wait(self) -> RunResult:
         """Block until every rank finished the cell; raise RankError if any raised."""
         try:
-            # a rank that died: first checked soon (a cell sent to a dead cluster), then every
-            # ALIVE_CHECK_SECONDS; a cell that ends sooner costs nothing
-            next_alive_check = time.monotonic() + FIRST_ALIVE_CHECK_SECONDS
-            while not self._all_done():
-                self._show()
-                if self.breakpoints.waiting:
-                    self._paused(self.breakpoints.serve())
-                self._contain_failure()
-                self._warn_of_stall()
-                if time.monotonic() >= next_alive_check:
-                    self._check_alive()
-                    next_alive_check = time.monotonic() + ALIVE_CHECK_SECONDS
-                if self.deadline is not None and time.perf_counter() > self.deadline:
-                    running = self._stop()
-                    if self.first_failure is not None and not self.unstopped:
-                        # a rank raised before the deadline: its error is the story, and the
-                        # others were released as after the failure grace
-                        break
-                    notes = self._recover(running)
-                    raise CellTimeout(" ".join([
-                        f"the cell ran past --timeout {self.timeout:g} s; interrupted "
-                        f"{describe_ranks(running)}.", *notes]))
-            if not self.unstopped:
-                self._wait_for_output()
+            with StopButton() as stop_button:
+                self._wait_for_ranks(stop_button)
         except KeyboardInterrupt:
             running = self._stop()
             notes = self._recover(running)
@@ -160,6 +139,37 @@ class CellRun:
             raise ReplyLost(self._lost_note())
         self.result.pages = ipp.pages(replies.get(self.targets[0]))
         return self.result
+
+    def _wait_for_ranks(self, stop_button: StopButton) -> None:
+        """Until every rank finished the cell (or can no longer), showing what they send and
+        watching for failures, deaths, stalls and ``--timeout``; the stop button is looked at
+        once a round."""
+        # a rank that died: first checked soon (a cell sent to a dead cluster), then every
+        # ALIVE_CHECK_SECONDS; a cell that ends sooner costs nothing
+        next_alive_check = time.monotonic() + FIRST_ALIVE_CHECK_SECONDS
+        while not self._all_done():
+            stop_button.check()
+            self._show()
+            if self.breakpoints.waiting:
+                with stop_button.as_before():
+                    self._paused(self.breakpoints.serve())
+            self._contain_failure()
+            self._warn_of_stall()
+            if time.monotonic() >= next_alive_check:
+                self._check_alive()
+                next_alive_check = time.monotonic() + ALIVE_CHECK_SECONDS
+            if self.deadline is not None and time.perf_counter() > self.deadline:
+                running = self._stop()
+                if self.first_failure is not None and not self.unstopped:
+                    # a rank raised before the deadline: its error is the story, and the
+                    # others were released as after the failure grace
+                    break
+                notes = self._recover(running)
+                raise CellTimeout(" ".join([
+                    f"the cell ran past --timeout {self.timeout:g} s; interrupted "
+                    f"{describe_ranks(running)}.", *notes]))
+        if not self.unstopped:
+            self._wait_for_output(stop_button)
 
     @property
     def released(self) -> list[int]:
@@ -288,13 +298,14 @@ class CellRun:
                              f"({self.session.words.stack}):", where]), file=sys.stderr,
                   flush=True)
 
-    def _wait_for_output(self) -> None:
+    def _wait_for_output(self, stop_button: StopButton) -> None:
         """The ranks replied; their output may still be on its way (a backlog of a million
         metric points takes seconds to unpack). Keep showing it until it is complete, or until
         none has arrived for OUTPUT_STALL_SECONDS, so a rank that died mid-output cannot hang
         the cell."""
         last_arrival = time.monotonic()
         while not ipp.wait(self.ar, POLL_SECONDS, output=True):
+            stop_button.check()
             if self._show():
                 last_arrival = time.monotonic()
             elif time.monotonic() - last_arrival > OUTPUT_STALL_SECONDS:
