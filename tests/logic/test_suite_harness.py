@@ -25,12 +25,11 @@ def _worker(folder: str, name: str, plan: list[tuple[bool, float]], log) -> None
             log.put((name, alone, start, time.monotonic()))
 
 
-def test_an_alone_test_overlaps_no_other_and_the_others_overlap(tmp_path):
+def _run_workers(tmp_path, plans: dict) -> list[tuple]:
+    """Run each plan in a worker process of its own, side by side; the tests' (worker, alone,
+    start, end), as they ran."""
     ctx = multiprocessing.get_context("fork")
     log = ctx.Queue()
-    # two workers keep running short tests; the third asks for its turn alone in between
-    plans = {"gw0": [(False, 0.05)] * 30, "gw1": [(False, 0.05)] * 30,
-             "gw2": [(False, 0.05), (True, 0.3), (False, 0.05)]}
     procs = [ctx.Process(target=_worker, args=(str(tmp_path), n, p, log))
              for n, p in plans.items()]
     for p in procs:
@@ -38,7 +37,14 @@ def test_an_alone_test_overlaps_no_other_and_the_others_overlap(tmp_path):
     for p in procs:
         p.join(timeout=30)
         assert p.exitcode == 0
-    runs = [log.get(timeout=5) for _ in range(sum(len(p) for p in plans.values()))]
+    return [log.get(timeout=5) for _ in range(sum(len(p) for p in plans.values()))]
+
+
+def test_an_alone_test_overlaps_no_other_and_the_others_overlap(tmp_path):
+    # two workers keep running short tests; the third asks for its turn alone in between
+    plans = {"gw0": [(False, 0.05)] * 30, "gw1": [(False, 0.05)] * 30,
+             "gw2": [(False, 0.05), (True, 0.3), (False, 0.05)]}
+    runs = _run_workers(tmp_path, plans)
     alone = [r for r in runs if r[1]]
     others = [r for r in runs if not r[1]]
     assert len(alone) == 1
@@ -50,19 +56,10 @@ def test_an_alone_test_overlaps_no_other_and_the_others_overlap(tmp_path):
 
 
 def test_alone_tests_in_a_row_keep_their_turn_and_their_waits_are_told(tmp_path, monkeypatch):
-    ctx = multiprocessing.get_context("fork")
-    log = ctx.Queue()
     # one worker keeps running short tests; the other runs three alone tests in a row
     plans = {"gw0": [(False, 0.05)] * 40, "gw1": [(False, 0.05), (True, 0.2), (True, 0.2),
                                                    (True, 0.2), (False, 0.05)]}
-    procs = [ctx.Process(target=_worker, args=(str(tmp_path), n, p, log))
-             for n, p in plans.items()]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=30)
-        assert p.exitcode == 0
-    runs = [log.get(timeout=5) for _ in range(sum(len(p) for p in plans.values()))]
+    runs = _run_workers(tmp_path, plans)
     alone = sorted(r for r in runs if r[1])
     first, last = min(r[2] for r in alone), max(r[3] for r in alone)
     between = [r for r in runs if not r[1] and r[2] < last and first < r[3]]
