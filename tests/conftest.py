@@ -27,7 +27,8 @@ def pytest_configure(config):
     """Outside pytest-xdist's workers (in its main process, or a run without it): the plugin
     that times the tiers and checks for leftovers at the end (suite_watch.py)."""
     if not hasattr(config, "workerinput"):
-        config.pluginmanager.register(suite_watch.SuiteWatch(), "ipydist-suite-watch")
+        config.pluginmanager.register(suite_watch.SuiteWatch(worker_turns.waits),
+                                     "ipydist-suite-watch")
         if suite_watch.with_workers(config):
             worker_turns.make_folder()
 
@@ -43,7 +44,8 @@ def pytest_runtest_protocol(item, nextitem):
     so does one that makes its own load (``hogs``): it keeps every core busy anyway, and its
     bars are set for its own load, not for its own and the other workers' together."""
     alone = _is_alone(item)
-    with worker_turns.turn(alone=alone, keep=nextitem is not None and _is_alone(nextitem)):
+    keep = alone and nextitem is not None and _is_alone(nextitem)
+    with worker_turns.turn(alone=alone, keep=keep):
         yield
 
 

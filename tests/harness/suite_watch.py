@@ -161,13 +161,6 @@ class LaunchCounter:
                 *(f"  {n:3d}  {path}" for path, n in ranked)]
 
 
-def worker_turns():
-    """worker_turns.py, imported when first needed (it imports this module)."""
-    import worker_turns as turns
-
-    return turns
-
-
 def _busy_seconds() -> float:
     """CPU seconds the whole machine has spent busy since it started (every core, every
     process): what the suite's processes cost, ranks and browsers included."""
@@ -223,9 +216,11 @@ class CpuClock:
 class SuiteWatch:
     """The plugin (registered by tests/conftest.py in the main process): the reports of every
     test add up in a :class:`TierClock`; at the end, the leftovers are looked for, and both
-    are said in the summary."""
+    are said in the summary. ``turn_waits`` says how long the alone tests waited for their
+    turns (worker_turns.waits: handed in, since worker_turns imports this module)."""
 
-    def __init__(self) -> None:
+    def __init__(self, turn_waits=lambda: []) -> None:
+        self.turn_waits = turn_waits
         self.clock = TierClock()
         self.starts = LaunchCounter()
         self.cpu = CpuClock()
@@ -262,7 +257,7 @@ class SuiteWatch:
                 terminalreporter.line("  " + line)
             for line in self.starts.lines():
                 terminalreporter.line(line)
-            waits = worker_turns().waits()
+            waits = self.turn_waits()
             if waits:
                 terminalreporter.line(
                     f"alone tests: {len(waits)} waited {sum(waits):.1f} s in all for their "

@@ -54,9 +54,9 @@ _kept: tuple | None = None
 def turn(alone: bool, keep: bool = False):
     """Hold this worker's turn for one test: exclusive when ``alone``, shared otherwise.
 
-    ``keep``: an alone test whose worker's next test is alone too keeps its exclusive turn for
-    that one. Otherwise the other workers start a test in between, and the next alone test waits
-    for it to end with a core idle (test_under_load.py has five in a row)."""
+    ``keep`` (for an alone test whose worker's next test is alone too): the exclusive turn is
+    kept for that one. Otherwise the other workers start a test in between, and the next alone
+    test waits for it to end with a core idle (test_under_load.py has five in a row)."""
     global _kept
     folder = os.environ.get(TURNS_VAR)
     if not folder:
@@ -68,8 +68,8 @@ def turn(alone: bool, keep: bool = False):
     else:
         gate = open(os.path.join(folder, "gate"), "a")  # closed below
         room = open(os.path.join(folder, "room"), "a")
-        started = time.monotonic()
         if alone:
+            started = time.monotonic()
             fcntl.flock(gate, fcntl.LOCK_EX)  # no test starts from now on
             fcntl.flock(room, fcntl.LOCK_EX)  # the running ones end
             _note_wait(folder, time.monotonic() - started)
@@ -80,7 +80,7 @@ def turn(alone: bool, keep: bool = False):
     try:
         yield
     finally:
-        if alone and keep:
+        if keep:
             _kept = gate, room
         else:
             fcntl.flock(room, fcntl.LOCK_UN)
