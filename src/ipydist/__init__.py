@@ -11,9 +11,11 @@ do not pay for IPython's magics machinery.
 """
 
 from ipydist._version import __version__
+from ipydist.error_base import IpydistError
 
 __all__ = [
-    "Session", "__version__", "load_ipython_extension", "metrics", "unload_ipython_extension",
+    "IpydistError", "Session", "__version__", "load_ipython_extension", "metrics",
+    "unload_ipython_extension",
 ]
 
 

@@ -1,12 +1,21 @@
-"""The errors users meet, each naming the ranks involved and what to do next.
+"""The errors users meet, each naming the ranks involved and what to do next; every one is an
+:class:`IpydistError`.
 
-Bad input the user typed is a :class:`~ipydist.specs.SpecError` (raised where it is parsed)."""
+Bad input the user typed is a :class:`~ipydist.specs.SpecError` (raised where it is parsed).
+The magics show an error as ``UsageError: <message>`` unless it shows itself
+(:meth:`_render_traceback_`: a rank's traceback, or a message that names the ranks)."""
 
 from __future__ import annotations
 
 import textwrap
 
-from ipydist.specs import describe_ranks
+from ipydist.error_base import IpydistError
+from ipydist.specs import SpecError, describe_ranks
+
+__all__ = ["CellInterrupted", "CellTimeout", "ClusterError", "InvalidArgument", "IpydistError",
+           "LaunchError",
+           "NotDefined", "RankDied", "RankError", "RankTimeout", "ReplyLost", "SpecError",
+           "shows_itself"]
 
 #: Messages are wrapped at spaces to this width: a notebook breaks a long output line wherever
 #: the output area ends, inside words ("mpiexe|c then stopped").
@@ -31,12 +40,17 @@ class _OneMessage:
         return wrap_message(f"{type(self).__name__}: {self}")
 
 
-class LaunchError(ValueError):
+class LaunchError(IpydistError, ValueError):
     """The launch cannot work as asked (no mpiexec, GPUs that are not there); the message says
     what to do. Raised in the notebook, or by a rank's bootstrap, which prints it."""
 
 
-class ClusterError(RuntimeError):
+class InvalidArgument(IpydistError, ValueError):
+    """A call inside a cell (``hvd.allreduce(...)``, ``DistributedOptimizer(...)``) was given
+    an argument that cannot work there; the message says what to pass instead."""
+
+
+class ClusterError(IpydistError, RuntimeError):
     """The cluster could not start, is not running, or stopped underneath us."""
 
 
@@ -50,7 +64,17 @@ class ReplyLost(_OneMessage, ClusterError):
     the cluster usable. The message alone: which rank, and that running the cell again is safe."""
 
 
-class RankError(RuntimeError):
+class RankTimeout(IpydistError, TimeoutError):
+    """Ranks did not answer a request of the notebook (the debugger's, the timeline's) in
+    time, usually because a cell is still running there; the message names them."""
+
+
+class NotDefined(IpydistError, NameError):
+    """A variable asked for by name (``%dist_pull``, ``%dist_push``) is not defined where it
+    was looked for; the message says where."""
+
+
+class RankError(IpydistError, RuntimeError):
     """Code raised on one or more ranks.
 
     IPython shows :meth:`_render_traceback_` instead of the notebook-side traceback: a header
@@ -98,10 +122,18 @@ def _same_error(a, b) -> bool:
     return (a.ename, a.evalue) == (b.ename, b.evalue)
 
 
-class CellTimeout(_OneMessage, TimeoutError):
+class CellTimeout(_OneMessage, IpydistError, TimeoutError):
     """A cell ran past its ``--timeout``; the ranks still running were interrupted."""
 
 
 class CellInterrupted(_OneMessage, KeyboardInterrupt):
     """The user interrupted a cell (the stop button, Ctrl-C); the message says which ranks
-    were interrupted and what recovery did."""
+    were interrupted and what recovery did. An interrupt, not an error: it stays a
+    ``KeyboardInterrupt`` (not an :class:`IpydistError`), so ``except Exception`` in a
+    notebook never swallows a stop."""
+
+
+def shows_itself(error: BaseException) -> bool:
+    """Whether ``error`` renders its own output in IPython (a rank's traceback, a message that
+    names the ranks), rather than being shown as a usage error."""
+    return hasattr(error, "_render_traceback_")

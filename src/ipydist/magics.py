@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -12,7 +13,7 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from ipydist import protocol
-from ipydist.errors import ClusterError, LaunchError, RankDied, ReplyLost
+from ipydist.errors import IpydistError, NotDefined, RankTimeout, shows_itself
 from ipydist.notebook import expected_errors, words
 from ipydist.notebook.introspection import completion, debugging
 from ipydist.notebook.live import cluster_view
@@ -20,7 +21,6 @@ from ipydist.notebook.start_options import start_options
 from ipydist.session import TIMELINE_FILE, Session
 from ipydist.specs import SpecError, format_ranks, parse_np
 
-_USER_ERRORS = (SpecError, LaunchError, ClusterError)
 #: Marks a cell that ``%dist_mode everyrank`` turned into an ``%%everyrank`` cell.
 _MODE_FLAG = "--from-mode"
 
@@ -39,6 +39,66 @@ class RankValue:
         return self.data.get("text/plain", "")
 
 
+#: The words that ask a magic for its options instead of running it.
+_HELP = ("-h", "--help")
+
+
+def _as_magic(method):
+    """``method`` as the user meets it: ``-h``/``--help`` print its options (IPython's magic
+    parsers have none), and an error of ipydist's is a one-line ``UsageError`` unless it
+    shows itself (a rank's traceback, a dead rank's message): the one place magics
+    translate errors."""
+
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        line = args[0] if args else kwargs.get("line", "")
+        if getattr(method, "parser", None) is None and line.strip() in _HELP:  # no options
+            return _show_help(method)
+        try:
+            return method(*args, **kwargs)
+        except _HelpShown:
+            return None
+        except IpydistError as e:
+            if shows_itself(e):
+                raise
+            raise UsageError(str(e)) from None
+
+    return run
+
+
+class _HelpShown(Exception):
+    """``--help`` was given and the options printed: the magic does nothing else."""
+
+
+class _HelpAction(argparse.Action):
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="show this help (the options) and do nothing else")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(parser.format_help())
+        raise _HelpShown
+
+
+def _show_help(method) -> None:
+    parser = getattr(method, "parser", None)
+    print(parser.format_help() if parser is not None else (method.__doc__ or "").strip())
+
+
+def _with_help(magics_class):
+    """Give each magic parser of ``magics_class`` a ``-h``/``--help`` option (once: the
+    parsers belong to the class's functions)."""
+    for function in vars(magics_class).values():
+        parser = getattr(function, "parser", None)
+        if parser is not None:
+            try:
+                parser.add_argument("-h", "--help", action=_HelpAction)
+            except argparse.ArgumentError:  # given already (a second class of the same magics)
+                pass
+    return magics_class
+
+
+@_with_help
 @magics_class
 class DistMagics(Magics):
     """``%dist_start``, ``%%everyrank`` and friends, over one :class:`Session` per shell."""
@@ -51,10 +111,11 @@ class DistMagics(Magics):
         super().__init__(shell=shell, **kwargs)
         #: Ranks to start on first use, in a kernel installed with ``install-kernel --np N``.
         self.kernel_np = kernel_np()
-        # in a cell tagged raises-exception, an error is shown and Run All goes on
+        # every magic: --help, ipydist's errors as usage errors, and in a cell tagged
+        # raises-exception, an error is shown and Run All goes on
         for registered in self.magics.values():
             for name, method in registered.items():
-                registered[name] = expected_errors.shown_when_expected(method)
+                registered[name] = expected_errors.shown_when_expected(_as_magic(method))
 
     def _session(self) -> Session:
         if self.session is None and self.kernel_np:
@@ -73,22 +134,19 @@ class DistMagics(Magics):
         args = parse_argstring(self.dist_start, line)
         if self.session is not None and self.session.running:
             raise UsageError(words.MAGICS.already_running(self.session.size))
-        try:
-            session = Session(
-                np=args.np if args.np is not None else self.kernel_np, gpus=args.gpus,
-                gpus_per_rank=args.gpus_per_rank, backend=args.backend,
-                transport=args.transport, mpi=args.mpi,
-                mpi_args=args.mpi_args,
-                timeout=args.timeout, env=args.env, init=not args.no_init,
-                stall_warning=args.stall_warning, hosts=args.hosts, hostfile=args.hostfile,
-                launcher=args.launcher, partition=args.partition, time_limit=args.time,
-                account=args.account, slurm_args=args.slurm_args, elastic=args.elastic,
-                min_np=args.min_np,
-            )
-            session.words = words.MAGICS
-            session.start()
-        except _USER_ERRORS as e:
-            raise UsageError(str(e)) from None
+        session = Session(
+            np=args.np if args.np is not None else self.kernel_np, gpus=args.gpus,
+            gpus_per_rank=args.gpus_per_rank, backend=args.backend,
+            transport=args.transport, mpi=args.mpi,
+            mpi_args=args.mpi_args,
+            timeout=args.timeout, env=args.env, init=not args.no_init,
+            stall_warning=args.stall_warning, hosts=args.hosts, hostfile=args.hostfile,
+            launcher=args.launcher, partition=args.partition, time_limit=args.time,
+            account=args.account, slurm_args=args.slurm_args, elastic=args.elastic,
+            min_np=args.min_np,
+        )
+        session.words = words.MAGICS
+        session.start()
         self.session = session
 
     @magic_arguments()
@@ -107,6 +165,8 @@ class DistMagics(Magics):
     @line_cell_magic
     def everyrank(self, line: str = "", cell: str | None = None):
         """Run the cell on every rank (or on --ranks); ``%everyrank CODE`` runs one line."""
+        if cell is None and line.strip() in _HELP:  # the line form's line is code, but this
+            return _show_help(self.everyrank)
         if cell is None:
             code, args = line, parse_argstring(self.everyrank, "")
         else:
@@ -117,10 +177,6 @@ class DistMagics(Magics):
         try:
             result = session.run(code, ranks=args.ranks, timeout=args.timeout,
                                  output=args.output, debug_ranks=args.debug_rank)
-        except (RankDied, ReplyLost):  # one-line errors of their own
-            raise
-        except _USER_ERRORS as e:
-            raise UsageError(str(e)) from None
         except SyntaxError as e:
             where = f", line {e.lineno}" if e.lineno else ""
             text = f"\n    {e.text.rstrip()}" if e.text else ""
@@ -140,10 +196,7 @@ class DistMagics(Magics):
         """pdb on a rank's last error, at a prompt here (like %debug): q ends it, and the
         rank is left as it was."""
         args = parse_argstring(self.dist_debug, line)
-        try:
-            self._session().debug(args.rank, debugging.unquoted(args.commands))
-        except (ValueError, TimeoutError) as e:
-            raise UsageError(str(e)) from None
+        self._session().debug(args.rank, debugging.unquoted(args.commands))
 
     @line_magic
     def dist_stack(self, line: str = ""):
@@ -175,10 +228,7 @@ class DistMagics(Magics):
         """Grow or shrink the running (elastic) cluster to M ranks, keeping every rank's
         state: new ranks get rank 0's variables, ranks from M up leave."""
         args = parse_argstring(self.dist_scale, line)
-        try:
-            self._session().scale(args.np)
-        except _USER_ERRORS as e:
-            raise UsageError(str(e)) from None
+        self._session().scale(args.np)
 
     @line_magic
     def dist_stop(self, line: str = ""):
@@ -234,10 +284,7 @@ class DistMagics(Magics):
         """Stop the cluster and start a fresh one with the same arguments."""
         if self.session is None:
             raise UsageError("no cluster was started yet: use %dist_start --np N.")
-        try:
-            self.session.restart()
-        except _USER_ERRORS as e:
-            raise UsageError(str(e)) from None
+        self.session.restart()
 
     @magic_arguments()
     @argument("--start", action="store_true",
@@ -255,8 +302,8 @@ class DistMagics(Magics):
         action = "start" if args.start else "stop" if args.stop else "show"
         try:
             shown = self._session().timeline(action, args.out or TIMELINE_FILE)
-        except TimeoutError as e:
-            raise UsageError(f"{e}: wait for the running cell to end, then try again") \
+        except RankTimeout as e:
+            raise RankTimeout(f"{e}: wait for the running cell to end, then try again") \
                 from None
         if action == "start":
             print("Recording every rank's collectives: %dist_timeline shows them.")
@@ -274,14 +321,7 @@ class DistMagics(Magics):
     def dist_pull(self, line: str = ""):
         """The value of NAME on every rank, as a list in rank order (or on one rank)."""
         args = parse_argstring(self.dist_pull, line)
-        try:
-            return self._session().pull(args.name, rank=args.rank)
-        except RankDied:
-            raise
-        except _USER_ERRORS as e:
-            raise UsageError(str(e)) from None
-        except NameError as e:
-            raise UsageError(str(e)) from None
+        return self._session().pull(args.name, rank=args.rank)
 
     @magic_arguments()
     @argument("names", nargs="+", help="notebook variables to send to every rank")
@@ -292,7 +332,7 @@ class DistMagics(Magics):
         session = self._session()
         missing = [n for n in args.names if n not in self.shell.user_ns]
         if missing:
-            raise UsageError(f"not defined in the notebook: {', '.join(missing)}")
+            raise NotDefined(f"not defined in the notebook: {', '.join(missing)}")
         session.push(**{n: self.shell.user_ns[n] for n in args.names})
 
 

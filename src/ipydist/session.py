@@ -19,7 +19,7 @@ import sys
 import time
 import weakref
 
-from ipydist.errors import ClusterError, RankDied, RankError
+from ipydist.errors import ClusterError, NotDefined, RankDied, RankError
 from ipydist.notebook import healing, recovery, timeline, words
 from ipydist.notebook.cell import CellRun, RunResult
 from ipydist.notebook.cell_checks import check_syntax, wait_until_idle
@@ -353,7 +353,7 @@ class Session:
         if failures:
             first = next(iter(failures.values()))
             if first.ename == "NameError":
-                raise NameError(
+                raise NotDefined(
                     f"{name!r} is not defined on {describe_ranks(failures)}: "
                     f"set it in {self.words.cell} first."
                 )

@@ -1,15 +1,17 @@
 """Every value a user types (``--np``, ``--ranks``, ``--gpus``, ``--backend``, seconds,
 ``--env``), parsed and validated here once, for the magics, ``Session``, the ``ipydist`` command
-and the ranks alike. Stdlib only: both sides of the wire import it."""
+and the ranks alike. Stdlib only (and the error base): both sides of the wire import it."""
 
 from __future__ import annotations
 
 import re
 
+from ipydist.error_base import IpydistError
+
 _RANGE = re.compile(r"^(\d+)-(\d+)$")
 
 
-class SpecError(ValueError):
+class SpecError(IpydistError, ValueError):
     """A spec the user typed is malformed or out of range; the message says how to fix it."""
 
 

@@ -86,8 +86,8 @@ def option_helps(magic: str) -> list[tuple[str, str]]:
     formatter = parser._get_formatter()
     out = []
     for action in parser._actions:
-        if action.help in (None, argparse.SUPPRESS) or isinstance(action, argparse._HelpAction):
-            continue
+        if action.help in (None, argparse.SUPPRESS) or "--help" in action.option_strings:
+            continue  # every magic's --help is said once, above the tables
         name = action.option_strings[0] if action.option_strings else action.dest
         out.append((name, flat(formatter._expand_help(action))))
     return out

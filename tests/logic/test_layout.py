@@ -61,8 +61,8 @@ def side(name: str) -> str:
     # integrations: hooks for other frameworks' training loops, which run on the ranks
     if name.startswith(("ipydist.rank", "ipydist.torch", "ipydist.integrations")):
         return "rank"
-    if name in ("ipydist.protocol", "ipydist.specs", "ipydist.errors", "ipydist._version",
-                "ipydist.network"):
+    if name in ("ipydist.protocol", "ipydist.specs", "ipydist.errors", "ipydist.error_base",
+                "ipydist._version", "ipydist.network"):
         return "shared"
     return "notebook"
 
@@ -109,7 +109,8 @@ def test_the_rank_side_imports_no_notebook_module(name):
     assert notebook_imports == [], f"{name} imports notebook-side {notebook_imports}"
 
 
-@pytest.mark.parametrize("name", ["ipydist.protocol", "ipydist.specs", "ipydist.errors"])
+@pytest.mark.parametrize("name", ["ipydist.protocol", "ipydist.specs", "ipydist.errors",
+                                  "ipydist.error_base"])
 def test_the_wire_contract_needs_only_the_standard_library(name):
     allowed = set(sys.stdlib_module_names) | {"ipydist", "__future__"}
     tree = ast.parse(MODULES[name].read_text())
@@ -162,7 +163,8 @@ def test_a_rank_imports_numba_only_when_1_bit_sgd_is_used():
 #: after it, so that the rank's runtime knows nothing of Horovod's API or of training.
 TORCH_LAYERS = ["_core", "_wire", "_mpi", "horovod", "training"]
 #: Modules every layer may use: the stdlib-only contract and validated user values.
-SHARED = {"ipydist.protocol", "ipydist.specs", "ipydist.errors", "ipydist._version"}
+SHARED = {"ipydist.protocol", "ipydist.specs", "ipydist.errors", "ipydist.error_base",
+          "ipydist._version"}
 
 
 def torch_layer(name: str) -> int | None:

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from ipydist import protocol
+from ipydist.error_base import IpydistError
 
 DEFAULT_NAME = "ipydist"
 DEFAULT_DISPLAY_NAME = "Python 3 (ipydist)"
@@ -22,7 +23,7 @@ DEFAULT_DISPLAY_NAME = "Python 3 (ipydist)"
 EXTENSION_ARG = "--ext=ipydist"
 
 
-class KernelSpecError(Exception):
+class KernelSpecError(IpydistError):
     """Bad arguments or a spec that cannot be installed or removed; the message says why."""
 
 

@@ -21,7 +21,7 @@ import tempfile
 import time
 
 from ipydist import protocol
-from ipydist.errors import ClusterError
+from ipydist.errors import ClusterError, RankTimeout
 from ipydist.notebook import ipp, watchdog
 from ipydist.notebook.launch import kept_forkserver, mpiexec, processes, slurm, startup
 from ipydist.notebook.output import display
@@ -295,15 +295,16 @@ class Cluster:
         """``ipydist.rank.calls.<name>(*args)`` on every rank (or on ``ranks``); the replies
         in rank order.
 
-        Raises TimeoutError naming the ranks that did not answer within ``timeout``; their
-        request is cancelled where it has not begun, so nothing queues behind it.
+        Raises :class:`~ipydist.errors.RankTimeout` naming the ranks that did not answer
+        within ``timeout``; their request is cancelled where it has not begun, so nothing
+        queues behind it.
         """
         ranks = list(range(self.size)) if ranks is None else list(ranks)
         ar = self.view(ranks).apply_async(protocol.on_rank, name, *args)
         if not ipp.wait(ar, timeout):
             late = ipp.still_running(ar, ranks)
             self.abort([ipp.msg_id(ar, ranks, r) for r in late], late)
-            raise TimeoutError(f"{describe_ranks(late)} did not answer within {timeout:g} s")
+            raise RankTimeout(f"{describe_ranks(late)} did not answer within {timeout:g} s")
         return ar.get()
 
     def busy_ranks(self, ranks: list[int]) -> list[int]:

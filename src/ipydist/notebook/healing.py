@@ -15,6 +15,7 @@ import threading
 import time
 
 from ipydist import protocol
+from ipydist.errors import ClusterError, RankTimeout
 from ipydist.notebook.launch import mpiexec, processes
 from ipydist.specs import describe_ranks
 
@@ -64,7 +65,7 @@ class Heal:
         cluster = self.cluster
         survivors = [r for r in range(cluster.size) if r not in self.dead]
         if not survivors or not processes.alive(cluster.launcher_process()):
-            raise RuntimeError("mpiexec ended the job, so no rank is left to heal around "
+            raise ClusterError("mpiexec ended the job, so no rank is left to heal around "
                                "(a lost host's daemon ends it)")
         known = set(cluster.client.ids)
         deadline = self.started + HEAL_SECONDS
@@ -77,7 +78,7 @@ class Heal:
         replies = take_new_ranks(cluster, request, known, len(self.dead), deadline)
         if not_replaced := replies[0].get("not_replaced"):
             if len(survivors) < self.min_np:
-                raise RuntimeError(f"{not_replaced} (--min-np {len(survivors)} would have let "
+                raise ClusterError(f"{not_replaced} (--min-np {len(survivors)} would have let "
                                    "the others go on)")
             return [self._went_on(replies, survivors)]
         for rank in self.dead:  # for %dist_status
@@ -149,10 +150,10 @@ def take_new_ranks(cluster, request, known: set[int], count: int, deadline: floa
     while not (request.ready() and (len(new) >= count or _not_replaced(request))):
         if time.monotonic() > deadline:
             ended = "ended" if request.ready() else "had not ended"
-            raise TimeoutError(f"not done within {HEAL_SECONDS:g} s: the ranks' part {ended}, "
+            raise RankTimeout(f"not done within {HEAL_SECONDS:g} s: the ranks' part {ended}, "
                                f"{len(new)} of {count} new ranks registered")
         if not processes.alive(cluster.launcher_process()):
-            raise RuntimeError("mpiexec ended")
+            raise ClusterError("mpiexec ended")
         if request.ready() and not request.successful():
             request.get()  # a rank's error: the heal cannot go on
         new = sorted(set(client.ids) - known)
@@ -176,7 +177,7 @@ def copy_state(cluster, root: int, to: list[int], was_size: int, deadline: float
     failed = [f"rank {r}: {reply['failed']}" for r, reply in enumerate(copied)
               if reply.get("failed")]
     if failed:
-        raise RuntimeError(f"loading rank {root}'s variables failed on {'; '.join(failed)}")
+        raise ClusterError(f"loading rank {root}'s variables failed on {'; '.join(failed)}")
     text = (f"variables and random states copied from rank {root} "
             f"({copied[root]['bytes'] / 2**20:.1f} MB)")
     if copied[root]["skipped"]:

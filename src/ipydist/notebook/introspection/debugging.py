@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from ipydist.errors import MESSAGE_WIDTH
 from ipydist.notebook.introspection import control
-from ipydist.specs import describe_ranks
+from ipydist.specs import SpecError, describe_ranks
 
 #: How long ``%dist_stack`` waits for the ranks' answers (a rank that does not answer in
 #: time is named as such: its control thread is stuck, or it is gone).
@@ -141,11 +141,11 @@ def debug_rank(session, cluster, rank: int | None, commands: list[str] | None) -
     """``Session.debug``: post-mortem on ``rank`` (default: the lowest that raised last)."""
     if rank is None:
         if not session.failed_ranks:
-            raise ValueError("no rank raised in the last cell: name one with "
+            raise SpecError("no rank raised in the last cell: name one with "
                              f"{session.words.debug}")
         rank = min(session.failed_ranks)
     if not 0 <= int(rank) < cluster.size:
-        raise ValueError(f"rank {rank}: the ranks are 0..{cluster.size - 1}")
+        raise SpecError(f"rank {rank}: the ranks are 0..{cluster.size - 1}")
     if commands is None and not can_prompt():
         frames = cluster.call("error_frames", timeout=COMMAND_SECONDS, ranks=[rank])[0]
         text = (f"ipydist: nobody can type at a pdb prompt here (no stdin: a notebook run "

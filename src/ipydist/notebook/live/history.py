@@ -12,6 +12,8 @@ from array import array
 from collections import deque
 from collections.abc import Sequence
 
+from ipydist.specs import SpecError
+
 NAN = float("nan")
 
 
@@ -260,7 +262,7 @@ def downsample(xs: Sequence[float], ys: Sequence[float], max_points: int):
     Returns ``(xs, ys)`` as lists, in the original order.
     """
     if len(xs) != len(ys):
-        raise ValueError("xs and ys must have the same length")
+        raise SpecError("xs and ys must have the same length")
     keep = downsample_indices(ys, max_points)
     return [xs[i] for i in keep], [ys[i] for i in keep]
 
@@ -271,7 +273,7 @@ def downsample_indices(ys: Sequence[float], max_points: int) -> list[int]:
     if n <= max_points:
         return list(range(n))
     if max_points < 4:
-        raise ValueError("max_points must be at least 4")
+        raise SpecError("max_points must be at least 4")
     buckets = (max_points - 2) // 2
     size = (n - 2) / buckets
     keep = {0, n - 1}

@@ -20,11 +20,12 @@ import os
 import torch
 import torch.distributed as dist
 
+from ipydist.error_base import IpydistError
 from ipydist.torch._core import events, process_group, topology
 from ipydist.torch.horovod.process_sets import add_at_init
 
 
-class HorovodInternalError(RuntimeError):
+class HorovodInternalError(IpydistError, RuntimeError):
     """A collective failed inside the communication layer (Horovod's name): a peer died or a
     release ended the operation. Catch it where Horovod code catches Horovod's."""
 

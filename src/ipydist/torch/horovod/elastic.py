@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ipydist.error_base import IpydistError
 from ipydist.torch.horovod.basics import HorovodInternalError
 from ipydist.torch.horovod.functions import (
     broadcast_object,
@@ -39,7 +40,7 @@ _states: weakref.WeakSet = weakref.WeakSet()
 _next_number = 0
 
 
-class HostsUpdatedInterrupt(RuntimeError):
+class HostsUpdatedInterrupt(IpydistError, RuntimeError):
     """Horovod's signal that hosts were added or removed. Never raised here: the notebook
     heals or scales between cells, so a running function is not interrupted for it."""
 
