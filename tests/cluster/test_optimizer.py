@@ -239,6 +239,19 @@ m(torch.ones(1, 2)).sum().backward()
     assert isinstance(result.error_in_exec, RankError)
     assert "computed again before step()" in str(result.error_in_exec)
     assert result.error_in_exec.ranks == list(range(NP))
+    # 1-bit needs the optimizer's error feedback: a lone collective refuses it, never sending
+    # full precision in its place; the ranks still agree afterwards
+    for call in ("hvd.allreduce(t, compression=hvd.Compression.onebit)",
+                 "hvd.reducescatter(t, compression=hvd.Compression.onebit)",
+                 "hvd.grouped_allreduce([t], compression=hvd.Compression.onebit)"):
+        result, _, _ = run_cell(shell, capsys, f"%%everyrank\nt = torch.ones(8)\n{call}\n")
+        error = result.error_in_exec
+        assert isinstance(error, RankError) and error.ename == "InvalidArgument", (call, error)
+        assert "Compression.onebit works only in DistributedOptimizer" in str(error)
+    result, out, _ = run_cell(shell, capsys, "%%everyrank\nprint(hvd.grouped_allreduce("
+                              "[torch.ones(2)], op=hvd.Sum, compression=hvd.Compression.fp16)"
+                              "[0].tolist())\n")
+    assert result.error_in_exec is None and f"[all ranks] [{NP}.0, {NP}.0]" in out, out
 
 
 def test_rewrapping_in_a_later_cell_takes_the_hooks_over(shell, capsys, cluster):

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from ipydist.errors import InvalidArgument
+
 
 class Compressor:
     """No compression: the buffer travels as it is."""
@@ -57,6 +59,17 @@ class OneBitCompressor(Compressor):
     an all-to-all then an allgather of 1-bit messages, not an allreduce."""
 
     summed_by_ranks = True
+
+    @classmethod
+    def compress(cls, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
+        """Refused: a single collective has nowhere to keep the error feedback, and sending
+        the tensor in full precision instead would hide that the ask was not met."""
+        raise InvalidArgument(
+            "Compression.onebit works only in DistributedOptimizer: 1-bit SGD keeps what each "
+            "rank did not send (its error feedback) from one step to the next, per gradient, "
+            "which a single collective has nowhere to keep. Here use Compression.fp16 or "
+            ".bf16, or train with hvd.DistributedOptimizer(opt, "
+            "compression=hvd.Compression.onebit).")
 
 
 class Compression:

@@ -84,19 +84,22 @@ def allreduce(
 
 @waits_for_peers("all_reduce")
 def grouped_allreduce(tensors, average=None, name: str | None = None,
+                      compression: type[Compressor] = Compression.none,
                       op: ReduceOp | None = None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allreduce every tensor of ``tensors`` (posted together, waited for together) into new
     tensors, differentiable as :func:`allreduce`'s results are."""
     op, group = resolve(average, op), comms_for(process_set)
-    tensors = list(tensors)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return [autograd.Allreduce.apply(t, op, prescale_factor, postscale_factor, group)
-                for t in tensors]
-    return starts.start_grouped_allreduce([t.detach().clone() for t in tensors], op,
-                                          prescale_factor, postscale_factor, name,
-                                          group).wait()
+    wired = [compression.compress(t) for t in tensors]
+    if torch.is_grad_enabled() and any(w.requires_grad for w, _ in wired):
+        outs = [autograd.Allreduce.apply(w, op, prescale_factor, postscale_factor, group)
+                for w, _ in wired]
+    else:
+        outs = starts.start_grouped_allreduce([w.detach().clone() for w, _ in wired], op,
+                                              prescale_factor, postscale_factor, name,
+                                              group).wait()
+    return [compression.decompress(out, ctx) for out, (_, ctx) in zip(outs, wired)]
 
 
 @waits_for_peers("all_reduce")
