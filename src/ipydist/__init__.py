@@ -12,10 +12,11 @@ do not pay for IPython's magics machinery.
 
 from ipydist._version import __version__
 from ipydist.error_base import IpydistError
+from ipydist.specs import StartOptions
 
 __all__ = [
-    "IpydistError", "Session", "__version__", "load_ipython_extension", "metrics",
-    "unload_ipython_extension",
+    "IpydistError", "Session", "StartOptions", "__version__", "load_ipython_extension",
+    "metrics", "unload_ipython_extension",
 ]
 
 

@@ -17,7 +17,7 @@ from ipydist.errors import IpydistError, NotDefined, RankTimeout, shows_itself
 from ipydist.notebook import expected_errors, words
 from ipydist.notebook.introspection import completion, debugging
 from ipydist.notebook.live import cluster_view
-from ipydist.notebook.start_options import start_options
+from ipydist.notebook.start_options import options_of, start_options
 from ipydist.session import TIMELINE_FILE, Session
 from ipydist.specs import SpecError, format_ranks, parse_np
 
@@ -134,17 +134,7 @@ class DistMagics(Magics):
         args = parse_argstring(self.dist_start, line)
         if self.session is not None and self.session.running:
             raise UsageError(words.MAGICS.already_running(self.session.size))
-        session = Session(
-            np=args.np if args.np is not None else self.kernel_np, gpus=args.gpus,
-            gpus_per_rank=args.gpus_per_rank, backend=args.backend,
-            transport=args.transport, mpi=args.mpi,
-            mpi_args=args.mpi_args,
-            timeout=args.timeout, env=args.env, init=not args.no_init,
-            stall_warning=args.stall_warning, hosts=args.hosts, hostfile=args.hostfile,
-            launcher=args.launcher, partition=args.partition, time_limit=args.time,
-            account=args.account, slurm_args=args.slurm_args, elastic=args.elastic,
-            min_np=args.min_np,
-        )
+        session = Session(options_of(args, np=self.kernel_np))
         session.words = words.MAGICS
         session.start()
         self.session = session

@@ -14,10 +14,11 @@ the metrics history.
 from __future__ import annotations
 
 import atexit
-import shlex
+import inspect
 import sys
 import time
 import weakref
+from dataclasses import MISSING, fields
 
 from ipydist.errors import ClusterError, NotDefined, RankDied, RankError
 from ipydist.notebook import healing, recovery, timeline, words
@@ -25,31 +26,15 @@ from ipydist.notebook.cell import CellRun, RunResult
 from ipydist.notebook.cell_checks import check_syntax, wait_until_idle
 from ipydist.notebook.cluster import Cluster
 from ipydist.notebook.introspection import debugging
-from ipydist.notebook.launch import deaths, local_gpus, processes, slurm
+from ipydist.notebook.launch import deaths, local_gpus, processes
 from ipydist.notebook.launch.planning import plan_launch
 from ipydist.notebook.live import cluster_view
 from ipydist.notebook.live.cluster_view import ClusterMonitor, ClusterView
 from ipydist.notebook.live.history import MetricHistory
 from ipydist.notebook.output import display
-from ipydist.notebook.stall import STALL_WARNING_SECONDS
 from ipydist.notebook.status import cluster_status, start_table
-from ipydist.specs import (
-    SpecError,
-    describe_ranks,
-    parse_backend,
-    parse_env,
-    parse_gpus,
-    parse_gpus_per_rank,
-    parse_launcher,
-    parse_np,
-    parse_ranks,
-    parse_seconds,
-    parse_transport,
-)
+from ipydist.specs import SpecError, StartOptions, describe_ranks, parse_np, parse_ranks
 
-DEFAULT_START_TIMEOUT = 120.0
-#: When a rank fails, how long the others get to finish before they are released.
-FAILURE_GRACE = 10.0
 #: Where ``%dist_timeline`` writes the ranks' Chrome trace, and how long it waits for them
 #: (a rank busy with a cell answers once the cell ends).
 TIMELINE_FILE = "ipydist-timeline.json"
@@ -59,57 +44,18 @@ TIMELINE_TIMEOUT = 30.0
 class Session:
     """N long-lived ranks under mpiexec, driven through ipyparallel, torch.distributed ready.
 
-    Messages name the next step in Python (``Session.start()``); the magics set
-    :attr:`words` so that theirs name magics (``%dist_start``).
+    ``Session(np=4, gpus="none", ...)`` takes the options of ``%dist_start`` as keywords,
+    each a field of :class:`~ipydist.specs.StartOptions` (``Session(options)`` takes them
+    whole); ``Session?`` lists them with their defaults. Messages name the next step in Python
+    (``Session.start()``); the magics set :attr:`words` so that theirs name magics
+    (``%dist_start``).
     """
 
-    def __init__(
-        self,
-        np: int | None = None,
-        gpus: str | list[int] = "auto",
-        gpus_per_rank: int = 1,
-        backend: str = "auto",
-        transport: str = "auto",
-        mpi: str | None = None,
-        mpi_args: str = "",
-        timeout: float = DEFAULT_START_TIMEOUT,
-        env: dict[str, str] | list[str] | None = None,
-        init: bool = True,
-        failure_grace: float = FAILURE_GRACE,
-        stall_warning: float = STALL_WARNING_SECONDS,
-        hosts: str | None = None,
-        hostfile: str | None = None,
-        launcher: str = "mpiexec",
-        partition: str | None = None,
-        time_limit: str | None = None,
-        account: str | None = None,
-        slurm_args: str = "",
-        elastic: bool | None = None,
-        min_np: int | None = None,
-    ):
-        #: ``--np`` as given (None: one per slot of the named hosts, else per GPU or core).
-        self.np_given = None if np is None else parse_np(np)
-        self.gpus_per_rank = parse_gpus_per_rank(gpus_per_rank)
-        self.np = self.np_given or local_gpus.default_np(self.gpus_per_rank)
-        self.hosts = hosts
-        self.hostfile = hostfile
-        #: ``mpiexec`` (also over ssh) or ``slurm`` (srun, with salloc outside an allocation).
-        self.launcher = parse_launcher(launcher)
-        self.slurm = slurm.Request(partition or None, time_limit or None, account or None,
-                                   shlex.split(slurm_args or ""))
-        self.gpus = parse_gpus(gpus)
-        self.backend = parse_backend(backend)
-        self.transport = parse_transport(transport)
-        self.mpi = mpi
-        self.mpi_args = mpi_args or ""
-        self.timeout = parse_seconds(timeout, "--timeout")
-        self.env = parse_env(env)
-        self.init = init
-        #: When a rank fails, the seconds the others get to finish before they are released.
-        self.failure_grace = float(failure_grace)
-        #: Warn when a rank has waited this long in a collective that others have not entered
-        #: (0: never).
-        self.stall_warning = parse_seconds(stall_warning, "--stall-warning", zero=True)
+    def __init__(self, options: StartOptions | None = None, /, **given):
+        #: What the user asked for (``%dist_start``'s options), checked; a restart starts
+        #: with them again, and ``scale()`` changes ``np`` in them.
+        self.options = options.changed(**given) if options is not None else \
+            StartOptions.of(**given)
         #: Every point the ranks sent with ``hvd.log()``, in order (kept across restarts).
         self.metrics = MetricHistory()
         #: What the live cluster views show (``%dist_status --live``).
@@ -119,13 +65,6 @@ class Session:
         self.startup_seconds: float | None = None
         #: The running cluster (None when stopped): its processes, client and ranks.
         self.cluster: Cluster | None = None
-        #: ``--elastic`` as asked: None, on where the MPI has fault tolerance (ULFM).
-        self.elastic_asked = None if elastic is None else bool(elastic)
-        #: The ranks outlive one that dies, which is replaced (decided at start).
-        self.elastic = bool(elastic)
-        #: With elastic: the fewest ranks to go on with when a dead rank's replacement cannot
-        #: be started (None: never fewer than the cluster has).
-        self.min_np = None if min_np is None else parse_np(min_np, "--min-np")
         self.healing: healing.Heal | None = None  # a heal under way
         #: The ranks whose code raised in the last cell (``debug()``'s default is the lowest).
         self.failed_ranks: list[int] = []
@@ -148,14 +87,28 @@ class Session:
     def size(self) -> int:
         return len(self.ranks)
 
+    @property
+    def np(self) -> int | None:
+        """The ranks the cluster has; before it starts, ``np`` as asked (None: decided at
+        start, from the hosts, the allocation, the GPUs or the cores)."""
+        return self.size if self.running else self.options.np
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the running cluster's ranks outlive one that dies (decided at start: see
+        the ``elastic`` option)."""
+        return self.cluster is not None and self.cluster.plan.elastic
+
     def start(self) -> Session:
         """Start the ranks and wait until every one can run a cell; show a table of them."""
         if self.running:
             raise ClusterError(self.words.already_running(self.size))
         t0 = time.perf_counter()
-        plan = plan_launch(self)
+        options = self.options
+        plan = plan_launch(options)
         if not plan.multi_host:
-            local_gpus.check_gpus_here(self.gpus, self.backend, self.np, self.gpus_per_rank)
+            local_gpus.check_gpus_here(options.gpus, options.backend, plan.np,
+                                       options.gpus_per_rank)
         for note in plan.notes:  # information, not a warning: no red stderr block
             print(note)
         if not self._stop_at_exit_registered:
@@ -163,7 +116,7 @@ class Session:
             self._stop_at_exit_registered = True
         for attempt in (1, 2):
             progress = display.Progress()
-            self.cluster = Cluster(plan, self.np, self.timeout)
+            self.cluster = Cluster(plan, plan.np, options.timeout)
             try:
                 self.cluster.start(progress, started=t0)
                 break
@@ -217,7 +170,7 @@ class Session:
                             "hosts).")
         if np != self.size:
             print(f"ipydist: {healing.scale(cluster, np)}", file=sys.stderr, flush=True)
-            self.np = np
+            self.options = self.options.changed(np=np)  # a restart starts as many
 
     @property
     def can_heal(self) -> bool:
@@ -228,7 +181,7 @@ class Session:
         """``--elastic``: replace the ranks found dead (in a thread; see :meth:`healed`)."""
         dead = [info["rank"] for info in self.cluster.dead_ranks()]
         if dead and self.healing is None and self.can_heal:
-            self.healing = healing.Heal(self.cluster, dead, self.words, self.min_np).start()
+            self.healing = healing.Heal(self.cluster, dead, self.words, self.options.min_np).start()
 
     def healed(self) -> None:
         """Wait for a heal under way, and say what it did (or raise, if it failed)."""
@@ -394,6 +347,20 @@ class Session:
         buttons). See :mod:`ipydist.notebook.live.cluster_view`."""
         self._require_running(alive=False)
         return self.monitor.open_view()
+
+
+def _signature_of_options(init):
+    """``Session.__init__``'s signature as ``Session?`` and ``inspect`` show it: every start
+    option, by keyword, with its default (the declaration is :class:`StartOptions`'s)."""
+    self, options, _ = inspect.signature(init).parameters.values()
+    keywords = [inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY,
+                                  default=o.default_factory() if o.default is MISSING
+                                  else o.default, annotation=o.type)
+                for o in fields(StartOptions)]
+    return inspect.Signature([self, options, *keywords])
+
+
+Session.__init__.__signature__ = _signature_of_options(Session.__init__)
 
 
 def _launch_output(cluster: Cluster) -> str:

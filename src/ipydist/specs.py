@@ -5,6 +5,9 @@ and the ranks alike. Stdlib only (and the error base): both sides of the wire im
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from dataclasses import Field, dataclass, field, fields, replace
+from typing import Any
 
 from ipydist.error_base import IpydistError
 
@@ -230,3 +233,157 @@ def parse_hostfile(text: str, source: str = "--hostfile") -> list[tuple[str, int
 def format_hosts(hosts: list[tuple[str, int]]) -> str:
     """The inverse of :func:`parse_hosts`: ``nodeA:4,nodeB:4``."""
     return ",".join(f"{name}:{slots}" for name, slots in hosts)
+
+
+# --- the start options, declared once ---------------------------------------------------------
+
+#: Seconds to wait for every rank to start (``--timeout``).
+DEFAULT_START_TIMEOUT = 120.0
+#: Warn under a cell when ranks have waited this long in a collective others have not called.
+STALL_WARNING_SECONDS = 30.0
+#: When a rank fails, how long the others get to finish before they are released.
+FAILURE_GRACE = 10.0
+
+
+def _option(default: object = None, *, help: str, parse: Callable[[Any], Any] | None = None,
+            metavar: str | None = None, flag: str | None = "", off: str = "",
+            off_help: str = "", many: bool = False) -> Any:
+    """One field of :class:`StartOptions`: its default, what it means (``help``, also
+    ``%dist_start --help``'s text), how a typed value is checked (``parse``), and how the magic
+    spells it: ``flag`` (default: the name with dashes; None: Python only), ``off`` for a
+    switch's opposite (``--no-elastic``), ``many`` for an option given several values."""
+    metadata = {"help": help, "parse": parse, "metavar": metavar, "flag": flag, "off": off,
+                "off_help": off_help, "many": many}
+    if isinstance(default, dict):
+        return field(default_factory=dict, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def _maybe(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``parse``, letting None (not given) through."""
+    return lambda value: None if value is None else parse(value)
+
+
+def _text(value: object) -> str:
+    return str(value or "")
+
+
+def _text_or_none(value: object) -> str | None:
+    return str(value) if value else None
+
+
+@dataclass(frozen=True)
+class StartOptions:
+    """Everything ``%dist_start`` and ``Session(...)`` take, declared once: the magic's parser
+    and ``--help``, ``Session``'s keyword arguments and the docs' tables are made from (or
+    checked against) these fields. Values are checked when the options are made, so a typo
+    fails before anything starts; what depends on the machine (hosts, GPUs, the MPI) is
+    decided by the launch plan."""
+
+    np: int | None = _option(
+        help="number of ranks (default: the kernel's --np, else one per GPU, else one per CPU "
+        "core); more ranks than cores works: they share the cores",
+        parse=_maybe(parse_np), metavar="N")
+    gpus: str | list[int] = _option(
+        "auto", help="auto: one GPU per rank, by local rank, when the host has GPUs; none: CPU "
+        "only; a list such as 0,1: only these GPUs", parse=parse_gpus, metavar="SPEC")
+    gpus_per_rank: int = _option(
+        1, help="GPUs each rank sees (default: 1): the host's GPUs are dealt out N to a rank, "
+        "each rank numbering its own from cuda:0, for a model split across them",
+        parse=parse_gpus_per_rank, metavar="N")
+    backend: str = _option(
+        "auto", help="the torch.distributed backend (DDP's): auto (NCCL when ranks have GPUs, "
+        "else gloo), nccl, gloo, or mpi (ipydist's, over mpi4py: CPU tensors, 2-20x faster "
+        "than gloo on one host)", parse=parse_backend, metavar="NAME")
+    transport: str = _option(
+        "auto", help="the wire of ipydist's collectives on CPU tensors: auto (MPI, where "
+        "mpiexec or srun started the ranks: 2-20x faster than gloo on one host; across hosts, "
+        "hierarchical where ranks are dealt out by node), mpi (flat), hierarchical (forced), "
+        "or gloo", parse=parse_transport, metavar="NAME")
+    mpi: str | None = _option(
+        help="the mpiexec to use (default: $IPYDIST_MPIEXEC, the one next to this Python, then "
+        "$PATH); on one host MPICH's starts the ranks with the mpiexec.gforker beside it, "
+        "which listens on no port", parse=_text_or_none, metavar="PATH")
+    hosts: str | None = _option(
+        help="hosts to run on, with slots: nodeA:4,nodeB:4 (a host without :N has one slot; "
+        "--np defaults to the slots)", parse=_text_or_none, metavar="SPEC")
+    hostfile: str | None = _option(
+        help="hosts to run on, one per line: 'nodeA slots=4' (Open MPI) or 'nodeA:4' (MPICH); "
+        "inside a Slurm allocation the default is its nodes", parse=_text_or_none,
+        metavar="FILE")
+    launcher: str = _option(
+        "mpiexec", help="mpiexec (default; over ssh across hosts) or slurm: srun in this Slurm "
+        "allocation, or outside one salloc for a new allocation, then srun in it",
+        parse=parse_launcher, metavar="NAME")
+    partition: str | None = _option(
+        help="with --launcher slurm outside an allocation: the partition to ask for",
+        parse=_text_or_none, metavar="NAME")
+    time_limit: str | None = _option(
+        help="with --launcher slurm outside an allocation: the job's time limit, as Slurm "
+        "writes it (30, 1:00:00, 1-0)", parse=_text_or_none, metavar="LIMIT", flag="--time")
+    account: str | None = _option(
+        help="with --launcher slurm outside an allocation: the account to charge",
+        parse=_text_or_none, metavar="NAME")
+    slurm_args: str = _option(
+        "", help='with --launcher slurm: extra arguments for salloc (new allocation) or srun '
+        '(inside one), e.g. --slurm-args="--nodes=2 --gres=gpu:4"', parse=_text,
+        metavar='"..."')
+    mpi_args: str = _option(
+        "", help='extra mpiexec arguments, written with = and quotes, e.g. '
+        '--mpi-args="--hostfile hosts"', parse=_text, metavar='"..."')
+    timeout: float = _option(
+        DEFAULT_START_TIMEOUT, help="seconds to wait for every rank to start (default: "
+        f"{DEFAULT_START_TIMEOUT:g}); a launch that fails sooner ends at once with MPI's own "
+        "message", parse=lambda value: parse_seconds(value, "--timeout"), metavar="S")
+    env: dict[str, str] = _option(
+        {}, help="environment variables for every rank", parse=parse_env, metavar="K=V",
+        many=True)
+    stall_warning: float = _option(
+        STALL_WARNING_SECONDS, help="warn under the cell when ranks have waited S seconds in a "
+        "collective that other ranks have not called (default: "
+        f"{STALL_WARNING_SECONDS:g}; 0: never)",
+        parse=lambda value: parse_seconds(value, "--stall-warning", zero=True), metavar="S")
+    elastic: bool | None = _option(
+        help="the ranks outlive one that dies, which is replaced with rank 0's variables "
+        "(Open MPI's fault tolerance, ULFM; mpiexec only). Default: on across hosts; on one "
+        "host it opens MPI's TCP port on every interface, so it is asked for",
+        parse=_maybe(bool), off="--no-elastic",
+        off_help="a rank that dies ends the job, as plain mpiexec does: %%dist_restart then")
+    min_np: int | None = _option(
+        help="elastic: when a dead rank's replacement cannot be started, go on with the others "
+        "if they are at least M (default: as many as started, so never fewer)",
+        parse=_maybe(lambda value: parse_np(value, "--min-np")), metavar="M")
+    init: bool = _option(
+        True, help="do not create the torch.distributed process group: your code calls "
+        "init_process_group itself", parse=bool, flag="--no-init")
+    failure_grace: float = _option(
+        FAILURE_GRACE, help="when a rank fails, the seconds the others get to finish their "
+        "cell before they are released", flag=None,
+        parse=lambda value: parse_seconds(value, "failure_grace", zero=True))
+
+    def __post_init__(self) -> None:
+        for option in fields(self):
+            parse = option.metadata["parse"]
+            if parse is not None:
+                object.__setattr__(self, option.name, parse(getattr(self, option.name)))
+
+    @classmethod
+    def of(cls, **given: Any) -> StartOptions:
+        """The options from keyword arguments, an unknown name refused with the names there
+        are (``Session(nps=4)``)."""
+        names = [option.name for option in fields(cls)]
+        unknown = [name for name in given if name not in names]
+        if unknown:
+            raise SpecError(f"{', '.join(unknown)}: no such start option; the options are "
+                            f"{', '.join(names)}.")
+        return cls(**given)
+
+    def changed(self, **given: Any) -> StartOptions:
+        """These options with some changed (checked as new ones are)."""
+        return replace(self, **given)
+
+
+def flag_of(option: Field[Any]) -> str | None:
+    """How ``%dist_start`` spells ``option`` (None: a Python-only option)."""
+    flag: str | None = option.metadata["flag"]
+    return ("--" + option.name.replace("_", "-")) if flag == "" else flag

@@ -201,7 +201,8 @@ def test_block_momentum_interrupted_mid_block_goes_on_consistently(shell, capsys
     loaded machine too, where the ranks reach the block's average at different times."""
     if loaded:
         request.getfixturevalue("hogs")
-    saved, learners.failure_grace = learners.failure_grace, 1.0
+    saved = learners.options
+    learners.options = saved.changed(failure_grace=1.0)
     try:
         run_ok(shell, capsys, """%%everyrank
 import time
@@ -229,7 +230,7 @@ print("after the next blocks:", same_everywhere(flat(model)))
         assert "[all ranks] after the recovery: block steps agree: True same model: True" in out
         assert "[all ranks] after the next blocks: True" in out, out
     finally:
-        learners.failure_grace = saved
+        learners.options = saved
 
 
 def test_onebit_training_goes_on_after_an_interrupted_exchange(shell, capsys, learners,
@@ -237,7 +238,8 @@ def test_onebit_training_goes_on_after_an_interrupted_exchange(shell, capsys, le
     """The others wait in the 1-bit exchange for a rank that sleeps: the timeout ends the
     cell, the abandoned step leaves every residual as the last completed step left it, and
     training goes on with identical ranks."""
-    saved, learners.failure_grace = learners.failure_grace, 1.0
+    saved = learners.options
+    learners.options = saved.changed(failure_grace=1.0)
     try:
         run_ok(shell, capsys, """%%everyrank
 import time
@@ -266,7 +268,7 @@ print("same model:", same_everywhere(flat(model)))
         assert "[all ranks] residual kept: True" in as_merged(out), out
         assert "[all ranks] same model: True" in as_merged(out), out
     finally:
-        learners.failure_grace = saved
+        learners.options = saved
 
 
 def test_bad_learner_arguments_say_what_to_do(shell, capsys, learners):

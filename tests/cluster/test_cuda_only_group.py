@@ -49,11 +49,11 @@ def same_everywhere(model):
 def cuda_only(shell, magics, capsys):
     """A 2-rank ``--transport gloo`` cluster whose default group serves CUDA tensors only."""
     s = magics.session
-    if s is None or not s.running or s.size != NP2 or s.transport != "gloo":
+    if s is None or not s.running or s.size != NP2 or s.options.transport != "gloo":
         if s is not None and s.running:
             s.stop(quiet=True)
         run_ok(shell, capsys, f"%dist_start --np {NP2} --transport gloo")
-        magics.session.failure_grace = 1.0
+        magics.session.options = magics.session.options.changed(failure_grace=1.0)
     run_ok(shell, capsys, STAND_IN)
     run_ok(shell, capsys, TRAIN)
     return magics.session

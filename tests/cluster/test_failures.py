@@ -42,10 +42,11 @@ RUNS = 10
 
 @pytest.fixture
 def fast_cluster(cluster, shell, capsys):
-    saved, cluster.failure_grace = cluster.failure_grace, GRACE
+    saved = cluster.options
+    cluster.options = saved.changed(failure_grace=GRACE)
     run_cell(shell, capsys, "%everyrank import time, torch, ipydist.torch as hvd")
     yield cluster
-    cluster.failure_grace = saved
+    cluster.options = saved
 
 
 def run_interrupted(shell, capsys, code: str, after: float = 1.0):
@@ -380,7 +381,7 @@ def test_a_release_after_the_cell_ended_interrupts_nothing(shell, capsys, cluste
 def test_peers_blocked_in_a_collective_are_released_at_once(shell, capsys, cluster):
     """With the default 10 s failure grace: ranks that all wait in a collective for a rank
     that failed are released as soon as they report it, not after the grace."""
-    assert cluster.failure_grace >= 10
+    assert cluster.options.failure_grace >= 10
     run_cell(shell, capsys, "%everyrank import time, torch, ipydist.torch as hvd")
     t0 = time.monotonic()
     result, _, err = run_cell(shell, capsys, f"""%%everyrank

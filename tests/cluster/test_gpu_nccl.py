@@ -66,11 +66,11 @@ def nccl(shell, magics, capsys):
     """Every GPU of the host, one rank each (NCCL), the tests' short failure grace."""
     n = torch.cuda.device_count()
     s = magics.session
-    if s is None or not s.running or s.size != n or s.gpus != "auto":
+    if s is None or not s.running or s.size != n or s.options.gpus != "auto":
         if s is not None and s.running:
             s.stop(quiet=True)
         run_ok(shell, capsys, f"%dist_start --np {n} --gpus auto")
-    magics.session.failure_grace = 1.0
+    magics.session.options = magics.session.options.changed(failure_grace=1.0)
     run_ok(shell, capsys, MODEL)
     return magics.session
 

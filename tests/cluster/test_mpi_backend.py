@@ -19,9 +19,8 @@ def mpi_cluster(shell):
         magics.session.stop(quiet=True)
     shell.run_cell(f"%dist_start --np {NP} --backend mpi").raise_error()
     session = magics.session
-    saved, session.failure_grace = session.failure_grace, 1.0
+    session.options = session.options.changed(failure_grace=1.0)
     yield session
-    session.failure_grace = saved
     session.stop(quiet=True)  # the shared ``cluster`` fixture would otherwise reuse it
 
 

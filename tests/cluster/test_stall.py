@@ -111,10 +111,11 @@ def test_a_threshold_of_zero_turns_the_warning_off():
 
 @pytest.fixture
 def stall_cluster(cluster, shell, capsys):
-    saved, cluster.stall_warning = cluster.stall_warning, THRESHOLD
+    saved = cluster.options
+    cluster.options = saved.changed(stall_warning=THRESHOLD)
     run_cell(shell, capsys, "%everyrank import sys, time, torch, ipydist.torch as hvd")
     yield cluster
-    cluster.stall_warning = saved
+    cluster.options = saved
 
 
 def test_ranks_waiting_for_a_late_rank_get_a_warning_while_the_cell_runs(shell, capsys,
@@ -214,7 +215,7 @@ def test_ranks_whose_gradient_hook_waits_on_another_thread_are_released_at_once(
     seen there, so they are released at once (not after the 10 s grace), by the first
     release, which breaks the group rather than interrupting Python code; the error reaches
     backward()'s caller."""
-    assert cluster.failure_grace >= 10
+    assert cluster.options.failure_grace >= 10
     run_cell(shell, capsys, "%everyrank import threading, torch, ipydist.torch as hvd")
     t0 = time.monotonic()
     result, _, err = run_cell(shell, capsys, f"""%%everyrank

@@ -45,10 +45,10 @@ CHAOS_SEED = int(os.environ.get("IPYDIST_TEST_CHAOS_SEED", str(int(time.time()) 
 
 @pytest.fixture
 def loaded(cluster, shell, capsys, hogs):
-    saved = cluster.failure_grace, cluster.stall_warning
+    saved = cluster.options
     run_cell(shell, capsys, "%everyrank import sys, time, torch, ipydist.torch as hvd")
     yield cluster
-    cluster.failure_grace, cluster.stall_warning = saved
+    cluster.options = saved
 
 
 def _report(line: str) -> None:
@@ -132,7 +132,7 @@ def test_loaded_timeout_ends_every_rank_within_2_s(shell, capsys, loaded, trial)
 
 @pytest.mark.parametrize("trial", range(TRIALS))
 def test_loaded_stall_warning_still_comes(shell, capsys, loaded, trial):
-    loaded.stall_warning = 2.0
+    loaded.options = loaded.options.changed(stall_warning=2.0)
     result, out, err = run_cell(shell, capsys, f"""%%everyrank
 if hvd.rank() == {NP - 1}:
     time.sleep(5)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
+import inspect
 import re
 import unicodedata
 from pathlib import Path
@@ -27,6 +29,8 @@ import pytest
 
 from ipydist import cli
 from ipydist.magics import DistMagics
+from ipydist.session import Session
+from ipydist.specs import StartOptions, flag_of
 
 
 def repo_root() -> Path:
@@ -143,6 +147,68 @@ def test_each_ipydist_command_and_option_is_in_the_readme():
             for option in action.option_strings:
                 if option not in ("-h", "--help"):
                     assert option in row, f"ipydist {command} {option} is not in the README"
+
+
+# --- Session's options and methods -------------------------------------------------------------
+
+SESSION_PAGE = (DOCS / "session.md").read_text()
+
+
+def session_option_row(option: dataclasses.Field) -> str:
+    """The row of docs/session.md's table that ``option`` (a StartOptions field) makes."""
+    default = option.default_factory() if option.default is dataclasses.MISSING \
+        else option.default
+    flag = flag_of(option)
+    spelled = "(Python only)" if flag is None else f"`{flag}`" + (
+        f" / `{option.metadata['off']}`" if option.metadata["off"] else "")
+    meaning = option.metadata["help"].replace("|", "\\|")
+    if default is True:  # a --no-... switch: its help says what turning it off does
+        meaning = f"`False` (`{flag}`): {meaning}"
+    return f"| `{option.name}` | {spelled} | `{default!r}` | {meaning} |"
+
+
+@pytest.mark.parametrize("option", dataclasses.fields(StartOptions), ids=lambda o: o.name)
+def test_each_start_option_is_in_the_session_page_as_declared(option):
+    assert session_option_row(option) in SESSION_PAGE.splitlines(), (
+        f"docs/session.md should have the row\n{session_option_row(option)}")
+
+
+def test_the_session_page_lists_no_option_that_is_not_declared():
+    rows = [line.split("|")[1].strip(" `") for line in SESSION_PAGE.splitlines()
+            if line.startswith("| `") and "| `--" in line or "(Python only)" in line]
+    assert sorted(rows) == sorted(o.name for o in dataclasses.fields(StartOptions))
+
+
+def test_session_takes_every_start_option_by_keyword_with_its_default():
+    parameters = inspect.signature(Session).parameters
+    for option in dataclasses.fields(StartOptions):
+        default = option.default_factory() if option.default is dataclasses.MISSING \
+            else option.default
+        assert parameters[option.name].default == default, option.name
+    assert list(parameters)[1:] == [o.name for o in dataclasses.fields(StartOptions)]
+
+
+def test_the_start_magic_has_one_argument_per_option_with_the_declared_help():
+    parser = DistMagics.dist_start.parser
+    by_dest = {}
+    for action in parser._actions:
+        by_dest.setdefault(action.dest, []).append(action)
+    for option in dataclasses.fields(StartOptions):
+        flag = flag_of(option)
+        if flag is None:
+            assert option.name not in by_dest
+            continue
+        actions = by_dest[option.name]
+        assert flag in actions[0].option_strings, (option.name, actions[0].option_strings)
+        assert flat(actions[0].help.replace("%%", "%")) == flat(option.metadata["help"])
+
+
+@pytest.mark.parametrize("method", sorted(
+    name for name, value in vars(Session).items()
+    if not name.startswith("_") and callable(value) and name not in ("death_report",
+    "start_heal", "healed")))
+def test_each_public_method_of_session_is_in_the_session_page(method):
+    assert f"| `{method}(" in SESSION_PAGE, f"docs/session.md lacks a row for {method}()"
 
 
 # --- ipydist.torch's names --------------------------------------------------------------------

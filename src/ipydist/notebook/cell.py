@@ -86,9 +86,9 @@ class CellRun:
         self.bars = display.Bars()
         self.live = LiveView(session.metrics, session.size, cell=number)
         self.result = RunResult(targets)
-        self.stalls = StallWatch(targets, session.stall_warning, session.words.timeout)
+        self.stalls = StallWatch(targets, session.options.stall_warning, session.words.timeout)
         #: A failing rank's peers get this long to finish by themselves before release.
-        self.failure_grace = float(timeout) if timeout else session.failure_grace
+        self.failure_grace = float(timeout) if timeout else session.options.failure_grace
         self.first_failure: tuple[int, float] | None = None  # (rank, when)
         self.release = recovery.Release(self.cluster, self.ar, targets)
         #: rank -> when it said it ended the cell's code (its reply should follow at once)

@@ -16,9 +16,6 @@ from __future__ import annotations
 
 from ipydist.specs import describe_ranks
 
-#: Default for ``Session(stall_warning=...)`` / ``%dist_start --stall-warning``; 0 turns it off.
-STALL_WARNING_SECONDS = 30.0
-
 
 class StallWatch:
     """Notebook side: what each rank of the running cell waits in, and when that is a stall."""

@@ -191,6 +191,8 @@ class Plan:
     allocates: bool = False
     #: Whether the ranks outlive one that dies (MPI's fault tolerance: ``--elastic``).
     elastic: bool = False
+    #: How many ranks it starts.
+    np: int = 0
 
     def __post_init__(self):
         self.command = self.command or [self.mpiexec]
@@ -283,7 +285,7 @@ def plan(
             notes.append(f"{np} ranks on {cores} cores: ranks share cores.")
     env.update(rank_env)
     return Plan(mpiexec, flavor, args + user_args, env, multi_host, notes, route, hosts,
-                command=command, elastic=elastic)
+                command=command, elastic=elastic, np=np)
 
 
 def elastic_choice(asked: bool | None, mpiexec: str, flavor: str, multi_host: bool) -> bool:

@@ -157,7 +157,7 @@ def plan(np: int, flavor: str, request: Request, rank_env: dict[str, str],
     hint = ("Check --partition, --time, --account and --slurm-args against what Slurm says "
             "above (sinfo lists the partitions and their limits).")
     return Plan(command[0], flavor, args, rank_env, route is not None, [], route, hosts,
-                command=command, title=title, hint=hint, allocates=not job)
+                command=command, title=title, hint=hint, allocates=not job, np=np)
 
 
 def commands(np: int, flavor: str, request: Request, env=None) -> tuple[list[str], list[str]]:
