@@ -9,6 +9,8 @@ land in that wait, as an NCCL abort does: the wait returns, with no error. Param
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import sys
 import threading
 import time
@@ -24,6 +26,7 @@ from ipydist.torch._wire.compression import Compression
 from ipydist.torch.training import buckets
 from ipydist.torch.training import optimizer as optimizer_module
 from ipydist.torch.training.optimizer import DistributedOptimizer
+from ipydist.torch.training.optimizer_options import OptimizerOptions
 
 GRADIENT_WAIT = "allreduce of gradients (DistributedOptimizer)"
 
@@ -428,3 +431,19 @@ def test_a_hook_waiting_on_another_thread_is_named_and_a_first_release_frees_it(
     assert not thread.is_alive()
     assert len(raised) == 1 and "was released" in str(raised[0])  # out of backward()
     assert opt._next_launch == 0 and all(b.work is None for b in opt._buckets)
+
+
+def test_distributed_optimizer_takes_its_options_as_declared_in_horovod_s_order():
+    """The factory's parameters after the optimizer are OptimizerOptions' fields, same order
+    (Horovod's, for positional calls), same defaults: one declaration, checked here."""
+    parameters = list(inspect.signature(DistributedOptimizer).parameters.values())[1:]
+    declared = dataclasses.fields(OptimizerOptions)
+    assert [p.name for p in parameters] == [f.name for f in declared]
+    assert [p.default for p in parameters] == [f.default for f in declared]
+
+
+def test_bad_optimizer_options_are_refused_before_any_wrapping():
+    with pytest.raises(ValueError, match="backward_passes_per_step must be at least 1"):
+        OptimizerOptions(backward_passes_per_step=0)
+    with pytest.raises(ValueError, match="distributed_after must be a number of steps"):
+        OptimizerOptions(distributed_after=-1)

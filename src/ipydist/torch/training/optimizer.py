@@ -43,11 +43,10 @@ from ipydist.torch.horovod.basics import size
 from ipydist.torch.horovod.process_sets import ProcessSet, comms_for, global_process_set
 from ipydist.torch.training import buckets, momentum_correction
 from ipydist.torch.training import optimizer_options as options
+from ipydist.torch.training.optimizer_options import DEFAULT_BUCKET_CAP_MB, OptimizerOptions
 from ipydist.torch.training.optimizer_state import CheckpointMixin
 from ipydist.torch.training.wrapping import OutsideTheSet, wrap
 
-#: Default bucket size, DDP's; benchmarks/train_step.py sweeps it (see the README).
-DEFAULT_BUCKET_CAP_MB = 25.0
 #: Attribute on each parameter holding the hook of the DistributedOptimizer that owns it. A
 #: notebook re-runs cells, so a second DistributedOptimizer over the same model must take the
 #: hooks over, or the first one's hooks would start collectives nobody waits for.
@@ -57,30 +56,22 @@ class _DistributedMixin(CheckpointMixin):
 
     wrapper_name = "DistributedOptimizer"
 
-    def _ipydist_setup(
-        self, named_parameters, compression, backward_passes_per_step, op,
-        gradient_predivide_factor, bucket_cap_mb, distributed_after,
-        process_set=global_process_set, sparse_as_dense: bool = False, num_groups: int = 0,
-        groups=None,
-    ) -> None:
-        self._process_set = process_set
-        self._sparse_as_dense = bool(sparse_as_dense)
-        group = comms_for(process_set)  # raises here if this rank cannot use the set
-        options.check(op, backward_passes_per_step, compression, distributed_after, group)
+    def _ipydist_setup(self, given: OptimizerOptions) -> None:
+        self._process_set = given.process_set
+        self._sparse_as_dense = bool(given.sparse_as_dense)
+        group = comms_for(given.process_set)  # raises here if this rank cannot use the set
+        options.check_group(given.compression, group)
         params = [
             p for group in self.param_groups for p in group["params"] if p.requires_grad
         ]
         if group is None:  # kept in step after an interrupt, as every rank has it (a
             resync.track_optimizer(self)  # process set's is on its ranks only)
         join.serve_steps_of(self)  # so that a rank in hvd.join() can serve its steps
-        self._names = options.names_for(params, named_parameters)
-        self._wrapped_with = dict(  # what __reduce__ wraps a copy with
-            named_parameters=None if named_parameters is None else
-            [(self._names[id(p)], p) for p in params],
-            compression=compression, backward_passes_per_step=backward_passes_per_step, op=op,
-            gradient_predivide_factor=gradient_predivide_factor, bucket_cap_mb=bucket_cap_mb,
-            distributed_after=distributed_after, process_set=process_set,
-            sparse_as_dense=sparse_as_dense, num_groups=num_groups, groups=groups)
+        self._names = options.names_for(params, given.named_parameters)
+        #: The options, as __reduce__ wraps a copy with them.
+        self._options = given.named(None if given.named_parameters is None else
+                                    [(self._names[id(p)], p) for p in params])
+        compression, distributed_after = given.compression, given.distributed_after
         self._compression = compression
         self._distributed_after = distributed_after
         # Steps completed: the same on every rank, and put back in step by the recovery
@@ -88,16 +79,17 @@ class _DistributedMixin(CheckpointMixin):
         self._steps = torch.zeros((), dtype=torch.int64)
         if distributed_after and group is None:
             resync.track_tensors([self._steps])
-        self._passes = backward_passes_per_step
-        self._op = op
+        self._passes = given.backward_passes_per_step
+        self._op = given.op
         # Average divides by the world size before the sum (fewer overflows in 16 bits), or
         # with gradient_predivide_factor f, by f before and by size/f after, as Horovod does.
         ranks = size() if group is None else group.size
-        self._prescale, self._postscale = _scales(op, float(gradient_predivide_factor), ranks)
-        self._buckets = buckets.plan(params,
-                                     options.cap_bytes(params, bucket_cap_mb, num_groups),
-                                     options.explicit_groups(groups, params),
-                                     buckets.alone_rule(compression, distributed_after, group))
+        self._prescale, self._postscale = _scales(
+            given.op, float(given.gradient_predivide_factor), ranks)
+        self._buckets = buckets.plan(
+            params, options.cap_bytes(params, given.bucket_cap_mb, given.num_groups),
+            options.explicit_groups(given.groups, params),
+            buckets.alone_rule(compression, distributed_after, group))
         if compression.summed_by_ranks and momentum_correction.applies(self):
             for bucket in self._buckets:  # 1-bit with SGD's momentum: kept before the quantizer
                 bucket.correction = momentum_correction.MomentumCorrection(
@@ -140,7 +132,7 @@ class _DistributedMixin(CheckpointMixin):
         group = comms_for(self._process_set)
         ranks = size() if group is None else group.size
         self._prescale, self._postscale = _scales(
-            self._op, float(self._wrapped_with["gradient_predivide_factor"]), ranks)
+            self._op, float(self._options.gradient_predivide_factor), ranks)
 
     def __reduce__(self):
         """Pickled as what makes it: the wrapped optimizer's class, state and parameter groups,
@@ -152,7 +144,7 @@ class _DistributedMixin(CheckpointMixin):
                     and not issubclass(c, _DistributedMixin))
         state = {"defaults": self.defaults, "state": self.state,
                  "param_groups": self.param_groups}
-        return _unpickle_distributed, (base, state, self._wrapped_with, self._steps)
+        return _unpickle_distributed, (base, state, self._options.as_keywords(), self._steps)
 
     def _make_hook(self):
         me = weakref.ref(self)
@@ -391,16 +383,14 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name, a factory like Horovod
     and come back sparse, as the optimizer gave them (SparseAdam needs them so). A rank outside
     ``process_set`` may make it too, as in Horovod: its steps average nothing.
     """
+    given = OptimizerOptions(**{name: value for name, value in locals().items()
+                                if name != "optimizer"})  # the arguments, by name
     if is_distributed(optimizer):
         raise ValueError("this optimizer is already a DistributedOptimizer")
     if process_set is not global_process_set and process_set.included() is False:
         return wrap(optimizer, OutsideTheSet)
     wrapped = wrap(optimizer, _DistributedMixin)
-    wrapped._ipydist_setup(
-        named_parameters, compression, backward_passes_per_step, op,
-        gradient_predivide_factor, bucket_cap_mb, distributed_after,
-        process_set, sparse_as_dense, num_groups, groups,
-    )
+    wrapped._ipydist_setup(given)
     return wrapped
 
 

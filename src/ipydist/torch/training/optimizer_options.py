@@ -1,16 +1,56 @@
-"""DistributedOptimizer's arguments, checked and read: Horovod's names for its parameters,
-its fusion groups and bucket sizes, and what it refuses, with a message that says why."""
+"""DistributedOptimizer's arguments, declared once (:class:`OptimizerOptions`), checked and
+read: Horovod's names for its parameters, its fusion groups and bucket sizes, and what it
+refuses, with a message that says why."""
 
 from __future__ import annotations
 
-from ipydist.torch._wire.compression import Compressor
-from ipydist.torch._wire.reduce_ops import Average, Sum
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from ipydist.torch._wire.compression import Compression, Compressor
+from ipydist.torch._wire.reduce_ops import Average, ReduceOp, Sum
+from ipydist.torch.horovod.process_sets import ProcessSet, global_process_set
+
+#: Default bucket size, DDP's; benchmarks/train_step.py sweeps it (see the README).
+DEFAULT_BUCKET_CAP_MB = 25.0
 
 
-def check(op, backward_passes_per_step: int, compression, distributed_after: int,
-          group) -> None:
-    """Raise on arguments DistributedOptimizer cannot take (``group``: a process set's
-    communicators, or None for every rank)."""
+@dataclass(frozen=True)
+class OptimizerOptions:
+    """Everything ``DistributedOptimizer(optimizer, ...)`` takes after the optimizer, in
+    Horovod's order (so its positional calls work): the factory's signature is checked against
+    these fields by a test, and it hands them on as one object, never by position. What can
+    be checked without the parameters is checked when the options are made."""
+
+    #: ``model.named_parameters()``: names for messages (and for checking the ranks agree).
+    named_parameters: Any = None
+    compression: type[Compressor] = Compression.none
+    backward_passes_per_step: int = 1
+    op: ReduceOp = Average
+    gradient_predivide_factor: float = 1.0
+    num_groups: int = 0
+    groups: Any = None
+    sparse_as_dense: bool = False
+    process_set: ProcessSet = global_process_set
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
+    distributed_after: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.op, self.backward_passes_per_step, self.compression,
+               self.distributed_after)
+
+    def named(self, pairs: list[tuple[str, Any]] | None) -> OptimizerOptions:
+        """These options with ``named_parameters`` read once into a list (a generator, as
+        ``model.named_parameters()`` is, can be read only once)."""
+        return replace(self, named_parameters=pairs)
+
+    def as_keywords(self) -> dict[str, Any]:
+        """The options as ``DistributedOptimizer``'s keyword arguments (a copy's wrapping)."""
+        return {option.name: getattr(self, option.name) for option in fields(self)}
+
+
+def _check(op, backward_passes_per_step: int, compression, distributed_after: int) -> None:
+    """Raise on arguments DistributedOptimizer cannot take."""
     if op not in (Average, Sum):
         raise ValueError(f"DistributedOptimizer op must be Average or Sum, not {op} (Adasum: "
                          "allreduce(t, op=hvd.Adasum) combines tensors; Horovod's Adasum "
@@ -19,11 +59,16 @@ def check(op, backward_passes_per_step: int, compression, distributed_after: int
         raise ValueError("backward_passes_per_step must be at least 1")
     if not (isinstance(compression, type) and issubclass(compression, Compressor)):
         raise TypeError("compression must be Compression.none, .fp16, .bf16 or .onebit")
+    if not isinstance(distributed_after, int) or distributed_after < 0:
+        raise ValueError("distributed_after must be a number of steps, 0 or more")
+
+
+def check_group(compression: type[Compressor], group) -> None:
+    """Raise where ``compression`` cannot work among ``group`` (a process set's
+    communicators, or None for every rank)."""
     if group is not None and compression.summed_by_ranks:
         raise ValueError("Compression.onebit averages over every rank: it takes no "
                          "process_set")
-    if not isinstance(distributed_after, int) or distributed_after < 0:
-        raise ValueError("distributed_after must be a number of steps, 0 or more")
 
 
 def cap_bytes(params, bucket_cap_mb: float, num_groups: int) -> float:
