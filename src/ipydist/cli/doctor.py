@@ -189,7 +189,7 @@ def run(np: int | None = 2, out=None, hosts: str | None = None) -> bool:
     """Print every check (with ``hosts``, each host's too); True when none failed."""
     out = out or sys.stdout
     failed = False
-    checks = list(CHECKS)
+    checks: list[Callable[[], Check | list[Check]]] = list(CHECKS)
     if hosts:
         checks.append(lambda: check_hosts(hosts, mpiexec.find_mpiexec()))
     for check in checks:

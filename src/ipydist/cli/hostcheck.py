@@ -66,6 +66,7 @@ def check_hosts(spec: str, mpiexec_path: str) -> list[Check]:
         named = choose(hosts=spec, env={})
     except (SpecError, LaunchError) as e:
         return [Check(FAIL, "hosts", str(e), "name hosts this host can resolve and reach.")]
+    assert named is not None  # a --hosts spec names hosts
     if named.route is None:
         return [Check(NOTE, "hosts", f"{spec}: only this host; nothing to check over ssh")]
     checks = [Check(OK, "network", f"the notebook reaches the hosts from {named.route}")]

@@ -33,4 +33,7 @@ class LiveMetrics(TrainerCallback):
             total = state.max_steps if state.max_steps and state.max_steps > 0 else None
             # the Trainer counts the steps taken (1 after the first); a chart's x is the
             # index of the step, from 0 as hvd.log counts, so the last is total - 1
-            log(step=max(state.global_step - 1, 0), total=total, **numbers)
+            # mypy: a metric could be named like one of log's options (reduce, batch_size,
+            # step, total), which it would then be taken as (or clash with): left as it was
+            log(step=max(state.global_step - 1, 0), total=total,
+                **numbers)  # type: ignore[arg-type]

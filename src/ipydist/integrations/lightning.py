@@ -41,5 +41,7 @@ class LiveLogger(Logger):
 
         numbers = _values.numbers(metrics)
         if numbers:
-            log(step=step, total=self._total, **numbers)
+            # mypy: a metric could be named like one of log's options (reduce, batch_size,
+            # step, total), which it would then be taken as (or clash with): left as it was
+            log(step=step, total=self._total, **numbers)  # type: ignore[arg-type]
 

@@ -16,9 +16,11 @@ import os
 import secrets
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 from ipydist import protocol
 from ipydist.errors import ClusterError, RankTimeout
@@ -72,12 +74,16 @@ class Cluster:
         #: replacement for a rank that died (``--elastic``) registers under a new one.
         self.engine_ids: list[int] = []
         self.profile_dir: str | None = None
-        self.client = None
-        self._ipp = None  # ipyparallel.Cluster: controller and mpiexec launchers
-        self._watchdog = None  # (process, pipe write end): see ipydist.notebook.watchdog
+        #: ipyparallel's Client (untyped: Any to mypy), from when the ranks' controller is up
+        #: until the stop (None before and after).
+        self.client: Any = None
+        #: ipyparallel.Cluster: controller and mpiexec launchers (from ``_launch`` on)
+        self._ipp: Any | None = None
+        #: (process, pipe write end): see ipydist.notebook.watchdog
+        self._watchdog: tuple[subprocess.Popen, int] | None = None
         self._views: dict[tuple[int, ...], object] = {}
         self._rank_procs: list = []  # psutil processes of the ranks on this host
-        self._controller_proc = None
+        self._controller_proc: Any | None = None  # psutil's Process
         #: The ranks found dead when ipydist ended the job after a death
         #: (:meth:`end_job_after_a_death`): the first death is among them, not among the
         #: ranks it ended.
@@ -180,12 +186,14 @@ class Cluster:
         """Wait for registration, watching mpiexec so that a failed launch ends the wait."""
         launcher = self._mpiexec_launcher()
         watch = self.startup
+        assert watch is not None  # start made it
+        assert self._ipp is not None and self.profile_dir is not None  # so did _launch
         client_file = os.path.join(
             self.profile_dir, "security", f"ipcontroller-{self._ipp.cluster_id}-client.json")
         while True:
             if self.client is None and os.path.exists(client_file):
                 self.client = self._ipp.connect_client_sync()
-            registered = list(self.client.ids) if self.client is not None else []
+            registered: list[int] = list(self.client.ids) if self.client is not None else []
             if len(registered) >= self.np:
                 break
             if not processes.alive(launcher.process):
@@ -213,6 +221,7 @@ class Cluster:
     def _queue_note(self) -> str:
         """For a Slurm job still waiting in the queue: why, as squeue says."""
         watch = self.startup
+        assert watch is not None  # asked while the start waits
         if not self.plan.allocates or watch.job is None or watch.granted:
             return ""
         reason = slurm.pending_reason(watch.job)
@@ -333,7 +342,8 @@ class Cluster:
         if len(self._rank_procs) != len(self.ranks):  # looked up once per cluster
             self._rank_procs = [processes.local_process(info) for info in self.ranks]
         remote = [proc is None for proc in self._rank_procs]
-        registered = set(self.client.ids) if any(remote) and self.client is not None else set()
+        registered: set[int] = (set(self.client.ids) if any(remote) and self.client is not None
+                                else set())
         return [info for info, proc in zip(self.ranks, self._rank_procs)
                 if (proc is not None and not processes.alive(proc))
                 or (proc is None and self.engine_ids[info["rank"]] not in registered)]

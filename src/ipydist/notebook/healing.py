@@ -71,8 +71,8 @@ class Heal:
         deadline = self.started + HEAL_SECONDS
         # each replacement where its rank ran, unless that host lost every rank it had
         alive_hosts = {cluster.ranks[r]["host"] for r in survivors}
-        hosts = [cluster.ranks[r]["host"] for r in self.dead]
-        hosts = hosts if all(h in alive_hosts for h in hosts) else None
+        where = [cluster.ranks[r]["host"] for r in self.dead]
+        hosts = where if all(h in alive_hosts for h in where) else None
         request = cluster.view(survivors).apply_async(protocol.on_rank, "heal", self.dead, True,
                                                       hosts, rank_env(cluster))
         replies = take_new_ranks(cluster, request, known, len(self.dead), deadline)

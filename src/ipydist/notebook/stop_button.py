@@ -15,6 +15,11 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from types import FrameType
 
 
 class StopButton:
@@ -25,7 +30,7 @@ class StopButton:
 
     def __init__(self) -> None:
         self.pressed = False
-        self._previous = None
+        self._previous: Callable[[int, FrameType | None], Any] | None = None
 
     def __enter__(self) -> StopButton:
         if threading.current_thread() is threading.main_thread():

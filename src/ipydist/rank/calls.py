@@ -11,6 +11,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Sequence
 
 import torch.distributed as dist
 from IPython import get_ipython
@@ -41,7 +42,9 @@ def attach() -> dict:
     control.install(get_ipython().kernel)
     debugger.install(get_ipython())
     _not_a_prompt()
-    frameworks.install(topology.get().local_size)
+    rt = topology.get()
+    assert rt is not None  # the rank's bootstrap made it before the engine started
+    frameworks.install(rt.local_size)
     return info()
 
 
@@ -69,6 +72,7 @@ def error_frames() -> str:
 def info() -> dict:
     """What the notebook shows about this rank."""
     rt = topology.get()
+    assert rt is not None  # the rank's bootstrap made it before the engine started
     nanny_pid = None
     try:
         from ipyparallel.engine.app import IPEngine
@@ -188,7 +192,7 @@ def _give_up(out: dict, why: str) -> dict:
 
 
 def heal(dead: list[int], replace: bool, hosts: list[str] | None = None,
-         env: list[str] = ()) -> dict:
+         env: Sequence[str] = ()) -> dict:
     """``--elastic``, after ``dead`` died: the world again (see :mod:`ipydist.rank.heal`)."""
     from ipydist.rank import heal as healing
 
@@ -202,7 +206,7 @@ def elastic_reset(restore: bool) -> int:
     return elastic.after_heal(restore)
 
 
-def resize(size: int, env: list[str] = ()) -> dict:
+def resize(size: int, env: Sequence[str] = ()) -> dict:
     """``Session.scale``: a world of ``size`` ranks (see :func:`ipydist.rank.heal.resize`)."""
     from ipydist.rank import heal as healing
 

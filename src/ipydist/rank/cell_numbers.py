@@ -28,6 +28,8 @@ def _take_number(lines: list[str]) -> list[str]:
 
     shell = get_ipython()
     kernel = getattr(shell, "kernel", None)
+    if kernel is None:  # not a kernel's shell: no request either
+        return lines
     try:
         metadata = kernel.get_parent("shell").get("metadata") or {}
     except Exception:  # no request (a transform asked for outside one)

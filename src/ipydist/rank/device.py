@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import os
 import re
+from typing import overload
 
 from ipydist.errors import LaunchError
 from ipydist.protocol import MPI_BACKEND
 from ipydist.specs import format_gpus
 
 
+@overload
+def entries(visible: str) -> list[str]: ...
+@overload
+def entries(visible: str | None) -> list[str] | None: ...
 def entries(visible: str | None) -> list[str] | None:
     """The devices a ``CUDA_VISIBLE_DEVICES`` value names (indices, UUIDs or MIG names, kept
     as written); None when it is not set."""
@@ -35,6 +40,7 @@ def visible_devices(gpus: str | list[int], inherited: str | None) -> str | None:
     given = entries(inherited)
     if given is None:
         return format_gpus(gpus)
+    assert isinstance(gpus, list)  # "auto" and "none" are its only words
     outside = [i for i in gpus if i >= len(given)]
     if outside:
         have = (f"GPUs 0-{len(given) - 1} ({inherited})" if given
@@ -143,7 +149,7 @@ def own_gpus(visible_on_host: list[str | None]) -> bool:
     lists = [entries(v) for v in visible_on_host]
     if len(lists) < 2 or any(not devices for devices in lists):
         return False
-    named = [d for devices in lists for d in devices]
+    named = [d for devices in lists for d in devices or ()]  # none is None: see above
     return len(named) == len(set(named))
 
 

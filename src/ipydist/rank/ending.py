@@ -51,7 +51,9 @@ def run_then_exit(main) -> None:
 
 def exit_now(code: int) -> None:
     # Python's own exit waits for threads, then runs atexit's callbacks
-    steps = [threading._shutdown, _run_exit_callbacks, _flush_open_files]
+    # threading._shutdown: CPython's own (not in typeshed), what its exit runs first
+    steps = [threading._shutdown,  # type: ignore[attr-defined]
+             _run_exit_callbacks, _flush_open_files]
     if code == 0:
         steps.append(_finalize_mpi)
     for step in steps:
@@ -61,7 +63,8 @@ def exit_now(code: int) -> None:
             pass
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         try:
-            stream.flush()
+            if stream is not None:  # sys.__stdout__ can be None (its AttributeError passed)
+                stream.flush()
         except Exception:
             pass
     os._exit(code)

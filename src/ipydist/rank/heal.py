@@ -20,12 +20,13 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Sequence
 
 from ipydist.rank.start import replacement
 
 
 def heal(dead: list[int], replace: bool, hosts: list[str] | None = None,
-         env: list[str] = ()) -> dict:
+         env: Sequence[str] = ()) -> dict:
     """On every survivor at once: make the world again without ``dead``, with a replacement
     for each when ``replace`` (else the survivors renumbered from 0), started on ``hosts``
     (where the dead ranks ran) when given, and this rank's runtime and process group in it.
@@ -42,6 +43,7 @@ def heal(dead: list[int], replace: bool, hosts: list[str] | None = None,
     resync.abandon_pending()
     handles.abandon_all()
     rt = topology.get()
+    assert rt is not None  # a rank's, made at its start
     for comm in (rt.comm, rt.control_comm, rt.check_comm, rt.data_comm, rt.node_data,
                  rt.cross_data):
         if comm is None:
@@ -67,7 +69,7 @@ def heal(dead: list[int], replace: bool, hosts: list[str] | None = None,
     return out
 
 
-def resize(size: int, env: list[str] = ()) -> dict:
+def resize(size: int, env: Sequence[str] = ()) -> dict:
     """On every rank at once (``Session.scale``): a world of ``size`` ranks. Growing, the
     ranks spawn the new ones (numbered from the old size up); shrinking, the ranks from
     ``size`` up leave it, and end their process once they have replied."""
@@ -77,6 +79,7 @@ def resize(size: int, env: list[str] = ()) -> dict:
 
     started = time.monotonic()
     rt = topology.get()
+    assert rt is not None  # a rank's, made at its start
     if size < rt.size:
         stays = rt.rank < size
         world = rt.comm.Split(0 if stays else MPI.UNDEFINED, key=rt.rank)
@@ -98,7 +101,9 @@ def _rejoin(world, rt, started: float) -> dict:
 
     process_group.abandon()
     bootstrap.join(world, survivor=rt)
-    return {"rank": topology.get().rank, "left": False,
+    now = topology.get()
+    assert now is not None  # join made it
+    return {"rank": now.rank, "left": False,
             "seconds": time.monotonic() - started}
 
 

@@ -75,7 +75,7 @@ class CollectiveSampler:
 
     def __init__(self, report_after: float = REPORT_AFTER_SECONDS):
         self.report_after = report_after
-        self._frame = None
+        self._frame: object = None
         self._name: str | None = None
         self._since = 0.0
         self._reported = False

@@ -140,6 +140,7 @@ def copy_from(root: int, to: list[int], was_size: int | None = None) -> dict:
     from ipydist.torch.horovod import process_sets
 
     rt = topology.get()
+    assert rt is not None  # a rank's, made at its start
     comm = rt.control_comm
     shell = get_ipython()
     out: dict = {"skipped": [], "bytes": 0, "rebound": [], "sets_removed": []}
@@ -176,6 +177,7 @@ def resized(was_size: int) -> dict:
     from ipydist.torch.horovod import process_sets
 
     rt = topology.get()
+    assert rt is not None  # a rank's, made at its start
     out = {"rebound": rebind(user_variables(get_ipython()), rt.rank, rt.size, rt.rank,
                              was_size), "sets_removed": []}
     if rt.size < was_size and process_sets.any_added():  # growing, copy_from did it
@@ -194,6 +196,7 @@ def renumbered(was_rank: int, was_size: int, gone: list[int]) -> dict:
     from ipydist.torch.horovod import process_sets
 
     rt = topology.get()
+    assert rt is not None  # a rank's, made at its start
     out = {"rebound": rebind(user_variables(get_ipython()), rt.rank, rt.size, was_rank,
                              was_size), "sets_removed": []}
     if process_sets.any_added():

@@ -127,6 +127,7 @@ def _watch() -> None:
     timed = hasattr(signal, "sigtimedwait")  # not on macOS: no stall reports there
     next_vitals = 0.0
     while True:
+        got: signal.struct_siginfo | int | None
         if timed:
             got = signal.sigtimedwait({RELEASE_SIGNAL}, stack_sampler.SAMPLE_SECONDS)
         else:
@@ -174,6 +175,7 @@ def _on_release() -> dict | None:
         # time.sleep (interrupt_main() would wait for that call to return); the handler checks
         # once more that the cell is still running. The second release sends it even to a rank
         # in a collective: whatever the collective does next, the rank then leaves the cell.
+        assert _main_ident is not None  # install set it before it started the watcher
         signal.pthread_kill(_main_ident, signal.SIGINT)
     _last = {"what": what, "broke": broke, "ended": ended, "time": time.time()}
 

@@ -243,6 +243,7 @@ def describe_death(output: str, dead: list[dict], restart: str,
                 f"{'is' if one else 'are'} being replaced (--elastic), and the next cell "
                 f"waits for {'it' if one else 'them'}.")
     death = find_death(output, first or dead)
+    assert death is not None  # it is told of dead ranks only
     infos = {info["rank"]: info for info in [*(first or []), *dead]}
     info = infos[death.rank]
     text = f"rank {death.rank} (pid {info['pid']} on {info['host']}) died"

@@ -93,7 +93,7 @@ def shared_memory(pids: list[int]) -> set[str]:
     """The files in /dev/shm that the processes ``pids`` have mapped: their MPI's shared-memory
     segments (Open MPI's ``sm_segment.*``, MPICH's ``mpich_shm_*``, libfabric's
     ``<pid>:<n>:<n>``), made as MPI starts."""
-    found = set()
+    found: set[str] = set()
     for pid in pids:
         with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
             found.update(path for path, deleted in _SHM_MAPPING.findall(maps.read())

@@ -73,7 +73,7 @@ class StartWatch:
         self._offset = 0  # how much of mpiexec's output was read
         self._partial = b""  # the last line read, while its newline has not come
         self._looked = -math.inf
-        self._shown = None
+        self._shown: list[tuple[str, bool]] | None = None
 
     # --- what happened -----------------------------------------------------------------------
 
@@ -194,6 +194,7 @@ class StartWatch:
             return ""
         parts, before = [], 0.0
         for name, at in ends:
+            assert at is not None  # none is: see above
             parts.append(f"{name} {at - before:.1f} s")
             before = at
         return "Start: " + " · ".join(parts)

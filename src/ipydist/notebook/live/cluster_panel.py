@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from ipydist.notebook.live.cluster_view import NO_CLUSTER, REFRESH_SECONDS
+
+if TYPE_CHECKING:
+    from comm.base_comm import CommManager
 
 #: The comm target the panel opens.
 TARGET = "ipydist.cluster"
@@ -76,7 +80,8 @@ class PanelFeed:
         with self._lock:
             if comm in self._comms:
                 self._comms.remove(comm)
-        self._last.pop(getattr(comm, "comm_id", None), None)
+        # a comm without an id was never stored: pop finds nothing
+        self._last.pop(getattr(comm, "comm_id", None), None)  # type: ignore[arg-type]
 
     def _on_msg(self, msg) -> None:
         """Restart or Stop from a panel."""
@@ -89,6 +94,7 @@ def register(shell, magics) -> PanelFeed | None:
     """Let panels open ``TARGET`` on ``shell``'s kernel (none outside a kernel)."""
     if getattr(shell, "kernel", None) is None:
         return None
+    manager: CommManager | None  # comm's, or the kernel's own (ipykernel's subclass)
     try:
         from comm import get_comm_manager
 

@@ -35,6 +35,7 @@ def state_of(rank: int, alive: str, vitals: dict | None, cell: RunningCell | Non
             waited = vitals.get("waited", 0)
             return "waiting", f"waiting in {vitals['collective']} for {waited:.0f} s"
     if running:
+        assert cell is not None  # running
         number = f"cell {cell.number}" if cell.number is not None else "a cell"
         return "running", f"running {number}"
     if alive == "busy":

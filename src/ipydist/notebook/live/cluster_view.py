@@ -80,7 +80,7 @@ class ClusterView(anywidget.AnyWidget):
     _css = _HERE / "cluster.css"
 
     #: One dict per rank (see ``cluster_state.row``).
-    rows = traitlets.List().tag(sync=True)
+    rows: traitlets.List[dict] = traitlets.List().tag(sync=True)
     #: The line above the table: how many ranks, what runs, or that the cluster stopped.
     caption = traitlets.Unicode("").tag(sync=True)
     busy = traitlets.Bool(False).tag(sync=True)

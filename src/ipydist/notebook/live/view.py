@@ -18,12 +18,18 @@ import io
 import math
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 from ipydist.notebook.live.history import Columns, MetricHistory, downsample_indices
 from ipydist.notebook.live.layout import EPOCH, chart_layout, epoch_starts
 from ipydist.notebook.live.static import SMOOTHING, fallback_bundle, summary_line
 from ipydist.notebook.live.summary import summarize
 from ipydist.notebook.output.display import in_kernel
+
+if TYPE_CHECKING:
+    from IPython.display import DisplayHandle
+
+    from ipydist.notebook.live.widget import MetricsWidget
 
 #: At most this many points per metric in one update message (min/max decimated beyond).
 APPEND_MAX_POINTS = 500
@@ -41,8 +47,8 @@ class LiveView:
         self.start = self._sent = history.begin_cell(cell)
         self._rank_start = history.rank_lengths()
         self._rank_sent = dict(self._rank_start)
-        self.widget = None
-        self._static = None
+        self.widget: MetricsWidget | None = None  # from the first update that shows points
+        self._static: DisplayHandle | None = None  # where the static copy goes
         self._last_update = -math.inf
         self._names: list[str] = []
 
@@ -63,6 +69,7 @@ class LiveView:
         self._last_update = now
         if self.widget is None:
             self._open()
+        assert self.widget is not None  # _open made it
         self._update_charts()
         stop = len(self.history)
         ranks = self._rank_series(self._rank_sent, APPEND_MAX_POINTS)
@@ -83,6 +90,7 @@ class LiveView:
             return
         if self.widget is None:
             self._open()
+        assert self.widget is not None  # _open made it
         self._update_charts()
         series = self._series(self.start, len(self.history), FINAL_MAX_POINTS)
         self.widget.series = series
@@ -137,6 +145,7 @@ class LiveView:
 
     def _smoothing(self) -> float:
         """The reader's smoothing (the widget's default where none was chosen)."""
+        assert self.widget is not None  # asked once it is shown
         value = self.widget.settings.get("smoothing", SMOOTHING)
         return value if isinstance(value, (int, float)) and 0 <= value < 1 else SMOOTHING
 
@@ -147,6 +156,7 @@ class LiveView:
             names += [n for n in rows.columns if n not in names]
         if names != self._names:
             self._names = names
+            assert self.widget is not None  # called once it is shown
             self.widget.charts = chart_layout(names, self.widget.charts)
 
     def _series(self, start: int, stop: int, max_points: int) -> dict:

@@ -10,8 +10,12 @@ from __future__ import annotations
 import html
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ipydist.notebook.output.lines import Redraw
+
+if TYPE_CHECKING:
+    from IPython.display import DisplayHandle
 
 
 class Table:
@@ -144,7 +148,7 @@ class Bars:
 
     def __init__(self):
         self._kernel = in_kernel()
-        self._handles: dict[tuple[str, str], object] = {}  # (tag, stream) -> display handle
+        self._handles: dict[tuple[str, str], DisplayHandle] = {}  # (tag, stream) -> its display
         self._pending: dict[tuple[str, str], str] = {}
 
     def show(self, tag: str, stream: str, state: Redraw) -> bool:

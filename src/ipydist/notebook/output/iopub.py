@@ -11,11 +11,14 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ipyparallel.serialize import deserialize_object
 
 from ipydist.protocol import CELL_KEY, DEBUG_KEY, STATE_KEY, VITALS_KEY, is_metrics_key
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 #: Data-message keys the ranks send, and the kind of event each becomes (besides the metrics
 #: batches, each under its own key: see :data:`ipydist.protocol.METRICS_KEY`).
@@ -57,7 +60,7 @@ class IOPubCollector:
         self._started: set[int] = set()
         self._ranks = ranks
         self._futures: dict = {}
-        self._callbacks = []
+        self._callbacks: list[tuple[Any, Callable[[dict], None]]] = []  # (future, callback)
 
     def watch(self, index: int, future) -> None:
         """Attach to the request future of ``ranks[index]`` (:func:`ipp.execute` calls this

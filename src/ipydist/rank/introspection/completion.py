@@ -129,7 +129,7 @@ def save_parso_cache_atomically() -> None:
                 os.unlink(written)
             raise
 
-    save_whole.atomic = True
+    save_whole.atomic = True  # type: ignore[attr-defined]  # a mark, read by getattr above
     cache._save_to_file_system = save_whole
 
 

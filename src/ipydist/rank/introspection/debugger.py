@@ -103,7 +103,9 @@ class RankPdb(pdb.Pdb):
 
     def __init__(self, interactive: bool):
         self.out = io.StringIO()
-        super().__init__(stdin=_Input(self) if interactive else io.StringIO(), stdout=self.out,
+        # _Input is a file to pdb only by its readline (use_rawinput off), all pdb reads
+        stdin = _Input(self) if interactive else io.StringIO()
+        super().__init__(stdin=stdin, stdout=self.out,  # type: ignore[arg-type]
                          nosigint=True, readrc=False, skip=_SKIP)
         self.use_rawinput = False
         self.prompt = f"(Pdb rank {_rank()}) "
@@ -239,6 +241,7 @@ def post_mortem(command: str | None) -> dict:
     shows where the error was), a command runs in it. Returns ``{"output", "prompt",
     "ended"}``; ``q``, ``c`` and the like end it, leaving the rank as it was."""
     global _post_mortem
+    debugger: RankPdb | None
     with _lock:
         if command is None:
             tb = getattr(sys, "last_traceback", None)

@@ -224,6 +224,7 @@ def end_with_launcher(poll: float = LAUNCHER_POLL_SECONDS) -> int:
 
     if forkserver.lifeline is not None:
         forkserver.watch_stub(_say_launcher_gone)
+        assert forkserver.stub_pid is not None  # set with lifeline (forkserver._become)
         return forkserver.stub_pid
     parent = os.getppid()
     threading.Thread(target=_watch_launcher, args=(parent, poll), daemon=True,

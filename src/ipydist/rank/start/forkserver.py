@@ -107,19 +107,20 @@ def serve(key: str, owner: int | None = None) -> dict | None:
     watched = [] if owner is None else [owner]
     while _goes_on(owner, stubs, served, started):
         connections = [c for c in stubs.values() if c is not None]
+        waited_on: list[socket.socket | int] = [listener, wake_read, *watched, *connections]
         try:
-            ready, _, _ = select.select([listener, wake_read, *watched, *connections], [],
-                                        [], 1.0)
+            ready, _, _ = select.select(waited_on, [], [], 1.0)
         except InterruptedError:
             ready = []
         if wake_read in ready:
             os.read(wake_read, 512)
-        if owner in ready and not os.read(owner, 1):
+        if owner is not None and owner in ready and not os.read(owner, 1):
             return None  # the notebook's process ended; its ranks end with their stubs
         _reap(stubs)
         for pid, conn in stubs.items():
-            if conn in ready and not conn.recv(16, socket.MSG_PEEK):  # its stub died: its
-                conn.close()  # rank follows (watch_stub), and is reaped here
+            if conn is not None and conn in ready and not conn.recv(16, socket.MSG_PEEK):
+                # its stub died: its rank follows (watch_stub), and is reaped here
+                conn.close()
                 stubs[pid] = None
                 overdue[pid] = time.monotonic() + STUB_GONE_GRACE_SECONDS
         _kill_overdue(stubs, overdue)
@@ -234,6 +235,7 @@ def watch_stub(report) -> None:
     says so first."""
     def watch():
         signal.pthread_sigmask(signal.SIG_BLOCK, set(signal.Signals))
+        assert lifeline is not None  # a forked rank's: _become set it
         while True:
             try:
                 if not os.read(lifeline, 1):
@@ -258,7 +260,8 @@ def main() -> None:
         os._exit(0)  # down an interpreter holding torch costs about half a CPU-second
     import runpy
 
-    runpy._run_module_as_main(protocol.RANK_MODULE)  # as ``python -m ipydist.rank`` would
+    # as ``python -m ipydist.rank`` would (runpy's own function for -m, not in typeshed)
+    runpy._run_module_as_main(protocol.RANK_MODULE)  # type: ignore[attr-defined]
 
 
 if __name__ == "__main__":  # run by its real name, so a forked rank sees what _become set

@@ -5,6 +5,7 @@ sides), and the world in which it has its number."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 
 from ipydist import protocol
 
@@ -88,7 +89,7 @@ def spawn_one(comm, number: int, later: list[int], host: str | None = None, env=
     return merged
 
 
-def spawned_into(comm, numbers: list[int], my_rank: int,
+def spawned_into(comm, numbers: Sequence[int], my_rank: int,
                  hosts: dict[int, str] | None = None, env=()):
     """``comm``'s processes and one new process for each of ``numbers``, which it takes as
     its rank: the world ordered by rank, in which this process is ``my_rank`` (collective
@@ -109,7 +110,7 @@ def spawned_into(comm, numbers: list[int], my_rank: int,
     return world
 
 
-def world(mpi, replaces: list[int], later: list[int] = ()):
+def world(mpi, replaces: list[int], later: Sequence[int] = ()):
     """In a spawned rank: the world, in which it has the number it takes, once it has taken
     part in the spawns of the ranks ``later`` than it."""
     merged = mpi.Comm.Get_parent().Merge(high=True)

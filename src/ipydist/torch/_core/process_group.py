@@ -239,7 +239,7 @@ def abandon() -> None:
     rt.group, rt.cpu_group, rt.store, rt.comm_sockets = None, None, None, []  # base store stays
 
 
-def _silence_connections(sockets: list[tuple[int, int]]) -> None:
+def _silence_connections(sockets: list[tuple[int, int | None]]) -> None:
     """Silence a replaced group's connections (see :mod:`ipydist.torch._core.retired`). gloo's loop
     may be handling one of them this moment and re-arm it: look again, a few times."""
     for _ in range(3):

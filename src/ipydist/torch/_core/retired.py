@@ -29,7 +29,7 @@ import select
 #: Groups that were destroyed or replaced (see the module's docstring).
 _groups: list = []
 #: Their connections given to :func:`silence`, as (fd, inode).
-_silenced: set[tuple[int, int]] = set()
+_silenced: set[tuple[int, int | None]] = set()
 
 _EPOLL_CTL_MOD = 3  # (ADD is 1, DEL 2)
 _EPOLL_READINESS = (select.EPOLLIN | select.EPOLLOUT | select.EPOLLPRI | select.EPOLLRDHUP)
@@ -56,7 +56,7 @@ def inode(fd: int) -> int | None:
         return None
 
 
-def silence(sockets: list[tuple[int, int]]) -> int:
+def silence(sockets: list[tuple[int, int | None]]) -> int:
     """Stop every epoll set of this process from reporting ``sockets`` ((fd, inode) pairs: a
     replaced group's connections), keeping each registration and its data as they are, and
     remember them for :func:`armed`; returns how many registrations were silenced. Linux
@@ -79,7 +79,7 @@ def silence(sockets: list[tuple[int, int]]) -> int:
     return done
 
 
-def armed(sockets: list[tuple[int, int]] | None = None) -> list[int]:
+def armed(sockets: list[tuple[int, int | None]] | None = None) -> list[int]:
     """The fds of ``sockets`` (default: every socket silenced so far) that some epoll set of
     this process would still report when ready: none, once they are silenced."""
     return sorted(fd for fd, events in _still_registered(sockets) if events & _EPOLL_READINESS)

@@ -43,6 +43,7 @@ def _reusing_init_process_group(*args, **kwargs):
     ours = same_world and asked.get("init_method") in (None, "env://") and (
         asked.get("store") is None)
     if ours:
+        assert rt is not None  # same_world
         backend = plain_backend(asked.get("backend"), rt)
         if process_group.owns_default(rt) and backend == rt.backend:
             if not _reuse_announced and rt.rank == 0:
@@ -62,6 +63,7 @@ def _reusing_init_process_group(*args, **kwargs):
     before = process_group.connections()
     result = process_group.original_init_process_group(*args, **kwargs)
     if same_world:
+        assert rt is not None  # same_world
         process_group.adopt(rt, before)
     else:
         retired.keep(dist.group.WORLD)
@@ -106,7 +108,7 @@ def track_ddp_models() -> None:
         init(self, *args, **kwargs)
         _ddp_models.add(self)
 
-    tracking_init._ipydist_tracks = True
+    tracking_init._ipydist_tracks = True  # type: ignore[attr-defined]  # a mark, read by getattr
     DistributedDataParallel.__init__ = tracking_init
 
 

@@ -92,8 +92,9 @@ class Runtime:
     #: use then (``process_group.cpu_group``). None when the default group serves CPU.
     cpu_group: Any = None
     #: The group's gloo connections (what a release shuts down), as (fd, inode): gloo closes
-    #: a connection it finds broken, and its fd number may then name another file.
-    comm_sockets: list[tuple[int, int]] = field(default_factory=list)
+    #: a connection it finds broken, and its fd number may then name another file (inode
+    #: None: closed already when the group was made).
+    comm_sockets: list[tuple[int, int | None]] = field(default_factory=list)
     #: A release broke the group's connections: it must be rebuilt before it is used again.
     broken: bool = False
 

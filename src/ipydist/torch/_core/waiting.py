@@ -131,6 +131,7 @@ def wait_for_mpi(request, data: bool = False) -> None:
     if request.Test():  # a small operation is often done at once
         return
     rt = topology.get()
+    assert rt is not None  # a wait on a communicator: a rank's runtime holds them
     if not data:
         rt.check_pending = True
     spin_for = spin_limit(rt, data)

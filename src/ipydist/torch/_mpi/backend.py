@@ -99,6 +99,11 @@ class _Reduced:
                                   else self.buf)
 
 
+def _finish_all(parts: list[_Reduced]) -> None:
+    for p in parts:
+        p.finish()
+
+
 class MPIProcessGroup(dist.ProcessGroup):
     """A process group whose collectives go over MPI (see the module docstring)."""
 
@@ -166,7 +171,7 @@ class MPIProcessGroup(dist.ProcessGroup):
         return self._post(
             tensors, [partial(self._comm.Iallreduce, in_place, piece, p.op)
                       for p in parts for piece in transport.pieces(p.view)],
-            finish=lambda: [p.finish() for p in parts], keep=parts)
+            finish=lambda: _finish_all(parts), keep=parts)
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
@@ -224,7 +229,7 @@ class MPIProcessGroup(dist.ProcessGroup):
             tensors, [partial(self._comm.Ireduce, in_place if self._rank == root else p.view,
                               p.view if self._rank == root else None, p.op, root=root)
                       for p in parts],
-            finish=lambda: [p.finish() for p in parts] if self._rank == root else None,
+            finish=lambda: _finish_all(parts) if self._rank == root else None,
             keep=parts)
 
     def gather(self, output_lists, inputs, opts):

@@ -80,7 +80,9 @@ def start_allreduce(tensor: torch.Tensor, op: ReduceOp, prescale: float = 1.0,
         mpi = False
     # the check (or the caller's) made sure of the runtime: not members(), whose look at
     # torch.distributed costs a microsecond a call
-    size = (topology.get() if group is None else group).size
+    owner = topology.get() if group is None else group
+    assert owner is not None
+    size = owner.size
 
     def finish() -> torch.Tensor:
         if buf is not tensor:
@@ -167,7 +169,9 @@ def start_grouped(kind: str, tensors, name: str | None, group=None, *args) -> Pe
     if kind == "allgather":
         parts = [start_allgather(t, group=group)[0] for t in tensors]
     else:
-        parts = [start_reducescatter(t, *args, group=group) for t in tensors]
+        # args: op, prescale, postscale (never a name or a group: mypy cannot know)
+        parts = [start_reducescatter(t, *args, group=group)  # type: ignore[misc]
+                 for t in tensors]
     return group_of(parts, name=name)
 
 
@@ -259,6 +263,7 @@ def start_allgather(tensor: torch.Tensor, name: str | None = None,
     handles.check_name(f"allgather.{name}" if name else None)
     counts = call_check.check("allgather", tensor, shape=tensor.shape[1:],
                              carried=tensor.shape[0], group=group)
+    assert counts is not None  # with carried, always every rank's
     world, longest = len(counts), max(counts)
     padded = tensor
     if tensor.shape[0] < longest:

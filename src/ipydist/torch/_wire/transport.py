@@ -89,7 +89,9 @@ class Chain:
 
 def _submit(posts, group=None) -> Chain:
     chain = Chain(posts, group)
-    (topology.get() if group is None else group).data_queue.append(chain)
+    owner = topology.get() if group is None else group
+    assert owner is not None  # MPI carries data on a rank, which has a runtime
+    owner.data_queue.append(chain)
     _advance(group)
     return chain
 
@@ -97,6 +99,7 @@ def _submit(posts, group=None) -> Chain:
 def _advance(group=None) -> None:
     """Move the queue on: post the oldest operation's next piece once its last is done."""
     owner = topology.get() if group is None else group
+    assert owner is not None  # MPI carries data on a rank, which has a runtime
     queue = owner.data_queue
     while queue:
         head = queue[0]
@@ -129,11 +132,13 @@ def start_allreduce(tensor: torch.Tensor, op: str = "sum", also=(), group=None) 
     mpi = _names()
     rt = topology.get()
     owner = rt if group is None else group
+    assert owner is not None  # MPI carries data on a rank, which has a runtime
     striped = group is None and rt is not None and rt.node_data is not None
     posts = []
     for t in (tensor, *also):
         for part in pieces(_memory(t).reshape(-1)):
             if striped and part.nbytes >= hierarchy.HIERARCHICAL_FROM:
+                assert rt is not None  # striped
                 posts += hierarchy.posts(rt.node_data, rt.cross_data, part, mpi[op])
             elif not posts and not also and not owner.data_queue and part.size == t.numel():
                 # one flat reduction, alone in the queue (most calls): posted here, without

@@ -26,9 +26,16 @@ def _averaged(grad: torch.Tensor, group) -> torch.Tensor:
     return start_allreduce(grad.detach().clone().contiguous(), Average, group=group).wait()
 
 
+def _runtime() -> topology.Runtime:
+    """This rank's runtime: there is one, the collective (forward) needed it."""
+    rt = topology.get()
+    assert rt is not None
+    return rt
+
+
 def _my_index(group) -> int:
     """This rank's index among those taking part (the world, or a process set: ``group``)."""
-    return topology.get().rank if group is None else group.rank
+    return _runtime().rank if group is None else group.rank
 
 
 class Allreduce(torch.autograd.Function):
@@ -79,7 +86,7 @@ class Reducescatter(torch.autograd.Function):
                                "Average or Sum for tensors that require grad")
         whole = start_allgather(grad.contiguous(), group=ctx.group)[0].wait()
         if op is Sum:
-            scale *= topology.get().size if ctx.group is None else ctx.group.size
+            scale *= _runtime().size if ctx.group is None else ctx.group.size
         return (whole * scale if scale != 1.0 else whole), None, None, None, None
 
 
@@ -92,7 +99,7 @@ class Broadcast(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         averaged = _averaged(grad, ctx.group)
-        if topology.get().rank != ctx.root:
+        if _runtime().rank != ctx.root:
             averaged.zero_()
         return averaged, None, None
 

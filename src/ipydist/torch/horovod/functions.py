@@ -132,8 +132,9 @@ def _initialise_state(optimizer: torch.optim.Optimizer) -> None:
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    own = next(cls for cls in type(optimizer).__mro__
-               if "step" in vars(cls) and not hasattr(cls, "wrapper_name"))
+    own: type[torch.optim.Optimizer] = next(
+        cls for cls in type(optimizer).__mro__
+        if "step" in vars(cls) and not hasattr(cls, "wrapper_name"))
     closure = inspect.signature(own.step).parameters.get("closure")
     if closure is not None and closure.default is inspect.Parameter.empty:
         return  # a step that needs the loss (LBFGS): its state is made by its first step

@@ -51,7 +51,11 @@ class ProcessSet:
 
     def included(self) -> bool | None:
         """Whether this rank is in the set (None until it is added)."""
-        return None if self.process_set_id is None else self.rank() >= 0
+        if self.process_set_id is None:
+            return None
+        index = self.rank()
+        assert index is not None  # added: its id is set
+        return index >= 0
 
     def __repr__(self) -> str:
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
@@ -146,7 +150,9 @@ def remove_process_set(process_set: ProcessSet) -> bool:
                     extra=signature.plan_hash(process_set.ranks))
     if not known:
         return False
-    del _sets[process_set.process_set_id]
+    set_id = process_set.process_set_id
+    assert set_id is not None  # known
+    del _sets[set_id]
     _disconnect(process_set, free=True)
     process_set.process_set_id = None
     return True
@@ -208,7 +214,9 @@ def rejoin(size: int, gone: Iterable[int] = ()) -> list[str]:
     removed = [s for s in _sets.values()
                if s.ranks[-1] >= size + len(gone) or set(s.ranks) & set(gone)]
     for process_set in removed:
-        del _sets[process_set.process_set_id]
+        set_id = process_set.process_set_id
+        assert set_id is not None  # a set in _sets has its id
+        del _sets[set_id]
         _disconnect(process_set)
         process_set.process_set_id = None
     for process_set in _sets.values():  # a rank's new number: less the gone below it

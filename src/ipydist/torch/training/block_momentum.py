@@ -37,7 +37,7 @@ from ipydist.torch.horovod.basics import size
 from ipydist.torch.horovod.collectives import allreduce_, broadcast_
 from ipydist.torch.training import checkpoint
 from ipydist.torch.training.optimizer import is_distributed
-from ipydist.torch.training.wrapping import wrap
+from ipydist.torch.training.wrapping import OptimizerMixinBase, wrap
 
 #: Key of the block state in the optimizer's state dict.
 _STATE_KEY = "ipydist_block"
@@ -88,7 +88,7 @@ def filter_block(state: BlockState, averaged: torch.Tensor, block_momentum: floa
     state.place_start()
 
 
-class _BlockMomentumMixin:
+class _BlockMomentumMixin(OptimizerMixinBase):
     """Methods mixed into a subclass of the wrapped optimizer's own class."""
 
     wrapper_name = "BlockMomentum"
@@ -216,9 +216,9 @@ class _BlockMomentumMixin:
         }
 
 
-def _unpickle_block_momentum(base: type, state: dict, settings: tuple, blocks: list,
-                             steps_in_block: torch.Tensor, bytes_sent: int):
-    optimizer = base.__new__(base)
+def _unpickle_block_momentum(base: type[torch.optim.Optimizer], state: dict, settings: tuple,
+                             blocks: list, steps_in_block: torch.Tensor, bytes_sent: int):
+    optimizer = base.__new__(base)  # type: ignore[call-overload]  # torch skipped: type[Any]
     optimizer.__setstate__(state)
     wrapped = wrap(optimizer, _BlockMomentumMixin)
     wrapped._block_settings(*settings)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,7 +48,8 @@ class Bucket:
     params: list[torch.nn.Parameter]
     numel: int
     ready: set[int] = field(default_factory=set)
-    work: object = None  # the allreduce in flight: a torch Work, or an MPI chain (``mpi``)
+    #: The allreduce in flight: a torch Work, an MPI chain (``mpi``), or the 1-bit exchange.
+    work: Any = None
     mpi: bool = False
     #: One large parameter (OWN_BUCKET_BYTES): over MPI, uncompressed, its gradient travels in
     #: place (``sent``), followed by its had-gradient flag (``flag``).
@@ -93,6 +95,7 @@ class Bucket:
         if self.buffer is None:
             self.allocate()
         flat = self.buffer
+        assert flat is not None  # allocate made it
         grads = [_dense(p.grad) for p in self.params]
         self.had = [g is not None for g in grads]
         if len(grads) > 8 and self.numel < 65536 * len(grads):
@@ -147,6 +150,7 @@ class Bucket:
         """The bucket's 1-bit exchange, made with zero residuals on first use."""
         if self.onebit is None:
             rt = topology.get()
+            assert rt is not None  # a step runs on a rank
             self.onebit = OneBitExchange(self.numel, len(self.params), rt.size, rt.rank,
                                          self.correction)
         return self.onebit
@@ -154,13 +158,15 @@ class Bucket:
     def _launch_onebit(self, flat: torch.Tensor) -> None:
         """1-bit: quantize gradients plus residual, and exchange the messages by stripes,
         where the bucket lies (a GPU bucket on the GPU: see ``onebit_exchange``)."""
-        self.sent_bytes = self.onebit_exchange().start(flat)
-        self.work, self.mpi = self.onebit, self.onebit.mpi
+        exchange = self.onebit_exchange()  # self.onebit
+        self.sent_bytes = exchange.start(flat)
+        self.work, self.mpi = exchange, exchange.mpi
 
     def _count(self, collective: str, group, *tensors: torch.Tensor) -> None:
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        size = topology.get().size if group is None else group.size
-        self.sent_bytes = transport.bytes_sent(collective, nbytes, size)
+        owner = topology.get() if group is None else group
+        assert owner is not None  # a step runs on a rank
+        self.sent_bytes = transport.bytes_sent(collective, nbytes, owner.size)
 
     def progress(self) -> bool:
         """Let an MPI allreduce move on (MPI moves it only inside its calls); True once done
@@ -179,6 +185,7 @@ class Bucket:
         elif self.mpi:
             transport.finish(self.work)
         else:
+            assert self.wire is not None  # what launch sent over the group
             waiting.wait_for(self.work, on_device=self.wire.device.type != "cpu")
 
     def receive(self, compression: type[Compressor]) -> list[torch.Tensor]:
@@ -187,10 +194,12 @@ class Bucket:
         flags this rank must read: those of the parameters it had no gradient for (where it
         had one, some rank had)."""
         if self.sent is not None:
+            assert self.flag is not None  # sent with it
             self.staged = [self.sent], [True if self.had[0] else None]
             return [] if self.had[0] else [self.flag[0]]
-        if self.work is not None and self.work is self.onebit:
-            total, had_grad = self.onebit.result()  # on the bucket's device
+        onebit = self.onebit
+        if onebit is not None and self.work is onebit:
+            total, had_grad = onebit.result()  # on the bucket's device
             self.staged = total.split([p.numel() for p in self.params]), list(had_grad)
             return []
         flat = self._decompressed(compression)
@@ -206,6 +215,7 @@ class Bucket:
         every other bucket's, until the step's last bucket is in (:func:`unpack`)."""
         if self.wire is self.buffer:
             return self.buffer
+        assert self.buffer is not None  # the wire is made from it
         if compression.decompress is Compressor.decompress and self.ctx == self.buffer.dtype:
             return self.buffer.copy_(self.wire)
         return compression.decompress(self.wire, self.ctx)
@@ -216,6 +226,7 @@ class Bucket:
         (``flags``: the values of what :meth:`receive` asked to read, in its order); a sparse
         one (it was sent dense) comes back sparse, as Horovod hands it back. Only once the
         group is known usable (:func:`unpack`)."""
+        assert self.staged is not None  # receive staged it
         values, had = self.staged
         read = iter(flags)
         had = [(next(read) if h is None else h) > 0 for h in had]

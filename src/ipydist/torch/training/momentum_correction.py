@@ -58,7 +58,9 @@ class MomentumCorrection:
         # the optimizer, not its state or groups: load_state_dict replaces both
         self._optimizer = optimizer
         group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
-        self._slices, self._runs, start = [], [], 0
+        self._slices: list[tuple[int, int]] = []
+        self._runs: list[list[int]] = []  # [start, stop, param group's index]
+        start = 0
         for p in params:
             group, stop = group_of[id(p)], start + p.numel()
             self._slices.append((start, stop))
@@ -123,6 +125,7 @@ class MomentumCorrection:
         gradients plus momentum times it. The new velocity is kept until :meth:`commit`."""
         if self.velocity is None:
             self._start()
+        assert self.velocity is not None and self._next is not None  # made together
         self._fold(values)
         nesterov = []
         for start, stop, index in self._runs:

@@ -275,4 +275,5 @@ def assemble(gathered: torch.Tensor, numel: int, extra: int,
     for row, (start, stop) in zip(gathered.numpy(), stripes(numel, world)):
         _, more = from_message(row, stop - start, extra, into[start:])
         extras = more if extras is None else extras
+    assert extras is not None  # a world has one owner at least
     return into[:numel], extras.tolist()

@@ -25,6 +25,7 @@ owner's step and the allgather in ``finish``, as gloo does on the CPU.
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,7 +66,7 @@ class OneBitExchange:
         # the decoded sums, kept between steps: a fresh buffer of this size costs more in page
         # faults than the decoding (the owner sums its stripe in the front of it first)
         self._total = torch.empty(numel, dtype=torch.float32)
-        self.work = None
+        self.work: Any = None  # the exchange in flight: an MPI chain (``mpi``) or a torch Work
         self.mpi = False
         self._buffers: dict[str, torch.Tensor] = {}
         self._ops = onebit  # the arithmetic for this step's device: onebit or onebit_torch

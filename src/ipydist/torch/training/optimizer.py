@@ -342,8 +342,9 @@ def _scales(op: ReduceOp, f: float, ranks: int) -> tuple[float, float]:
     return pre, (f / ranks if op is Average and f != 1.0 else 1.0)
 
 
-def _unpickle_distributed(base: type, state: dict, wrapped_with: dict, steps: torch.Tensor):
-    optimizer = base.__new__(base)
+def _unpickle_distributed(base: type[torch.optim.Optimizer], state: dict, wrapped_with: dict,
+                          steps: torch.Tensor):
+    optimizer = base.__new__(base)  # type: ignore[call-overload]  # torch skipped: type[Any]
     optimizer.__setstate__(state)
     wrapped = DistributedOptimizer(optimizer, **wrapped_with)
     wrapped._steps.copy_(steps)

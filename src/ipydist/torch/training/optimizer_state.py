@@ -3,14 +3,26 @@ steps taken (``distributed_after`` counts them) and, per rank, 1-bit residuals."
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ipydist.torch.training import checkpoint
+from ipydist.torch.training.wrapping import OptimizerMixinBase
+
+if TYPE_CHECKING:
+    import torch
+
+    from ipydist.torch.training.buckets import Bucket
 
 #: Key of ipydist's own entries in the optimizer's state dict.
 _STATE_KEY = "ipydist"
 
 
-class CheckpointMixin:
+class CheckpointMixin(OptimizerMixinBase):
     """``DistributedOptimizer``'s state methods (mixed in before the wrapped class's own)."""
+
+    if TYPE_CHECKING:  # set by DistributedOptimizer's setup
+        _steps: torch.Tensor
+        _buckets: list[Bucket]
 
     def state_dict(self) -> dict:
         """The wrapped optimizer's state, plus the steps taken (for ``distributed_after``)."""

@@ -5,18 +5,33 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+if TYPE_CHECKING:
+    #: What a mixin's methods may count on: the class it is mixed into (``wrap``) is an
+    #: optimizer's. To mypy only; at run time the mixins derive from object, as before.
+    OptimizerMixinBase = torch.optim.Optimizer
+else:
+    OptimizerMixinBase = object
 
-def wrap(optimizer: torch.optim.Optimizer, mixin: type) -> torch.optim.Optimizer:
+
+class Mixin(Protocol):
+    """A class ``wrap`` mixes in: it names the wrapper, for the user."""
+
+    wrapper_name: str
+
+
+def wrap(optimizer: torch.optim.Optimizer, mixin: type[Mixin]) -> torch.optim.Optimizer:
     """``optimizer`` as an instance of a subclass of its own class with ``mixin``'s methods
     first, sharing the original's state, param_groups and hooks (LR schedulers accept it)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"expected a torch.optim.Optimizer, not {type(optimizer).__name__}")
     base = type(optimizer)
-    cls = type(base.__name__, (mixin, base), {"__module__": base.__module__})
-    wrapped = cls.__new__(cls)
+    cls: type[torch.optim.Optimizer] = type(base.__name__, (mixin, base),
+                                            {"__module__": base.__module__})
+    wrapped = cls.__new__(cls)  # type: ignore[call-overload]  # torch skipped: type[Any]
     wrapped.__dict__ = optimizer.__dict__
     if "step" in wrapped.__dict__:  # an LR scheduler patched the instance's step
         warnings.warn(
