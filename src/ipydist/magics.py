@@ -9,6 +9,7 @@ import sys
 
 import IPython.core.page
 from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
@@ -253,8 +254,13 @@ class DistMagics(Magics):
             print("Cells run in the notebook again." if was == "everyrank" else
                   "Cells already run in the notebook.")
 
+    def _user_shell(self) -> InteractiveShell:
+        """The shell the magics were registered with (IPython types it as optional)."""
+        assert self.shell is not None, "DistMagics is used without a shell"
+        return self.shell
+
     def _set_mode(self, mode: str) -> None:
-        transforms = self.shell.input_transformers_cleanup
+        transforms = self._user_shell().input_transformers_cleanup
         if self._to_everyrank in transforms:
             transforms.remove(self._to_everyrank)
         if mode == "everyrank":
@@ -320,10 +326,11 @@ class DistMagics(Magics):
         """Send notebook variables to every rank, under the same names."""
         args = parse_argstring(self.dist_push, line)
         session = self._session()
-        missing = [n for n in args.names if n not in self.shell.user_ns]
+        user_ns = self._user_shell().user_ns
+        missing = [n for n in args.names if n not in user_ns]
         if missing:
             raise NotDefined(f"not defined in the notebook: {', '.join(missing)}")
-        session.push(**{n: self.shell.user_ns[n] for n in args.names})
+        session.push(**{n: user_ns[n] for n in args.names})
 
 
 def kernel_np(environ=None) -> int | None:

@@ -18,7 +18,7 @@ import inspect
 import sys
 import time
 import weakref
-from dataclasses import MISSING, fields
+from dataclasses import fields
 
 from ipydist.errors import ClusterError, NotDefined, RankDied, RankError
 from ipydist.notebook import healing, recovery, timeline, words
@@ -33,7 +33,14 @@ from ipydist.notebook.live.cluster_view import ClusterMonitor, ClusterView
 from ipydist.notebook.live.history import MetricHistory
 from ipydist.notebook.output import display
 from ipydist.notebook.status import cluster_status, start_table
-from ipydist.specs import SpecError, StartOptions, describe_ranks, parse_np, parse_ranks
+from ipydist.specs import (
+    SpecError,
+    StartOptions,
+    default_of,
+    describe_ranks,
+    parse_np,
+    parse_ranks,
+)
 
 #: Where ``%dist_timeline`` writes the ranks' Chrome trace, and how long it waits for them
 #: (a rank busy with a cell answers once the cell ends).
@@ -116,14 +123,14 @@ class Session:
             self._stop_at_exit_registered = True
         for attempt in (1, 2):
             progress = display.Progress()
-            self.cluster = Cluster(plan, plan.np, options.timeout)
+            cluster = self.cluster = Cluster(plan, plan.np, options.timeout)
             try:
-                self.cluster.start(progress, started=t0)
+                cluster.start(progress, started=t0)
                 break
             except BaseException as e:
                 progress.close()
                 again = (attempt == 1 and isinstance(e, ClusterError)
-                         and deaths.crashed_in_mpi_init(_launch_output(self.cluster)))
+                         and deaths.crashed_in_mpi_init(_launch_output(cluster)))
                 self.stop(quiet=True)
                 if not again:
                     raise
@@ -135,28 +142,29 @@ class Session:
         display.show(start_table(self.ranks, self.startup_seconds))
         if display.in_kernel():  # the live view under it, collapsed: a click opens it
             cluster_view.show(self.monitor.open_view(collapsed=True))
-        if steps := self.cluster.startup.breakdown():  # below the table: a caption would wrap
-            print(steps)
-        if self.cluster.plan.route is not None:
+        if cluster.startup is not None and (steps := cluster.startup.breakdown()):
+            print(steps)  # below the table: a caption would wrap
+        if cluster.plan.route is not None:
             hosts = len({info["host"] for info in self.ranks})
-            print(f"{hosts} hosts; the controller listens on {self.cluster.plan.route}, the "
+            print(f"{hosts} hosts; the controller listens on {cluster.plan.route}, the "
                   "address that reaches them")
         return self
 
     def death_report(self) -> str:
         """Which rank died and how, for the cell's error; empty when every rank is alive."""
-        dead = self.cluster.dead_ranks() if self.cluster is not None else []
-        if not dead:
+        cluster = self.cluster
+        dead = cluster.dead_ranks() if cluster is not None else []
+        if cluster is None or not dead:
             return ""
         # mpiexec ends the job, saying what ended the rank as it goes (unless --elastic heals)
         if self.can_heal:  # the job lives on: the cause is in the daemons' log, a moment later
-            output = deaths.output_with_ends(self.cluster.mpiexec_output, dead, processes.is_here)
+            output = deaths.output_with_ends(cluster.mpiexec_output, dead, processes.is_here)
         else:
-            self.cluster.end_job_after_a_death(dead)
-            output = self.cluster.mpiexec_output(wait_for_exit=2.0)
-        return deaths.describe_death(output, self.cluster.dead_ranks(), self.words.restart,
-                                      self.cluster.plan.launcher, healing=self.can_heal,
-                                      first=self.cluster.first_dead)
+            cluster.end_job_after_a_death(dead)
+            output = cluster.mpiexec_output(wait_for_exit=2.0)
+        return deaths.describe_death(output, cluster.dead_ranks(), self.words.restart,
+                                      cluster.plan.launcher, healing=self.can_heal,
+                                      first=cluster.first_dead)
 
     def scale(self, np: int) -> None:
         """Grow or shrink the running ``--elastic`` cluster to ``np`` ranks, keeping every
@@ -175,13 +183,15 @@ class Session:
     @property
     def can_heal(self) -> bool:
         """``--elastic``, and mpiexec kept the job (it ends it when it loses a host)."""
-        return self.elastic and processes.alive(self.cluster.launcher_process())
+        return (self.cluster is not None and self.elastic
+                and processes.alive(self.cluster.launcher_process()))
 
     def start_heal(self) -> None:
         """``--elastic``: replace the ranks found dead (in a thread; see :meth:`healed`)."""
-        dead = [info["rank"] for info in self.cluster.dead_ranks()]
-        if dead and self.healing is None and self.can_heal:
-            self.healing = healing.Heal(self.cluster, dead, self.words, self.options.min_np).start()
+        cluster = self.cluster
+        dead = [info["rank"] for info in cluster.dead_ranks()] if cluster is not None else []
+        if cluster is not None and dead and self.healing is None and self.can_heal:
+            self.healing = healing.Heal(cluster, dead, self.words, self.options.min_np).start()
 
     def healed(self) -> None:
         """Wait for a heal under way, and say what it did (or raise, if it failed)."""
@@ -233,6 +243,8 @@ class Session:
             print(f"ipydist: {report}", file=sys.stderr, flush=True)
             self.start_heal()
             self.healed()
+        if self.cluster is None:  # stopped while it healed
+            raise ClusterError(self.words.no_cluster())
         return self.cluster
 
     # --- cells -------------------------------------------------------------------------------
@@ -305,7 +317,8 @@ class Session:
         failures = {r: v for r, v in zip(targets, replies) if isinstance(v, Exception)}
         if failures:
             first = next(iter(failures.values()))
-            if first.ename == "NameError":
+            # ipyparallel's own errors (a rank that died: EngineError) have no ename
+            if getattr(first, "ename", None) == "NameError":
                 raise NotDefined(
                     f"{name!r} is not defined on {describe_ranks(failures)}: "
                     f"set it in {self.words.cell} first."
@@ -354,13 +367,13 @@ def _signature_of_options(init):
     option, by keyword, with its default (the declaration is :class:`StartOptions`'s)."""
     self, options, _ = inspect.signature(init).parameters.values()
     keywords = [inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY,
-                                  default=o.default_factory() if o.default is MISSING
-                                  else o.default, annotation=o.type)
+                                  default=default_of(o), annotation=o.type)
                 for o in fields(StartOptions)]
     return inspect.Signature([self, options, *keywords])
 
 
-Session.__init__.__signature__ = _signature_of_options(Session.__init__)
+Session.__init__.__signature__ = (  # type: ignore[attr-defined] # inspect reads it
+    _signature_of_options(Session.__init__))
 
 
 def _launch_output(cluster: Cluster) -> str:

@@ -5,8 +5,8 @@ and the ranks alike. Stdlib only (and the error base): both sides of the wire im
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-from dataclasses import Field, dataclass, field, fields, replace
+from collections.abc import Callable, Iterable
+from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from typing import Any
 
 from ipydist.error_base import IpydistError
@@ -48,7 +48,7 @@ def parse_ranks(spec: str | int | list[int] | None, size: int) -> list[int]:
     return sorted(set(ranks))
 
 
-def format_ranks(ranks) -> str:
+def format_ranks(ranks: Iterable[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"0-2,5"``: short, and the inverse of :func:`parse_ranks`."""
     ranks = sorted(set(ranks))
     runs: list[str] = []
@@ -62,7 +62,7 @@ def format_ranks(ranks) -> str:
     return ",".join(runs)
 
 
-def describe_ranks(ranks) -> str:
+def describe_ranks(ranks: Iterable[int]) -> str:
     """``"rank 1"``, ``"ranks 0-3"``, ``"ranks 0-1 and 3"`` or ``"ranks 0-2, 5 and 7"``, for
     messages: runs as :func:`format_ranks` writes them, joined as a sentence would, since a
     bare ``0-1,3`` reads as a range to 3 and wraps inside the list."""
@@ -90,7 +90,7 @@ def parse_env(pairs: list[str] | dict[str, str] | None) -> dict[str, str]:
     return env
 
 
-def parse_np(value, option: str = "--np") -> int:
+def parse_np(value: str | int, option: str = "--np") -> int:
     """A number of ranks: a whole number of at least 1 (``"4"``, ``4``; not ``4.5`` or ``True``)."""
     try:
         n = int(value)
@@ -102,7 +102,7 @@ def parse_np(value, option: str = "--np") -> int:
     return n
 
 
-def parse_seconds(value, option: str, zero: bool = False) -> float:
+def parse_seconds(value: str | float, option: str, zero: bool = False) -> float:
     """A number of seconds above 0 (or exactly 0, meaning "off", when ``zero`` is allowed)."""
     try:
         seconds = float(value)
@@ -135,7 +135,7 @@ def parse_gpus(spec: str | list[int] | None) -> str | list[int]:
     return indices
 
 
-def parse_gpus_per_rank(value) -> int:
+def parse_gpus_per_rank(value: str | int) -> int:
     """``--gpus-per-rank``: how many GPUs each rank sees, a whole number of at least 1."""
     try:
         n = int(value)
@@ -381,6 +381,13 @@ class StartOptions:
     def changed(self, **given: Any) -> StartOptions:
         """These options with some changed (checked as new ones are)."""
         return replace(self, **given)
+
+
+def default_of(option: Field[Any]) -> Any:
+    """``option``'s default value (a fresh one, where it is made by a factory)."""
+    if option.default_factory is not MISSING:
+        return option.default_factory()
+    return option.default
 
 
 def flag_of(option: Field[Any]) -> str | None:

@@ -30,7 +30,7 @@ import pytest
 from ipydist import cli
 from ipydist.magics import DistMagics
 from ipydist.session import Session
-from ipydist.specs import StartOptions, flag_of
+from ipydist.specs import StartOptions, default_of, flag_of
 
 
 def repo_root() -> Path:
@@ -156,8 +156,7 @@ SESSION_PAGE = (DOCS / "session.md").read_text()
 
 def session_option_row(option: dataclasses.Field) -> str:
     """The row of docs/session.md's table that ``option`` (a StartOptions field) makes."""
-    default = option.default_factory() if option.default is dataclasses.MISSING \
-        else option.default
+    default = default_of(option)
     flag = flag_of(option)
     spelled = "(Python only)" if flag is None else f"`{flag}`" + (
         f" / `{option.metadata['off']}`" if option.metadata["off"] else "")
@@ -182,9 +181,7 @@ def test_the_session_page_lists_no_option_that_is_not_declared():
 def test_session_takes_every_start_option_by_keyword_with_its_default():
     parameters = inspect.signature(Session).parameters
     for option in dataclasses.fields(StartOptions):
-        default = option.default_factory() if option.default is dataclasses.MISSING \
-            else option.default
-        assert parameters[option.name].default == default, option.name
+        assert parameters[option.name].default == default_of(option), option.name
     assert list(parameters)[1:] == [o.name for o in dataclasses.fields(StartOptions)]
 
 

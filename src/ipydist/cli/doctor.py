@@ -154,7 +154,7 @@ def check_cluster(np: int | None = 2, hosts: str | None = None) -> Check:
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             with Session(np=np, hosts=hosts) as s:  # --gpus auto: GPUs when usable ones exist
-                np = s.np
+                np = s.size
                 s.run("import torch, ipydist.torch as hvd\n"
                       "total = hvd.allreduce(torch.ones(1), op=hvd.Sum).item()", output="rank0")
                 total = s.pull("total", rank=0)

@@ -25,6 +25,8 @@ def running_cell_tags() -> list[str]:
     from IPython import get_ipython
 
     kernel = getattr(get_ipython(), "kernel", None)
+    if kernel is None:
+        return []
     try:
         tags = (kernel.get_parent("shell").get("metadata") or {}).get("tags")
     except Exception:  # no kernel, or no request
