@@ -67,8 +67,7 @@ def load_ipython_extension(ipython) -> None:
     ipython.register_magics(DistMagics)
     magics = ipython.magics_manager.registry["DistMagics"]
     completion.install(ipython, magics)
-    if getattr(magics, "panel_feed", None) is None:
-        magics.panel_feed = cluster_panel.register(ipython, magics)
+    cluster_panel.register(ipython, magics)  # once per kernel, however often it is loaded
 
 
 def _jupyter_labextension_paths() -> list[dict]:

@@ -19,7 +19,7 @@ from ipydist.notebook import expected_errors, words
 from ipydist.notebook.introspection import completion, debugging
 from ipydist.notebook.live import cluster_view
 from ipydist.notebook.start_options import options_of, start_options
-from ipydist.session import TIMELINE_FILE, Session
+from ipydist.session import Session
 from ipydist.specs import SpecError, format_ranks, parse_np
 
 #: Marks a cell that ``%dist_mode everyrank`` turned into an ``%%everyrank`` cell.
@@ -287,7 +287,7 @@ class DistMagics(Magics):
               help="start recording every rank's collectives afresh (hvd.start_timeline)")
     @argument("--stop", action="store_true", help="show what was recorded and stop recording")
     @argument("--out", default=None, metavar="PATH",
-              help="where to write the Chrome trace (default: ipydist-timeline.json)")
+              help=f"where to write the Chrome trace (default: {protocol.TIMELINE_FILE})")
     @line_magic
     def dist_timeline(self, line: str = ""):
         """Show every rank's collectives recorded so far (a bar per collective, its call
@@ -297,7 +297,7 @@ class DistMagics(Magics):
             raise UsageError("--start and --stop: choose one")
         action = "start" if args.start else "stop" if args.stop else "show"
         try:
-            shown = self._session().timeline(action, args.out or TIMELINE_FILE)
+            shown = self._session().timeline(action, args.out or protocol.TIMELINE_FILE)
         except RankTimeout as e:
             raise RankTimeout(f"{e}: wait for the running cell to end, then try again") \
                 from None

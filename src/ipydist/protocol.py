@@ -10,7 +10,10 @@ Everything that crosses from one side to the other is named here, once:
   (:func:`phase_line`) by which a starting rank reports its progress;
 - the signal the notebook sends to release a rank;
 - :func:`on_rank`: how the notebook calls a function of ``ipydist.rank.calls`` on the ranks
-  without importing rank code (which imports torch) into the kernel.
+  without importing rank code (which imports torch) into the kernel, and the typed records
+  those calls reply with (:class:`RankInfo`, :class:`RecoveryReport`, :class:`HealReport`),
+  which the notebook reads by field;
+- where the ranks' timeline goes by default (:data:`TIMELINE_FILE`).
 """
 
 from __future__ import annotations
@@ -239,6 +242,80 @@ RECOVERY_WAIT_SECONDS = RECOVERY_RESYNC_SECONDS + 10.0
 RANK_CALLS = "ipydist.rank.calls"
 
 
+# --- rank -> notebook: the replies of ipydist.rank.calls, read by field --------------------------
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """What a rank tells the notebook about itself (``calls.info``): the start table, the
+    status, the live view, the death reports and the heal read these fields.
+    ``Session.ranks`` gives them to users as dicts (:meth:`as_dict`)."""
+
+    rank: int
+    size: int
+    host: str
+    pid: int
+    device: str = "cpu"
+    backend: str = "(none)"
+    transport: str = ""
+    local_rank: int = 0
+    local_size: int = 1
+    cross_rank: int = 0
+    cross_size: int = 1
+    #: The process its launcher started (a stub, where the fork server forked this rank).
+    launched_pid: int | None = None
+    #: OMP_NUM_THREADS as the rank runs with it (0: not set).
+    threads: int = 0
+    #: ipyparallel's nanny process watching this rank's engine (None: no nanny).
+    nanny_pid: int | None = None
+    #: Set by the notebook when this rank replaced one that died (``--elastic``).
+    replacement: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields as a dict (``Session.ranks``: one per rank, as documented)."""
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True)
+class RecoveryReport:
+    """One rank's reply to ``calls.recover``, after a failed or interrupted cell."""
+
+    #: What the release found the rank doing (the watcher's report), None if not released.
+    release: dict[str, Any] | None = None
+    #: The process group was rebuilt (on every rank: they decide together).
+    rebuilt: bool = False
+    #: How many tensors differed between ranks and were copied from rank 0.
+    fixed: int = 0
+    #: Why the recovery gave up (the same on every rank that heard), None if it did not.
+    failed: str | None = None
+    #: Whether the rank holds a DistributedDataParallel model (it keeps the old group).
+    ddp: bool = False
+
+
+@dataclass(frozen=True)
+class HealReport:
+    """One rank's reply to a heal (``--elastic``), a resize (``Session.scale``), the state
+    copy after either, or the follow-up on a rank that stayed: what the notebook says of it."""
+
+    #: The rank's number in the new world (None: a reply that does not say).
+    rank: int | None = None
+    #: Resize: the rank left the world (its process ends).
+    left: bool = False
+    seconds: float = 0.0
+    #: Heal: why MPI could not start a replacement (the survivors went on without it).
+    not_replaced: str | None = None
+    #: Samplers and optimizers of the rank's variables that now follow the new world.
+    rebound: tuple[str, ...] = ()
+    #: Process sets removed, as a rank in them is gone.
+    sets_removed: tuple[str, ...] = ()
+    #: State copy, on the rank copied from: the bytes it sent, and the variables that do not
+    #: pickle (with their types), not copied.
+    bytes: int = 0
+    skipped: tuple[str, ...] = ()
+    #: State copy, on a new rank: why loading the variables failed.
+    failed: str | None = None
+
+
 def on_rank(name: str, *args: Any) -> Any:
     """Run ``ipydist.rank.calls.<name>(*args)``; the notebook sends this function through
     ipyparallel's ``apply``, so only this module, not rank code, is imported in the kernel."""
@@ -252,6 +329,9 @@ TIMELINE_DATA_LANE, TIMELINE_CHECK_LANE = 1, 2
 #: the phase, kept there for the tools that read Horovod's timelines (the notebook shows
 #: "allreduce call check").
 TIMELINE_CHECK_PREFIX = "NEGOTIATE_"
+#: Where the ranks' timeline goes when no path is named (``%dist_timeline``, a rank's
+#: ``hvd.start_timeline()`` started by the notebook): one Chrome trace in the working directory.
+TIMELINE_FILE = "ipydist-timeline.json"
 
 
 def chrome_trace(per_rank: list[list[dict[str, Any]]]) -> dict[str, Any]:

@@ -20,6 +20,7 @@ import time
 import weakref
 from dataclasses import fields
 
+from ipydist import protocol
 from ipydist.errors import ClusterError, NotDefined, RankDied, RankError
 from ipydist.notebook import healing, recovery, timeline, words
 from ipydist.notebook.cell import CellRun, RunResult
@@ -42,9 +43,8 @@ from ipydist.specs import (
     parse_ranks,
 )
 
-#: Where ``%dist_timeline`` writes the ranks' Chrome trace, and how long it waits for them
-#: (a rank busy with a cell answers once the cell ends).
-TIMELINE_FILE = "ipydist-timeline.json"
+#: How long ``%dist_timeline`` waits for the ranks (a rank busy with a cell answers once the
+#: cell ends).
 TIMELINE_TIMEOUT = 30.0
 
 
@@ -87,12 +87,14 @@ class Session:
 
     @property
     def ranks(self) -> list[dict]:
-        """One dict per rank, in rank order: rank, host, pid, device, backend, ..."""
-        return self.cluster.ranks if self.cluster is not None else []
+        """One dict per rank, in rank order: rank, host, pid, device, backend, ... (the
+        fields of :class:`~ipydist.protocol.RankInfo`)."""
+        return [info.as_dict() for info in self.cluster.ranks] if self.cluster is not None \
+            else []
 
     @property
     def size(self) -> int:
-        return len(self.ranks)
+        return self.cluster.size if self.cluster is not None else 0
 
     @property
     def np(self) -> int | None:
@@ -139,13 +141,13 @@ class Session:
         progress.close()
         self.metrics.new_cluster()  # its ranks number their metric batches from 0
         self.startup_seconds = time.perf_counter() - t0
-        display.show(start_table(self.ranks, self.startup_seconds))
+        display.show(start_table(cluster.ranks, self.startup_seconds))
         if display.in_kernel():  # the live view under it, collapsed: a click opens it
             cluster_view.show(self.monitor.open_view(collapsed=True))
         if cluster.startup is not None and (steps := cluster.startup.breakdown()):
             print(steps)  # below the table: a caption would wrap
         if cluster.plan.route is not None:
-            hosts = len({info["host"] for info in self.ranks})
+            hosts = len({info.host for info in cluster.ranks})
             print(f"{hosts} hosts; the controller listens on {cluster.plan.route}, the "
                   "address that reaches them")
         return self
@@ -158,10 +160,10 @@ class Session:
             return ""
         # mpiexec ends the job, saying what ended the rank as it goes (unless --elastic heals)
         if self.can_heal:  # the job lives on: the cause is in the daemons' log, a moment later
-            output = deaths.output_with_ends(cluster.mpiexec_output, dead, processes.is_here)
+            output = deaths.output_with_ends(cluster.launcher_output, dead, processes.is_here)
         else:
             cluster.end_job_after_a_death(dead)
-            output = cluster.mpiexec_output(wait_for_exit=2.0)
+            output = cluster.launcher_output(wait_for_exit=2.0)
         return deaths.describe_death(output, cluster.dead_ranks(), self.words.restart,
                                       cluster.plan.launcher, healing=self.can_heal,
                                       first=cluster.first_dead)
@@ -189,7 +191,7 @@ class Session:
     def start_heal(self) -> None:
         """``--elastic``: replace the ranks found dead (in a thread; see :meth:`healed`)."""
         cluster = self.cluster
-        dead = [info["rank"] for info in cluster.dead_ranks()] if cluster is not None else []
+        dead = [info.rank for info in cluster.dead_ranks()] if cluster is not None else []
         if cluster is not None and dead and self.healing is None and self.can_heal:
             self.healing = healing.Heal(cluster, dead, self.words, self.options.min_np).start()
 
@@ -332,7 +334,8 @@ class Session:
 
     # --- timeline ----------------------------------------------------------------------------
 
-    def timeline(self, action: str = "show", path: str = TIMELINE_FILE) -> timeline.Timeline:
+    def timeline(self, action: str = "show",
+                 path: str = protocol.TIMELINE_FILE) -> timeline.Timeline:
         """Every rank's recorded collectives (``action``: "start" recording afresh, "show"
         what was recorded so far, or "stop" and show), written as one Chrome trace at
         ``path`` unless there is nothing to write."""
@@ -379,7 +382,7 @@ Session.__init__.__signature__ = (  # type: ignore[attr-defined] # inspect reads
 def _launch_output(cluster: Cluster) -> str:
     """What the launcher of a start that failed printed ("" where none was started)."""
     try:
-        return cluster.mpiexec_output()
+        return cluster.launcher_output()
     except Exception:
         return ""
 

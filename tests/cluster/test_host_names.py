@@ -12,6 +12,7 @@ from ipydist.network import Route
 from ipydist.notebook.launch import hosts as host_names
 from ipydist.notebook.launch import mpiexec
 from ipydist.notebook.status import grouped_by_host
+from ipydist.protocol import RankInfo
 from ipydist.specs import SpecError, format_hosts, parse_hostfile, parse_hosts
 
 ROUTE = Route("198.51.100.1", "veth0", "198.51.100.0/24")
@@ -97,8 +98,9 @@ def test_rank_config_carries_the_notebook_address():
 
 
 def test_tables_group_ranks_by_host():
-    ranks = [{"rank": r, "host": h} for r, h in enumerate(["b", "a", "b", "a"])]
-    assert [(i["host"], i["rank"]) for i in grouped_by_host(ranks)] == [
+    ranks = [RankInfo(rank=r, size=4, pid=100 + r, host=h)
+             for r, h in enumerate(["b", "a", "b", "a"])]
+    assert [(i.host, i.rank) for i in grouped_by_host(ranks)] == [
         ("b", 0), ("b", 2), ("a", 1), ("a", 3)]
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from ipydist.errors import LaunchError
 from ipydist.notebook.launch import deaths, local_gpus, mpiexec
+from ipydist.protocol import RankInfo
 from ipydist.rank import device
 from ipydist.specs import SpecError, parse_gpus
 
@@ -204,7 +205,7 @@ def test_describe_failure_puts_the_ranks_lines_first():
 
 
 def test_describe_death_names_the_rank_and_signal_mpiexec_reported():
-    dead = [{"rank": r, "pid": 100 + r, "host": "a"} for r in range(4)]
+    dead = [RankInfo(rank=r, size=4, pid=100 + r, host="a") for r in range(4)]
     ompi = ("prterun noticed that process rank 2 with PID 102 on node a exited on\n"
             "signal 11 (Segmentation fault).")
     text = deaths.describe_death(ompi, dead, "%dist_restart")
@@ -263,7 +264,7 @@ def test_gpus_per_rank_deals_each_rank_its_own_gpus(monkeypatch):
 
 
 def test_gforker_s_report_names_the_rank_that_died_first_not_those_it_ended():
-    dead = [{"rank": r, "pid": 100 + r, "host": "a"} for r in range(4)]
+    dead = [RankInfo(rank=r, size=4, pid=100 + r, host="a") for r in range(4)]
     killed = ("[0]0:Return code = 0, signaled with Terminated\n"
               "[0]1:Return code = 0, signaled with Interrupt\n"
               "[0]2:Return code = 0, signaled with Killed\n"

@@ -168,7 +168,7 @@ RECOVER_SCRIPT = textwrap.dedent("""\
         time.sleep(2)  # still busy when the others recover
     t0 = time.monotonic()
     out = calls.recover(3, False)
-    print(f"recover {rt.rank} {out['failed']!r} {time.monotonic() - t0:.1f}", flush=True)
+    print(f"recover {rt.rank} {out.failed!r} {time.monotonic() - t0:.1f}", flush=True)
     try:
         hvd.allreduce(torch.ones(1))
     except RuntimeError as e:

@@ -23,7 +23,7 @@ def cluster_pids(session) -> dict[str, list[int]]:
     cluster = session.cluster
     return {
         "engines": [i["pid"] for i in session.ranks],
-        "mpiexec": [cluster.mpiexec_pid],
+        "mpiexec": [cluster.launcher_pid],
         "controller": [cluster.controller_pid],
     }
 
@@ -111,7 +111,7 @@ def test_ranks_asked_to_end_end_cleanly(no_cluster):
     still in MPI's finalize."""
     with ipydist.Session(np=2) as s:
         s.cluster.signal(signal.SIGTERM)
-        output = s.cluster.mpiexec_output(wait_for_exit=30)
+        output = s.cluster.launcher_output(wait_for_exit=30)
         assert processes.exit_code(s.cluster.launcher_process()) == 0, output
         assert "Traceback" not in output
 

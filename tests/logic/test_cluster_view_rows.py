@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from ipydist.notebook.live.cluster_state import RunningCell, row, state_of
+from ipydist.protocol import RankInfo
 
-INFO = {"rank": 2, "host": "node1", "pid": 4242}
+INFO = RankInfo(rank=2, size=4, host="node1", pid=4242)
 
 
 def test_what_a_rank_does():

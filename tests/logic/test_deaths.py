@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 from ipydist.notebook.launch import deaths
+from ipydist.protocol import RankInfo
 
 LOG = """\
 [vm:07239] [prterun-vm-7239@0,0] odls:constructing child list
@@ -21,7 +22,7 @@ LOG = """\
 [vm:07239] [prterun-vm-7239@0,0] odls:waitpid_fired child process [prterun-vm-7239@1,3] terminated normally
 """  # noqa: E501
 
-RANKS = [{"rank": r, "pid": pid, "host": "vm"} for r, pid in
+RANKS = [RankInfo(rank=r, size=4, pid=pid, host="vm") for r, pid in
          [(0, 7242), (1, 7243), (2, 7300), (3, 7245)]]
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from ipydist.notebook.launch import deaths, slurm
 from ipydist.notebook.launch.startup import StartWatch
+from ipydist.protocol import RankInfo
 from ipydist.specs import SpecError, parse_launcher
 
 ALLOCATION = {"SLURM_JOB_ID": "12", "SLURM_JOB_NODELIST": "node[1-2]",
@@ -109,7 +110,7 @@ def test_the_start_line_shows_the_slurm_job(tmp_path):
 
 
 def test_a_rank_that_srun_saw_die_is_named_with_its_signal():
-    dead = [{"rank": r, "pid": 100 + r, "host": "node2"} for r in (2, 3)]
+    dead = [RankInfo(rank=r, size=4, pid=100 + r, host="node2") for r in (2, 3)]
     output = ("srun: error: node2: task 3: Killed\nsrun: Terminating StepId=12.0\n"
               "srun: error: node2: task 2: Terminated\n")
     text = deaths.describe_death(output, dead, "%dist_restart", "srun")

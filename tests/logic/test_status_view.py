@@ -7,13 +7,15 @@ what to do next, in the words of magics or of Python.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from ipydist.notebook import words
 from ipydist.notebook.launch import deaths
 from ipydist.notebook.status import COLUMNS, status_table
+from ipydist.protocol import RankInfo
 
-RANKS = [{"rank": r, "pid": 100 + r, "host": "a", "device": "cpu"} for r in range(4)]
+RANKS = [RankInfo(rank=r, size=4, pid=100 + r, host="a", device="cpu") for r in range(4)]
 OMPI_KILL = ("prterun noticed that process rank 2 with PID 102 on node a exited on\n"
              "signal 9 (Killed).")
 OMPI_EXIT = ("prterun detected that one or more processes exited with non-zero status,\n"
@@ -89,6 +91,6 @@ def test_alive_ranks_show_no_note():
 
 
 def test_the_caption_names_the_replacements():
-    ranks = [dict(info, replacement=info["rank"] == 2) for info in RANKS]
+    ranks = [dataclasses.replace(info, replacement=info.rank == 2) for info in RANKS]
     table = status_table(ranks, dict.fromkeys(range(4), "idle"), {})
     assert table.caption == "4 ranks; rank 2 is a replacement"

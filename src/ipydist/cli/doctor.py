@@ -158,7 +158,7 @@ def check_cluster(np: int | None = 2, hosts: str | None = None) -> Check:
                 s.run("import torch, ipydist.torch as hvd\n"
                       "total = hvd.allreduce(torch.ones(1), op=hvd.Sum).item()", output="rank0")
                 total = s.pull("total", rank=0)
-                backend = s.ranks[0]["backend"]
+                backend = s.ranks[0]["backend"]  # Session.ranks: dicts, for users
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return Check(FAIL, "cluster", f"{np} ranks could not run an allreduce: {first}",

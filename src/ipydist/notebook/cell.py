@@ -14,6 +14,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ipydist.errors import (
     CellInterrupted,
@@ -34,6 +35,9 @@ from ipydist.notebook.stall import StallWatch
 from ipydist.notebook.stop_button import StopButton
 from ipydist.protocol import CELL_NUMBER_KEY, DEBUG_RANKS_KEY
 from ipydist.specs import describe_ranks
+
+if TYPE_CHECKING:
+    from ipydist.session_face import SessionFace
 
 #: How often the wait loop wakes to show output and metrics.
 POLL_SECONDS = 0.05
@@ -60,9 +64,10 @@ class RunResult:
 class CellRun:
     """One cell on ``targets``, sent as it starts, until every rank has replied."""
 
-    def __init__(self, session, code: str, targets: list[int], output: str,
+    def __init__(self, session: SessionFace, code: str, targets: list[int], output: str,
                  timeout: float | None, started: float, debug_ranks: list[int] | None = None):
         self.session = session
+        assert session.cluster is not None  # Session.run hands over a running cluster
         self.cluster = session.cluster
         self.targets = targets
         self.started = started
@@ -198,8 +203,8 @@ class CellRun:
     def _check_alive(self) -> None:
         if death := self.session.death_report():
             if self.session.elastic:  # the others live on: release those still in the cell
-                self.dead = [info["rank"] for info in self.cluster.dead_ranks()
-                             if info["rank"] in self.targets]
+                self.dead = [info.rank for info in self.cluster.dead_ranks()
+                             if info.rank in self.targets]
                 for rank in self.dead:
                     ipp.forget(self.cluster.client, ipp.msg_id(self.ar, self.targets, rank))
                 self._stop()
@@ -360,7 +365,7 @@ class CellRun:
         self.bars.flush()
 
 
-def _cell_number(session) -> int:
+def _cell_number(session: SessionFace) -> int:
     """The number every rank gives this cell: the notebook's ``In [N]``, or the one after the
     last given when that is taken (a second request from one notebook cell, or none from a
     shell). Given here, the same to every rank: each rank's own count ran apart from the

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from typing import Any
 
 from ipydist import protocol
@@ -69,7 +70,7 @@ class Cluster:
         #: (``recovery.recover``) before the next cell, once all are idle.
         self.recovery_owed: list[int] | None = None
         #: One dict per rank, in rank order (see ``ipydist.rank.calls.info``).
-        self.ranks: list[dict] = []
+        self.ranks: list[protocol.RankInfo] = []
         #: Each rank's ipyparallel engine id, in rank order: the rank's own number at start; a
         #: replacement for a rank that died (``--elastic``) registers under a new one.
         self.engine_ids: list[int] = []
@@ -87,7 +88,7 @@ class Cluster:
         #: The ranks found dead when ipydist ended the job after a death
         #: (:meth:`end_job_after_a_death`): the first death is among them, not among the
         #: ranks it ended.
-        self.first_dead: list[dict] | None = None
+        self.first_dead: list[protocol.RankInfo] | None = None
         #: A rank was replaced, dropped or added since the start: MPI's world then holds a dead
         #: process or a spawned one, and its finalize may never end (a stop ends such a job
         #: at once, :meth:`_let_ranks_end`)
@@ -184,7 +185,7 @@ class Cluster:
 
     def _wait_for_ranks(self, progress, deadline: float) -> None:
         """Wait for registration, watching mpiexec so that a failed launch ends the wait."""
-        launcher = self._mpiexec_launcher()
+        launcher = self._launcher()
         watch = self.startup
         assert watch is not None  # start made it
         assert self._ipp is not None and self.profile_dir is not None  # so did _launch
@@ -208,15 +209,15 @@ class Cluster:
             time.sleep(0.02)
         watch.show(progress, launcher.output_file, registered, force=True)
         infos = self.client[:].apply_sync(protocol.on_rank, "attach")
-        self.ranks = sorted(infos, key=lambda i: i["rank"])
-        self.engine_ids = [info["rank"] for info in self.ranks]
-        mismatched = [i["rank"] for i, eid in zip(infos, self.client.ids) if i["rank"] != eid]
+        self.ranks = sorted(infos, key=lambda i: i.rank)
+        self.engine_ids = [info.rank for info in self.ranks]
+        mismatched = [i.rank for i, eid in zip(infos, self.client.ids) if i.rank != eid]
         if mismatched:
             raise ClusterError(
                 f"engine ids do not match MPI ranks for {describe_ranks(mismatched)}")
         watch.ready()
         self._shared_memory = processes.shared_memory(
-            [info["pid"] for info in self.ranks if processes.is_here(info)])
+            [info.pid for info in self.ranks if processes.is_here(info)])
 
     def _queue_note(self) -> str:
         """For a Slurm job still waiting in the queue: why, as squeue says."""
@@ -231,8 +232,8 @@ class Cluster:
 
     def _launch_failure(self, what: str) -> str:
         """The message for a launch that failed, from what mpiexec and the ranks printed."""
-        code = processes.exit_code(self._mpiexec_launcher().process)
-        return mpiexec.describe_failure(what, self.mpiexec_output(), code, self.plan.mpiexec,
+        code = processes.exit_code(self._launcher().process)
+        return mpiexec.describe_failure(what, self.launcher_output(), code, self.plan.mpiexec,
                                         self.plan.hint)
 
     # --- while it runs -----------------------------------------------------------------------
@@ -251,8 +252,8 @@ class Cluster:
         return getattr(self._ipp.controller, "pid", None) if self._ipp else None
 
     @property
-    def mpiexec_pid(self) -> int | None:
-        launcher = self._mpiexec_launcher()
+    def launcher_pid(self) -> int | None:
+        launcher = self._launcher()
         return getattr(launcher, "pid", None)
 
     def view(self, targets: list[int]):
@@ -271,7 +272,7 @@ class Cluster:
         """Ask ``ranks`` to skip these requests if they have not begun them."""
         ipp.abort(self.client, msg_ids, self.engines(ranks))
 
-    def replace_rank(self, rank: int, engine_id: int, info: dict) -> None:
+    def replace_rank(self, rank: int, engine_id: int, info: protocol.RankInfo) -> None:
         """A replacement (engine ``engine_id``) now holds ``rank``; a rank one past the last
         joins the cluster (``Session.scale``)."""
         if rank == len(self.ranks):
@@ -287,7 +288,7 @@ class Cluster:
     def keep_ranks(self, ranks: list[int]) -> None:
         """Only ``ranks`` are left, renumbered from 0 in their order (the world went on
         without the others)."""
-        self.ranks = [{**self.ranks[old], "rank": new} for new, old in enumerate(ranks)]
+        self.ranks = [replace(self.ranks[old], rank=new) for new, old in enumerate(ranks)]
         self.engine_ids = [self.engine_ids[old] for old in ranks]
         self._views = {}
         self._rank_procs = []
@@ -326,7 +327,7 @@ class Cluster:
         (here it may be another process, which must not be signalled); mpiexec's or Slurm's
         teardown ends it."""
         pids = [p for info in self.ranks if processes.is_here(info)
-                for p in (info["pid"], info.get("launched_pid"), info.get("nanny_pid")) if p]
+                for p in (info.pid, info.launched_pid, info.nanny_pid) if p]
         if self._ipp is not None:
             for launcher in [self._ipp.controller, *self._ipp.engines.values()]:
                 if launcher is not None and getattr(launcher, "pid", -1) > 0:
@@ -336,7 +337,7 @@ class Cluster:
     def watchdog_pid(self) -> int | None:
         return self._watchdog[0].pid if self._watchdog else None
 
-    def dead_ranks(self) -> list[dict]:
+    def dead_ranks(self) -> list[protocol.RankInfo]:
         """The ranks that are gone: on this host, by their process; on another host, by the
         controller's heartbeat (the engine it stopped hearing from is unregistered)."""
         if len(self._rank_procs) != len(self.ranks):  # looked up once per cluster
@@ -346,7 +347,7 @@ class Cluster:
                                 else set())
         return [info for info, proc in zip(self.ranks, self._rank_procs)
                 if (proc is not None and not processes.alive(proc))
-                or (proc is None and self.engine_ids[info["rank"]] not in registered)]
+                or (proc is None and self.engine_ids[info.rank] not in registered)]
 
     def controller_alive(self) -> bool:
         """Whether the controller, through which every message to the ranks goes, still runs."""
@@ -376,11 +377,11 @@ class Cluster:
         if remote:
             self.client.send_signal(sig, targets=self.engines(remote), block=False)
 
-    def mpiexec_output(self, wait_for_exit: float = 0.0) -> str:
-        """What mpiexec and the ranks printed (after waiting up to ``wait_for_exit`` seconds for
-        a mpiexec that is ending the job, which prints its report as it goes), without the
-        ranks' start markers: this is the output messages show."""
-        launcher = self._mpiexec_launcher()
+    def launcher_output(self, wait_for_exit: float = 0.0) -> str:
+        """What the launcher (mpiexec, srun) and the ranks printed (after waiting up to
+        ``wait_for_exit`` seconds for a launcher that is ending the job, which prints its
+        report as it goes), without the ranks' start markers: the output messages show."""
+        launcher = self._launcher()
         deadline = time.monotonic() + wait_for_exit
         while processes.alive(launcher.process) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -393,7 +394,7 @@ class Cluster:
             return startup.as_shown(launcher.get_output(remove=False))
         return startup.as_shown(processes.read_text(launcher.output_file))
 
-    def end_job_after_a_death(self, dead: list[dict]) -> None:
+    def end_job_after_a_death(self, dead: list[protocol.RankInfo]) -> None:
         """End the job where the launcher leaves it running after a rank died: MPICH's
         ``mpiexec.gforker`` interrupts the other ranks, which ipyparallel's engines ignore,
         and a SIGTERM ends them only seconds later (their exit waits in MPI's finalize for
@@ -415,10 +416,10 @@ class Cluster:
 
     def launcher_process(self):
         """mpiexec's (or srun's) process handle."""
-        return self._mpiexec_launcher().process
+        return self._launcher().process
 
-    def _mpiexec_launcher(self):
-        """ipyparallel's launcher of mpiexec (it holds mpiexec's process and output)."""
+    def _launcher(self):
+        """ipyparallel's launcher of mpiexec or srun (it holds that process and its output)."""
         return next(iter(self._ipp.engines.values()), None) if self._ipp else None
 
     # --- stopping ----------------------------------------------------------------------------
@@ -469,7 +470,7 @@ class Cluster:
         job is ended by mpiexec at once, as before, and so is one whose world changed (after
         a heal, Open MPI's finalize deadlocked holding the GIL on the ranks of another
         host)."""
-        launcher = self._mpiexec_launcher()
+        launcher = self._launcher()
         proc = getattr(launcher, "process", None)
         if (proc is None or self.client is None or not self.ranks or self.world_changed
                 or not processes.alive(proc)):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 from ipydist import protocol
 from ipydist.errors import ClusterError, RankTimeout
@@ -70,24 +71,24 @@ class Heal:
         known = set(cluster.client.ids)
         deadline = self.started + HEAL_SECONDS
         # each replacement where its rank ran, unless that host lost every rank it had
-        alive_hosts = {cluster.ranks[r]["host"] for r in survivors}
-        where = [cluster.ranks[r]["host"] for r in self.dead]
+        alive_hosts = {cluster.ranks[r].host for r in survivors}
+        where = [cluster.ranks[r].host for r in self.dead]
         hosts = where if all(h in alive_hosts for h in where) else None
         request = cluster.view(survivors).apply_async(protocol.on_rank, "heal", self.dead, True,
                                                       hosts, rank_env(cluster))
         replies = take_new_ranks(cluster, request, known, len(self.dead), deadline)
-        if not_replaced := replies[0].get("not_replaced"):
+        if not_replaced := replies[0].not_replaced:
             if len(survivors) < self.min_np:
                 raise ClusterError(f"{not_replaced} (--min-np {len(survivors)} would have let "
                                    "the others go on)")
             return [self._went_on(replies, survivors)]
         for rank in self.dead:  # for %dist_status
-            cluster.ranks[rank]["replacement"] = True
+            cluster.ranks[rank] = replace(cluster.ranks[rank], replacement=True)
         root = survivors[0]
         copied = copy_state(cluster, root, self.dead, cluster.size, deadline)
         states = cluster.call("elastic_reset", True, timeout=max(deadline - time.monotonic(), 1))
         one = len(self.dead) == 1
-        pids = ", ".join(str(cluster.ranks[r]["pid"]) for r in self.dead)
+        pids = ", ".join(str(cluster.ranks[r].pid) for r in self.dead)
         line = (f"{describe_ranks(self.dead)} {'was' if one else 'were'} replaced in "
                 f"{time.monotonic() - self.started:.1f} s (pid {pids}), "
                 f"{'its' if one else 'their'} {copied}; the other ranks kept theirs.")
@@ -96,7 +97,7 @@ class Heal:
                      " last commit() on every rank, synced from rank 0, reset callbacks run.")
         return [line]
 
-    def _went_on(self, replies: list[dict], survivors: list[int]) -> str:
+    def _went_on(self, replies: list[protocol.HealReport], survivors: list[int]) -> str:
         """The replacements could not be started, and the survivors went on as the world
         (renumbered from 0): the cluster follows, and says so."""
         cluster, was = self.cluster, self.cluster.size
@@ -104,7 +105,7 @@ class Heal:
         states = cluster.call("elastic_reset", True, timeout=HEAL_SECONDS)[0]
         one = len(self.dead) == 1
         line = (f"{describe_ranks(self.dead)} could not be replaced "
-                f"({replies[0]['not_replaced']}); the cluster goes on with {cluster.size} ranks "
+                f"({replies[0].not_replaced}); the cluster goes on with {cluster.size} ranks "
                 f"(--min-np {self.min_np})")
         moved = [(old, new) for new, old in enumerate(survivors) if old != new]
         if moved:
@@ -119,13 +120,13 @@ class Heal:
                 f"{'it' if one else 'them'} again once the cause is gone.")
 
 
-def _followed(replies: list[dict], size: int, gone: str) -> str:
+def _followed(replies: list[protocol.HealReport], size: int, gone: str) -> str:
     """What followed the new size on the ranks that stayed (their ``rebound`` samplers,
     ``sets_removed``), as clauses of the line that says what happened."""
     text = ""
-    if names := sorted({name for reply in replies for name in reply["rebound"]}):
+    if names := sorted({name for reply in replies for name in reply.rebound}):
         text += f"; samplers now split the data {size} ways: {', '.join(names)}"
-    if removed := replies[0]["sets_removed"]:
+    if removed := replies[0].sets_removed:
         text += f"; removed, as ranks in them {gone}: {', '.join(removed)}"
     return text
 
@@ -141,7 +142,7 @@ def rank_env(cluster) -> list[str]:
 
 
 def take_new_ranks(cluster, request, known: set[int], count: int, deadline: float
-                   ) -> list[dict]:
+                   ) -> list[protocol.HealReport]:
     """Wait for ``request`` (the ranks' heal or resize) and for ``count`` engines not in
     ``known`` to register; attach them and give each its rank in ``cluster``. Returns the
     ranks' replies (when they say ``not_replaced``, no engine is waited for)."""
@@ -160,29 +161,28 @@ def take_new_ranks(cluster, request, known: set[int], count: int, deadline: floa
         time.sleep(0.05)
     replies = request.get()
     infos = [client[engine_id].apply_sync(protocol.on_rank, "attach") for engine_id in new]
-    for engine_id, info in sorted(zip(new, infos), key=lambda pair: pair[1]["rank"]):
-        cluster.replace_rank(info["rank"], engine_id, info)
+    for engine_id, info in sorted(zip(new, infos), key=lambda pair: pair[1].rank):
+        cluster.replace_rank(info.rank, engine_id, info)
     return replies
 
 
 def _not_replaced(request) -> bool:
     """Whether the ranks' heal went on without replacements (they could not be started)."""
-    return request.successful() and bool(request.get()[0].get("not_replaced"))
+    return request.successful() and bool(request.get()[0].not_replaced)
 
 
 def copy_state(cluster, root: int, to: list[int], was_size: int, deadline: float) -> str:
     """Copy ``root``'s variables to the new ranks ``to``; says what was copied."""
     copied = cluster.call("copy_state", root, to, was_size,
                           timeout=max(deadline - time.monotonic(), 1.0))
-    failed = [f"rank {r}: {reply['failed']}" for r, reply in enumerate(copied)
-              if reply.get("failed")]
+    failed = [f"rank {r}: {reply.failed}" for r, reply in enumerate(copied) if reply.failed]
     if failed:
         raise ClusterError(f"loading rank {root}'s variables failed on {'; '.join(failed)}")
     text = (f"variables and random states copied from rank {root} "
-            f"({copied[root]['bytes'] / 2**20:.1f} MB)")
-    if copied[root]["skipped"]:
-        text += f"; not copied, as they do not pickle: {', '.join(copied[root]['skipped'])}"
-    rebound = sorted({name for reply in copied for name in reply["rebound"]})
+            f"({copied[root].bytes / 2**20:.1f} MB)")
+    if copied[root].skipped:
+        text += f"; not copied, as they do not pickle: {', '.join(copied[root].skipped)}"
+    rebound = sorted({name for reply in copied for name in reply.rebound})
     if rebound:
         text += f"; given the new rank's part of the data: {', '.join(rebound)}"
     return text

@@ -84,14 +84,15 @@ def recover(cluster, released: list[int], restart: str) -> list[str]:
     doing, and the ranks back in step. Returns lines for the cell's message; ``restart``
     names how the user starts a fresh cluster, should the recovery fail."""
     try:
-        replies = cluster.call("recover", next(_recovery_numbers), bool(released),
-                               timeout=protocol.RECOVERY_WAIT_SECONDS)
+        replies: list[protocol.RecoveryReport] = cluster.call(
+            "recover", next(_recovery_numbers), bool(released),
+            timeout=protocol.RECOVERY_WAIT_SECONDS)
     except Exception as e:  # a rank that died or hangs: its own report says more
         return [f"The ranks could not recover together ({e}): run {restart}."]
     notes = []
     doing: dict[str, list[int]] = {}  # what a released rank was doing -> those ranks
     for rank, reply in enumerate(replies):
-        found = reply["release"]
+        found = reply.release
         if found is not None and rank in released:
             doing.setdefault(_what_it_was_doing(found), []).append(rank)
     for what, who in doing.items():
@@ -103,17 +104,17 @@ def recover(cluster, released: list[int], restart: str) -> list[str]:
             verb = "was" if one else "were"
             note = f"{describe_ranks(who)} {verb} {what}, and {verb} released."
         notes.append(note[0].upper() + note[1:])
-    failed = sorted({reply["failed"] for reply in replies if reply["failed"]})
+    failed = sorted({reply.failed for reply in replies if reply.failed})
     if failed:
         notes.append(f"Recovery gave up on every rank ({'; '.join(failed)}), so collectives "
                      f"will not work: run {restart}.")
         return notes
-    if replies[0]["rebuilt"]:
+    if replies[0].rebuilt:
         note = "The process group was rebuilt on every rank, so collectives work in the next cell."
-        if any(reply["ddp"] for reply in replies):
+        if any(reply.ddp for reply in replies):
             note += " Wrap your DistributedDataParallel model again: it keeps the old group."
         notes.append(note)
-    fixed = replies[0]["fixed"]
+    fixed = replies[0].fixed
     if fixed:
         notes.append(
             f"{fixed} parameter or optimizer-state tensor{'s' if fixed > 1 else ''} differed "

@@ -14,6 +14,7 @@ from ipydist.errors import wrap_message
 from ipydist.notebook.launch import deaths
 from ipydist.notebook.launch.deaths import Death
 from ipydist.notebook.output import display
+from ipydist.protocol import RankInfo
 from ipydist.specs import describe_ranks
 
 COLUMNS = ["rank", "host", "pid", "device", "state", "memory"]
@@ -44,16 +45,16 @@ def cluster_status(cluster, restart: str) -> StatusTable:
     fresh cluster, for the note after a death)."""
     states, memory = {}, {}
     for info in cluster.ranks:
-        states[info["rank"]], proc = cluster.rank_state(info["rank"])
+        states[info.rank], proc = cluster.rank_state(info.rank)
         if proc is not None:
             try:
-                memory[info["rank"]] = f"{proc.memory_info().rss / 2**20:.0f} MiB"
+                memory[info.rank] = f"{proc.memory_info().rss / 2**20:.0f} MiB"
             except Exception:  # it died between the two looks
                 pass
-    dead = [info for info in cluster.ranks if states[info["rank"]] == "dead"]
+    dead = [info for info in cluster.ranks if states[info.rank] == "dead"]
     death, report = None, ""
     if dead:
-        output = cluster.mpiexec_output(wait_for_exit=2.0)
+        output = cluster.launcher_output(wait_for_exit=2.0)
         death = deaths.find_death(output, cluster.first_dead or dead)
         report = deaths.describe_death(output, dead, restart, cluster.plan.launcher,
                                        first=cluster.first_dead)
@@ -61,19 +62,19 @@ def cluster_status(cluster, restart: str) -> StatusTable:
                         cluster.plan.launcher)
 
 
-def start_table(ranks: list[dict], seconds: float) -> display.Table:
+def start_table(ranks: list[RankInfo], seconds: float) -> display.Table:
     """The table after a start. Its caption is short: in HTML a caption is as wide as the
     table, so a longer one wraps (the columns already say the backend and the ranks)."""
-    rows = [[i["rank"], i["host"], i["pid"], i["device"], i["backend"], i["transport"]]
+    rows = [[i.rank, i.host, i.pid, i.device, i.backend, i.transport]
             for i in grouped_by_host(ranks)]
-    hosts = len({i["host"] for i in ranks})
+    hosts = len({i.host for i in ranks})
     where = f" on {hosts} hosts" if hosts > 1 else ""
     caption = f"{len(ranks)} ranks{where} ready in {seconds:.1f} s"
     return display.Table(["rank", "host", "pid", "device", "backend", "transport"], rows,
                          caption)
 
 
-def status_table(ranks: list[dict], states: dict[int, str], memory: dict[int, str],
+def status_table(ranks: list[RankInfo], states: dict[int, str], memory: dict[int, str],
           death: Death | None = None, report: str = "",
           launcher: str = "mpiexec") -> StatusTable:
     """The table of ``ranks`` (rank infos, in the order shown) in ``states`` (``"idle"``,
@@ -83,16 +84,16 @@ def status_table(ranks: list[dict], states: dict[int, str], memory: dict[int, st
     dead = sorted(r for r, state in states.items() if state == "dead")
     rows = []
     for info in ranks:
-        rank = info["rank"]
+        rank = info.rank
         state = states[rank]
         if state == "dead":
             state = _dead_state(rank, death, len(dead), launcher)
         shown = NO_MEMORY if states[rank] == "dead" else memory.get(rank) or NO_MEMORY
-        rows.append([rank, info["host"], info["pid"], info["device"], state, shown])
+        rows.append([rank, info.host, info.pid, info.device, state, shown])
     caption = f"{len(ranks)} ranks"
     if dead:
         caption += f"; {describe_ranks(dead)} dead"
-    if replaced := sorted(i["rank"] for i in ranks if i.get("replacement")):
+    if replaced := sorted(i.rank for i in ranks if i.replacement):
         caption += (f"; {describe_ranks(replaced)} "
                     f"{'is a replacement' if len(replaced) == 1 else 'are replacements'}")
     return StatusTable(COLUMNS, rows, caption, report if dead else "")
@@ -107,10 +108,10 @@ def _dead_state(rank: int, death: Death | None, dead: int, launcher: str) -> str
     return f"{first}: {death.short()}" if death.short() else first
 
 
-def grouped_by_host(ranks: list[dict]) -> list[dict]:
+def grouped_by_host(ranks: list[RankInfo]) -> list[RankInfo]:
     """Rank infos with each host's ranks together (hosts in the order their first rank comes),
     in rank order within a host: how a table of ranks across hosts reads best."""
     first: dict[str, int] = {}
     for info in ranks:
-        first.setdefault(info["host"], info["rank"])
-    return sorted(ranks, key=lambda i: (first[i["host"]], i["rank"]))
+        first.setdefault(info.host, info.rank)
+    return sorted(ranks, key=lambda i: (first[i.host], i.rank))

@@ -12,6 +12,7 @@ import socket
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch.distributed as dist
 from IPython import get_ipython
@@ -31,7 +32,7 @@ from ipydist.torch._wire import handles
 from ipydist.torch.horovod import process_sets
 
 
-def attach() -> dict:
+def attach() -> protocol.RankInfo:
     """Right after the ranks register: follow the engine's cells (see ``watcher.attach``),
     number them as the notebook does, tell frameworks imported later what the ranks are, and
     say what this rank is, for the table the notebook shows."""
@@ -69,7 +70,7 @@ def error_frames() -> str:
     return debugger.frames_with_locals()
 
 
-def info() -> dict:
+def info() -> protocol.RankInfo:
     """What the notebook shows about this rank."""
     rt = topology.get()
     assert rt is not None  # the rank's bootstrap made it before the engine started
@@ -81,23 +82,15 @@ def info() -> dict:
             nanny_pid = IPEngine.instance().nanny_pipe.pid
     except Exception:
         pass
-    return {
-        "rank": rt.rank,
-        "size": rt.size,
-        "local_rank": rt.local_rank,
-        "local_size": rt.local_size,
-        "cross_rank": rt.cross_rank,
-        "cross_size": rt.cross_size,
-        "host": rt.host or socket.gethostname(),
-        "pid": os.getpid(),
-        #: The process its launcher started (a stub, where the fork server forked this rank).
-        "launched_pid": forkserver.stub_pid or os.getpid(),
-        "device": str(rt.device),
-        "backend": rt.backend if dist.is_initialized() else "(none)",
-        "transport": "hierarchical" if rt.node_data is not None else rt.transport,
-        "threads": int(os.environ.get("OMP_NUM_THREADS", "0")),
-        "nanny_pid": nanny_pid,
-    }
+    return protocol.RankInfo(
+        rank=rt.rank, size=rt.size, host=rt.host or socket.gethostname(), pid=os.getpid(),
+        device=str(rt.device), backend=rt.backend if dist.is_initialized() else "(none)",
+        transport="hierarchical" if rt.node_data is not None else rt.transport,
+        local_rank=rt.local_rank, local_size=rt.local_size,
+        cross_rank=rt.cross_rank, cross_size=rt.cross_size,
+        launched_pid=forkserver.stub_pid or os.getpid(),
+        threads=int(os.environ.get("OMP_NUM_THREADS", "0")), nanny_pid=nanny_pid,
+    )
 
 
 #: Recovery's deadlines, in seconds from when a rank takes the request (see protocol).
@@ -106,7 +99,7 @@ REBUILD_SECONDS = protocol.RECOVERY_REBUILD_SECONDS
 RESYNC_SECONDS = protocol.RECOVERY_RESYNC_SECONDS
 
 
-def recover(number: int, resync_tensors: bool) -> dict:
+def recover(number: int, resync_tensors: bool) -> protocol.RecoveryReport:
     """After a failed or interrupted cell, on every rank at once: report what the release
     found, and bring the ranks back in step -- together or not at all.
 
@@ -123,8 +116,7 @@ def recover(number: int, resync_tensors: bool) -> dict:
     resync.abandon_pending()  # the failed cell's half-done gradient averaging is void
     handles.abandon_all()  # and so is every async operation it left in flight
     rt = topology.get()
-    out = {"release": watcher.take_report(), "rebuilt": False, "fixed": 0, "failed": None,
-           "ddp": shims.has_ddp_model()}
+    out = protocol.RecoveryReport(release=watcher.take_report(), ddp=shims.has_ddp_model())
     if rt is None or rt.control_comm is None:
         return out  # not started by mpiexec: a world of one, nothing to agree on
     comm = rt.control_comm
@@ -143,7 +135,7 @@ def recover(number: int, resync_tensors: bool) -> dict:
                                timeout_s=max(REBUILD_SECONDS - (time.monotonic() - start), 1.0)))
         if failed:
             return _give_up(out, failed)
-        out["rebuilt"] = True
+        out = replace(out, rebuilt=True)
     if process_sets.any_added():  # an abandoned operation may have left theirs unusable
         failed = _together(comm, number, 4, start + REBUILD_SECONDS,
                            "making the process sets' communicators again",
@@ -158,7 +150,7 @@ def recover(number: int, resync_tensors: bool) -> dict:
                                timeout_s=RESYNC_SECONDS - (time.monotonic() - start))))
         if failed:
             return _give_up(out, failed)
-        out["fixed"] = fixed[0]
+        out = replace(out, fixed=fixed[0])
     return out
 
 
@@ -183,16 +175,15 @@ def _who(votes, fallback: str) -> str:
     return f"rank{'s' if len(bad) > 1 else ''} {', '.join(bad)}" if bad else fallback
 
 
-def _give_up(out: dict, why: str) -> dict:
+def _give_up(out: protocol.RecoveryReport, why: str) -> protocol.RecoveryReport:
     """Leave the process group dropped (collectives then raise, saying to restart)."""
     watcher.log(f"recovery gave up: {why}")
     process_group.abandon()
-    out["failed"] = why
-    return out
+    return replace(out, failed=why)
 
 
 def heal(dead: list[int], replace: bool, hosts: list[str] | None = None,
-         env: Sequence[str] = ()) -> dict:
+         env: Sequence[str] = ()) -> protocol.HealReport:
     """``--elastic``, after ``dead`` died: the world again (see :mod:`ipydist.rank.heal`)."""
     from ipydist.rank import heal as healing
 
@@ -206,14 +197,14 @@ def elastic_reset(restore: bool) -> int:
     return elastic.after_heal(restore)
 
 
-def resize(size: int, env: Sequence[str] = ()) -> dict:
+def resize(size: int, env: Sequence[str] = ()) -> protocol.HealReport:
     """``Session.scale``: a world of ``size`` ranks (see :func:`ipydist.rank.heal.resize`)."""
     from ipydist.rank import heal as healing
 
     return healing.resize(size, env)
 
 
-def copy_state(root: int, to: list[int], was_size: int | None = None) -> dict:
+def copy_state(root: int, to: list[int], was_size: int | None = None) -> protocol.HealReport:
     """After a heal or a resize: ``root``'s variables and random states to the new ranks
     ``to`` (``was_size``: the world's size before a resize)."""
     from ipydist.rank import state_copy
@@ -221,7 +212,7 @@ def copy_state(root: int, to: list[int], was_size: int | None = None) -> dict:
     return state_copy.copy_from(root, to, was_size)
 
 
-def resized(was_size: int) -> dict:
+def resized(was_size: int) -> protocol.HealReport:
     """After a resize, on a rank that stayed (its number kept): its samplers, optimizers and
     process sets follow the new size."""
     from ipydist.rank import state_copy
@@ -233,7 +224,7 @@ def timeline(action: str) -> list[dict] | None:
     """``%dist_timeline``: start recording ("start"), or return this rank's events so far
     ("events"), or return them and stop ("stop")."""
     if action == "start":
-        events.start(events.path or "ipydist-timeline.json")
+        events.start(events.path or protocol.TIMELINE_FILE)
         return None
     if action == "stop":
         return events.stop()

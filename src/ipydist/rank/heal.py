@@ -17,16 +17,18 @@ registers with the controller as a new engine, and the notebook copies rank 0's 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
 from collections.abc import Sequence
 
+from ipydist.protocol import HealReport
 from ipydist.rank.start import replacement
 
 
 def heal(dead: list[int], replace: bool, hosts: list[str] | None = None,
-         env: Sequence[str] = ()) -> dict:
+         env: Sequence[str] = ()) -> HealReport:
     """On every survivor at once: make the world again without ``dead``, with a replacement
     for each when ``replace`` (else the survivors renumbered from 0), started on ``hosts``
     (where the dead ranks ran) when given, and this rank's runtime and process group in it.
@@ -64,12 +66,13 @@ def heal(dead: list[int], replace: bool, hosts: list[str] | None = None,
     if world is survivors:
         from ipydist.rank import state_copy
 
-        out.update(state_copy.renumbered(rt.rank, rt.size, sorted(dead)))
-        out["not_replaced"] = not_replaced
+        followed = state_copy.renumbered(rt.rank, rt.size, sorted(dead))
+        out = dataclasses.replace(out, rebound=followed.rebound, sets_removed=followed.sets_removed,
+                      not_replaced=not_replaced)
     return out
 
 
-def resize(size: int, env: Sequence[str] = ()) -> dict:
+def resize(size: int, env: Sequence[str] = ()) -> HealReport:
     """On every rank at once (``Session.scale``): a world of ``size`` ranks. Growing, the
     ranks spawn the new ones (numbered from the old size up); shrinking, the ranks from
     ``size`` up leave it, and end their process once they have replied."""
@@ -86,14 +89,14 @@ def resize(size: int, env: Sequence[str] = ()) -> dict:
         if not stays:
             process_group.abandon()
             threading.Timer(LEAVE_AFTER_SECONDS, os._exit, (0,)).start()
-            return {"rank": rt.rank, "left": True, "seconds": time.monotonic() - started}
+            return HealReport(rank=rt.rank, left=True, seconds=time.monotonic() - started)
     else:
         world = replacement.spawned_into(rt.comm, list(range(rt.size, size)), rt.rank,
                                          None, env)
     return _rejoin(world, rt, started)
 
 
-def _rejoin(world, rt, started: float) -> dict:
+def _rejoin(world, rt, started: float) -> HealReport:
     """This rank's runtime and process group in ``world`` (the old group's connections are
     dropped: some lead to ranks gone); what the notebook may show."""
     from ipydist.rank.start import bootstrap
@@ -103,8 +106,7 @@ def _rejoin(world, rt, started: float) -> dict:
     bootstrap.join(world, survivor=rt)
     now = topology.get()
     assert now is not None  # join made it
-    return {"rank": now.rank, "left": False,
-            "seconds": time.monotonic() - started}
+    return HealReport(rank=now.rank, seconds=time.monotonic() - started)
 
 
 #: A rank that leaves the world ends its process this long after it replied.

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import random
 import types
+from dataclasses import replace
+
+from ipydist.protocol import HealReport
 
 #: Names an IPython namespace holds that are the shell's, not the user's.
 _SHELL_NAMES = {"In", "Out", "exit", "quit", "get_ipython"}
@@ -130,7 +133,7 @@ def into_namespace(variables: dict, namespace: dict) -> None:
         namespace[name] = value
 
 
-def copy_from(root: int, to: list[int], was_size: int | None = None) -> dict:
+def copy_from(root: int, to: list[int], was_size: int | None = None) -> HealReport:
     """Collective over the world: ``root`` sends its variables and random states to the
     ranks ``to``, which load them (their samplers rebound from ``root``'s place in a world
     of ``was_size`` to theirs). Returns, on ``root``, the names not copied."""
@@ -143,10 +146,10 @@ def copy_from(root: int, to: list[int], was_size: int | None = None) -> dict:
     assert rt is not None  # a rank's, made at its start
     comm = rt.control_comm
     shell = get_ipython()
-    out: dict = {"skipped": [], "bytes": 0, "rebound": [], "sets_removed": []}
+    out = HealReport()
     if rt.rank == root:
-        payload, out["skipped"] = pack(user_variables(shell))
-        out["bytes"] = len(payload)
+        payload, skipped = pack(user_variables(shell))
+        out = replace(out, bytes=len(payload), skipped=tuple(skipped))
         for rank in to:
             comm.send((payload, random_states(), process_sets.registry()), dest=rank, tag=71)
     elif rt.rank in to:
@@ -156,18 +159,19 @@ def copy_from(root: int, to: list[int], was_size: int | None = None) -> dict:
         process_sets.adopt(known_sets)  # before loading: a variable may name a set
         try:
             variables = cloudpickle.loads(payload)
-            out["rebound"] = rebind(variables, rt.rank, rt.size, root, was_size or rt.size)
+            out = replace(out, rebound=tuple(rebind(variables, rt.rank, rt.size, root,
+                                                    was_size or rt.size)))
             into_namespace(variables, shell.user_ns)
             set_random_states(states)
         except Exception as e:  # said to the notebook after the others are let go
-            out["failed"] = f"{type(e).__name__}: {e}"
+            out = replace(out, failed=f"{type(e).__name__}: {e}")
     comm.Barrier()
     if process_sets.any_added():  # the same answer on every rank now
-        out["sets_removed"] = process_sets.rejoin(rt.size)
+        out = replace(out, sets_removed=tuple(process_sets.rejoin(rt.size)))
     return out
 
 
-def resized(was_size: int) -> dict:
+def resized(was_size: int) -> HealReport:
     """On a rank that stayed through ``Session.scale``: its samplers and DistributedOptimizers
     follow the world's new size; shrinking, its process sets are made in the new world (those
     naming a rank that left are removed). Says which samplers and which sets."""
@@ -178,14 +182,14 @@ def resized(was_size: int) -> dict:
 
     rt = topology.get()
     assert rt is not None  # a rank's, made at its start
-    out = {"rebound": rebind(user_variables(get_ipython()), rt.rank, rt.size, rt.rank,
-                             was_size), "sets_removed": []}
+    rebound = rebind(user_variables(get_ipython()), rt.rank, rt.size, rt.rank, was_size)
+    removed: list[str] = []
     if rt.size < was_size and process_sets.any_added():  # growing, copy_from did it
-        out["sets_removed"] = process_sets.rejoin(rt.size)
-    return out
+        removed = process_sets.rejoin(rt.size)
+    return HealReport(rebound=tuple(rebound), sets_removed=tuple(removed))
 
 
-def renumbered(was_rank: int, was_size: int, gone: list[int]) -> dict:
+def renumbered(was_rank: int, was_size: int, gone: list[int]) -> HealReport:
     """On a survivor of a world that went on without ``gone`` (renumbered from 0): its
     samplers and DistributedOptimizers follow its new rank and the new size, and its process
     sets are made again (renumbered; those naming a rank that is gone removed). Collective.
@@ -197,8 +201,6 @@ def renumbered(was_rank: int, was_size: int, gone: list[int]) -> dict:
 
     rt = topology.get()
     assert rt is not None  # a rank's, made at its start
-    out = {"rebound": rebind(user_variables(get_ipython()), rt.rank, rt.size, was_rank,
-                             was_size), "sets_removed": []}
-    if process_sets.any_added():
-        out["sets_removed"] = process_sets.rejoin(rt.size, gone=gone)
-    return out
+    rebound = rebind(user_variables(get_ipython()), rt.rank, rt.size, was_rank, was_size)
+    removed = process_sets.rejoin(rt.size, gone=gone) if process_sets.any_added() else []
+    return HealReport(rebound=tuple(rebound), sets_removed=tuple(removed))

@@ -28,9 +28,13 @@ name offered is worse than none (CI got the notebook's ``notebook_only_name`` fo
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 from ipydist.notebook.introspection import control
 from ipydist.specs import SpecError, parse_ranks
+
+if TYPE_CHECKING:
+    from ipydist.session_face import MagicsFace
 
 #: How long a completion or help request waits for the rank's answer.
 ANSWER_SECONDS = 2.0
@@ -113,7 +117,7 @@ def unanswered(what: str, cursor_pos: int) -> dict:
     return {"status": "ok", "found": False, "data": {}, "metadata": {}}
 
 
-def install(shell, magics) -> None:
+def install(shell, magics: MagicsFace) -> None:
     """Answer completion and help requests of ``shell``'s kernel from a rank for code that
     runs on the ranks (see the module docstring). Nothing where there is no kernel (a
     terminal IPython asks its own completer, which this leaves alone)."""
@@ -129,11 +133,11 @@ def install(shell, magics) -> None:
         did not."""
         session = magics.session  # never start a cluster for a completion
         routed = rank_code(code, cursor_pos, magics.mode == "everyrank")
-        if routed is None or session is None or not session.running:
+        cluster = session.cluster if session is not None and session.running else None
+        if routed is None or session is None or cluster is None:
             return None, 0, 0
         body, offset = routed
         rank = answering_rank(code, session.size)
-        cluster = session.cluster
         try:
             engine = (id(cluster), cluster.engine_ids[rank])
             limit = ANSWER_SECONDS if engine in answered else FIRST_ANSWER_SECONDS
@@ -166,10 +170,10 @@ def install(shell, magics) -> None:
         heal) loads its completer now, in the background, so that the first Tab answers
         within JupyterLab's 1 s (see :mod:`ipydist.rank.introspection.completion`)."""
         session = magics.session
-        if session is None or not session.running:
+        cluster = session.cluster if session is not None and session.running else None
+        if cluster is None:
             return
         try:
-            cluster = session.cluster
             engine = (id(cluster), cluster.engine_ids[0])
             if engine not in warmed:
                 warmed.add(engine)

@@ -15,10 +15,14 @@ import sys
 import textwrap
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ipydist.errors import MESSAGE_WIDTH
 from ipydist.notebook.introspection import control
 from ipydist.specs import SpecError, describe_ranks
+
+if TYPE_CHECKING:
+    from ipydist.session_face import SessionFace
 
 #: How long ``%dist_stack`` waits for the ranks' answers (a rank that does not answer in
 #: time is named as such: its control thread is stuck, or it is gone).
@@ -137,7 +141,7 @@ def unquoted(commands: list[str] | None) -> list[str] | None:
     return [shlex.split(c)[0] if c[:1] in "'\"" and len(c) > 1 else c for c in commands]
 
 
-def debug_rank(session, cluster, rank: int | None, commands: list[str] | None) -> str:
+def debug_rank(session: SessionFace, cluster, rank: int | None, commands: list[str] | None) -> str:
     """``Session.debug``: post-mortem on ``rank`` (default: the lowest that raised last)."""
     if rank is None:
         if not session.failed_ranks:

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ipydist.protocol import RankInfo
 from ipydist.specs import describe_ranks
 
 #: OpenMPI: "prterun noticed that process rank 2 with PID 1234 on node a exited on signal 9
@@ -81,8 +82,8 @@ def child_ends(output: str) -> dict[int, Death]:
 CHILD_END_WAIT_SECONDS = 2.0
 
 
-def output_with_ends(read: Callable[[], str], dead: list[dict], here: Callable[[dict], bool],
-                     wait: float = CHILD_END_WAIT_SECONDS) -> str:
+def output_with_ends(read: Callable[[], str], dead: list[RankInfo],
+                     here: Callable[[RankInfo], bool], wait: float = CHILD_END_WAIT_SECONDS) -> str:
     """``read()`` (the launcher's output) once it holds the end of each rank of ``dead`` that
     ran on this host (``here``), or after ``wait`` seconds. A rank on another host is not
     waited for: its daemon's log is not forwarded."""
@@ -95,10 +96,10 @@ def output_with_ends(read: Callable[[], str], dead: list[dict], here: Callable[[
     return output
 
 
-def launched_pid(info: dict) -> int:
+def launched_pid(info: RankInfo) -> int:
     """The pid under which the launcher knows a rank (what its logs and reports name): the
     process it started, which stands in for a rank forked by the host's fork server."""
-    return info.get("launched_pid") or info["pid"]
+    return info.launched_pid or info.pid
 
 
 def is_child_end_logging(line: str) -> bool:
@@ -178,13 +179,13 @@ class Death:
         return self.words or ""
 
 
-def find_death(output: str, dead: list[dict]) -> Death | None:
+def find_death(output: str, dead: list[RankInfo]) -> Death | None:
     """Which of the ``dead`` ranks (rank infos) died first and how, from the launcher's
     output (mpiexec's or srun's); the lowest dead rank when the launcher did not say. None
     when no rank is dead."""
     if not dead:
         return None
-    by_pid = {launched_pid(info): info["rank"] for info in dead}
+    by_pid = {launched_pid(info): info.rank for info in dead}
     found: Death | None = None
     if m := _OMPI_DEATH.search(output):
         found = Death(int(m.group(1)), signal=int(m.group(4)))
@@ -219,9 +220,9 @@ def _gforker_death(output: str, dead: set[int]) -> Death | None:
     return None
 
 
-def describe_death(output: str, dead: list[dict], restart: str,
+def describe_death(output: str, dead: list[RankInfo], restart: str,
                    launcher: str = "mpiexec", healing: bool = False,
-                   first: list[dict] | None = None) -> str:
+                   first: list[RankInfo] | None = None) -> str:
     """Which rank died and how, from the launcher's report (``dead``: the rank infos found
     gone; ``first``: those found gone before the job was ended, among which the launcher's
     report is looked up); ``restart`` is how the user starts a fresh cluster
@@ -233,20 +234,20 @@ def describe_death(output: str, dead: list[dict], restart: str,
     """
     if healing:
         ends = child_ends(output)
-        ranks = sorted(info["rank"] for info in dead)
+        ranks = sorted(info.rank for info in dead)
         text = "; ".join(
-            f"rank {info['rank']} (pid {info['pid']} on {info['host']}) died"
+            f"rank {info.rank} (pid {info.pid} on {info.host}) died"
             + (f": {end.cause()}" if (end := ends.get(launched_pid(info))) and end.cause() else "")
-            for info in sorted(dead, key=lambda i: i["rank"]))
+            for info in sorted(dead, key=lambda i: i.rank))
         one = len(ranks) == 1
         return (f"{text}. The other ranks keep their state: {describe_ranks(ranks)} "
                 f"{'is' if one else 'are'} being replaced (--elastic), and the next cell "
                 f"waits for {'it' if one else 'them'}.")
     death = find_death(output, first or dead)
     assert death is not None  # it is told of dead ranks only
-    infos = {info["rank"]: info for info in [*(first or []), *dead]}
+    infos = {info.rank: info for info in [*(first or []), *dead]}
     info = infos[death.rank]
-    text = f"rank {death.rank} (pid {info['pid']} on {info['host']}) died"
+    text = f"rank {death.rank} (pid {info.pid} on {info.host}) died"
     text += f": {death.cause()}." if death.cause() else "."
     others = sorted(r for r in infos if r != death.rank)
     if others:

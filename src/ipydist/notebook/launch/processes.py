@@ -15,6 +15,8 @@ import time
 
 import psutil
 
+from ipydist.protocol import RankInfo
+
 
 def alive(proc) -> bool:
     """Running and not a zombie (a child that exited but was not reaped yet)."""
@@ -24,14 +26,14 @@ def alive(proc) -> bool:
         return False
 
 
-def is_here(info: dict) -> bool:
+def is_here(info: RankInfo) -> bool:
     """Whether a rank (its info) runs on this host: elsewhere its pid means another process."""
-    return info["host"] == socket.gethostname()
+    return info.host == socket.gethostname()
 
 
-def local_process(info: dict):
+def local_process(info: RankInfo):
     """The psutil process of a rank on this host; None for a rank on another host."""
-    return process(info["pid"]) if is_here(info) else None
+    return process(info.pid) if is_here(info) else None
 
 
 def process(pid: int):

@@ -22,6 +22,8 @@ from ipydist.notebook.live.cluster_view import NO_CLUSTER, REFRESH_SECONDS
 if TYPE_CHECKING:
     from comm.base_comm import CommManager
 
+    from ipydist.session_face import MagicsFace
+
 #: The comm target the panel opens.
 TARGET = "ipydist.cluster"
 
@@ -29,7 +31,7 @@ TARGET = "ipydist.cluster"
 class PanelFeed:
     """Every open panel of this kernel, fed from one thread."""
 
-    def __init__(self, magics) -> None:
+    def __init__(self, magics: MagicsFace) -> None:
         self.magics = magics
         self._comms: list = []
         self._last: dict[str, dict] = {}
@@ -90,10 +92,18 @@ class PanelFeed:
             self.magics.session.monitor.act(action)
 
 
-def register(shell, magics) -> PanelFeed | None:
-    """Let panels open ``TARGET`` on ``shell``'s kernel (none outside a kernel)."""
+#: The feed of each kernel's panels, by the kernel's id (``%reload_ext`` registers again).
+_FEEDS: dict[int, PanelFeed] = {}
+
+
+def register(shell, magics: MagicsFace) -> PanelFeed | None:
+    """Let panels open ``TARGET`` on ``shell``'s kernel (none outside a kernel); once per
+    kernel: a second call (``%reload_ext ipydist``) hands the first feed the new magics."""
     if getattr(shell, "kernel", None) is None:
         return None
+    if (feed := _FEEDS.get(id(shell.kernel))) is not None:
+        feed.magics = magics
+        return feed
     manager: CommManager | None  # comm's, or the kernel's own (ipykernel's subclass)
     try:
         from comm import get_comm_manager
@@ -103,6 +113,6 @@ def register(shell, magics) -> PanelFeed | None:
         manager = getattr(shell.kernel, "comm_manager", None)
     if manager is None:
         return None
-    feed = PanelFeed(magics)
+    feed = _FEEDS[id(shell.kernel)] = PanelFeed(magics)
     manager.register_target(TARGET, feed.open)
     return feed

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ipydist.protocol import RankInfo
+
 #: Vitals older than this are not the rank's present (it ended its cell, or stopped sending).
 FRESH_SECONDS = 3.0
 #: A replaced rank says so this long after its replacement was seen.
@@ -59,14 +61,14 @@ def step_text(seconds: float | None) -> str:
     return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
-def row(info: dict, alive: str, vitals: dict | None, usage: dict | None,
+def row(info: RankInfo, alive: str, vitals: dict | None, usage: dict | None,
         cell: RunningCell | None, replaced: bool) -> dict:
     """One rank's row: ``vitals`` (fresh, else None) and ``usage`` (the notebook's own reading
     of a rank on this host: cpu, rss) fill its numbers; vitals win, being the rank's own."""
     numbers = {**(usage or {}), **{k: v for k, v in (vitals or {}).items() if v is not None}}
-    kind, state = state_of(info["rank"], alive, vitals, cell, replaced)
+    kind, state = state_of(info.rank, alive, vitals, cell, replaced)
     return {
-        "rank": info["rank"], "host": info.get("host", ""), "pid": info.get("pid", ""),
+        "rank": info.rank, "host": info.host, "pid": info.pid,
         "state": state, "kind": kind,
         "cpu": "" if alive == "dead" or numbers.get("cpu") is None else f"{numbers['cpu']:.0f} %",
         "memory": "" if alive == "dead" else megabytes(numbers.get("rss")),

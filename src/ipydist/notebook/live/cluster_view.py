@@ -25,6 +25,7 @@ import pathlib
 import threading
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 import anywidget
 import traitlets
@@ -35,6 +36,9 @@ from ipydist.notebook.live.cluster_state import (
     RunningCell,
     row,
 )
+
+if TYPE_CHECKING:
+    from ipydist.session_face import SessionFace
 
 _HERE = pathlib.Path(__file__).parent
 #: How often the open views are refreshed.
@@ -95,7 +99,7 @@ class ClusterView(anywidget.AnyWidget):
 class ClusterMonitor:
     """What the open cluster views show, for one session (see the module docstring)."""
 
-    def __init__(self, session) -> None:
+    def __init__(self, session: SessionFace) -> None:
         self.session = session
         self._lock = threading.RLock()  # the views' thread and the side panel's
         self._vitals: dict[int, tuple[float, dict]] = {}  # rank -> (monotonic, vitals)
@@ -170,9 +174,9 @@ class ClusterMonitor:
         cell = self.cell
         rows = []
         for info in list(cluster.ranks):
-            rank = info["rank"]
+            rank = info.rank
             alive, proc = cluster.rank_state(rank)
-            self._note_replacement(rank, info.get("pid"), now)
+            self._note_replacement(rank, info.pid, now)
             seen = self._vitals.get(rank)
             fresh = seen[1] if seen and now - seen[0] <= FRESH_SECONDS else None
             usage = self._usage_of(rank, proc, now) if alive != "dead" else None
