@@ -282,3 +282,22 @@ def test_other_ranks_points_are_kept_per_rank_apart_from_rank0s_rows():
     assert list(frame.columns[:5]) == ["rank", "step", "time", "cluster", "cell"]
     assert frame.groupby("rank").size().to_dict() == {0: 5, 1: 5}
     assert (frame["cell"] == 7).all() and isinstance(frame["time"][0], pandas.Timestamp)
+
+
+def test_a_framework_s_metric_named_like_an_option_of_log_is_a_metric(monkeypatch):
+    """Lightning and the HF Trainer hand their metrics as a mapping (``log_values``): one
+    they name ``reduce``, ``total`` or ``batch_size`` is drawn, not taken for (or clashing
+    with) the option of that name."""
+    from ipydist.torch.training import metrics
+
+    sent = []
+    monkeypatch.setattr(metrics, "_batcher", MetricBatcher(interval=0.0))
+    monkeypatch.setattr(metrics, "_is_rank0", True)
+    monkeypatch.setattr(metrics, "_send", lambda key, batch: sent.append(batch))
+    named = {"reduce": 0.5, "total": 2.0, "batch_size": 8.0, "loss": 1.0}
+    metrics.log_values(named, step=7, total=10)
+    history = MetricHistory()
+    for b in sent:
+        history.accept(0, b)
+    (row,) = history.rows()
+    assert row["step"] == 7 and {k: row[k] for k in named} == named

@@ -26,14 +26,12 @@ class LiveMetrics(TrainerCallback):
     """Sends what the Trainer logs to ``hvd.log``."""
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        from ipydist.torch import log
+        from ipydist.torch.training.metrics import log_values
 
         numbers = _values.numbers({k: v for k, v in (logs or {}).items() if k not in SUMMARY})
         if numbers:
             total = state.max_steps if state.max_steps and state.max_steps > 0 else None
             # the Trainer counts the steps taken (1 after the first); a chart's x is the
             # index of the step, from 0 as hvd.log counts, so the last is total - 1
-            # mypy: a metric could be named like one of log's options (reduce, batch_size,
-            # step, total), which it would then be taken as (or clash with): left as it was
-            log(step=max(state.global_step - 1, 0), total=total,
-                **numbers)  # type: ignore[arg-type]
+            # as a mapping: a metric named like one of log's options is still a metric
+            log_values(numbers, step=max(state.global_step - 1, 0), total=total)

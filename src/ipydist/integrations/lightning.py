@@ -37,11 +37,10 @@ class LiveLogger(Logger):
         """Hyperparameters are not drawn."""
 
     def log_metrics(self, metrics: dict, step: int | None = None) -> None:
-        from ipydist.torch import log
+        from ipydist.torch.training.metrics import log_values
 
         numbers = _values.numbers(metrics)
         if numbers:
-            # mypy: a metric could be named like one of log's options (reduce, batch_size,
-            # step, total), which it would then be taken as (or clash with): left as it was
-            log(step=step, total=self._total, **numbers)  # type: ignore[arg-type]
+            # as a mapping: a metric named like one of log's options is still a metric
+            log_values(numbers, step=step, total=self._total)
 

@@ -15,7 +15,7 @@ ipydist rank (a plain script) points are batched and dropped.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -58,6 +58,15 @@ def log(step: int | None = None, total: int | None = None, reduce: str | None = 
     must call it); ``reduce="none"`` sends every rank's own values too, for the widget's
     per-rank curves (not a collective). Values must be plain numbers: pass ``loss.item()``.
     """
+    log_values(metrics, step=step, total=total, reduce=reduce, batch_size=batch_size)
+
+
+def log_values(metrics: Mapping[str, float], step: int | None = None,
+               total: int | None = None, reduce: str | None = None,
+               batch_size: int | None = None) -> None:
+    """:func:`log` with the metrics as a mapping: what the framework integrations call, so
+    that a metric a framework names ``step``, ``total``, ``reduce`` or ``batch_size`` is a
+    metric like any other, never taken for one of these options."""
     global _last_call, _next_step, last_step_seconds
     now = time.monotonic()
     since_last = None if _last_call is None else now - _last_call
@@ -65,7 +74,7 @@ def log(step: int | None = None, total: int | None = None, reduce: str | None = 
     if since_last is not None:
         last_step_seconds = since_last
     if reduce == "mean":
-        metrics = _mean_over_ranks(metrics)
+        metrics = _mean_over_ranks(dict(metrics))
     elif reduce not in (None, "none"):
         raise ValueError(f"hvd.log(reduce={reduce!r}): expected None, 'mean' or 'none'.")
     try:
