@@ -165,7 +165,7 @@ class Session:
             cluster.end_job_after_a_death(dead)
             output = cluster.launcher_output(wait_for_exit=2.0)
         return deaths.describe_death(output, cluster.dead_ranks(), self.words.restart,
-                                      cluster.plan.launcher, healing=self.can_heal,
+                                      cluster.plan.command_name, healing=self.can_heal,
                                       first=cluster.first_dead)
 
     def scale(self, np: int) -> None:

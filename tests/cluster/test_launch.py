@@ -8,7 +8,7 @@ import stat
 import pytest
 
 from ipydist.errors import LaunchError
-from ipydist.notebook.launch import deaths, local_gpus, mpiexec
+from ipydist.notebook.launch import deaths, launchers, local_gpus, mpiexec
 from ipydist.protocol import RankInfo
 from ipydist.rank import device
 from ipydist.specs import SpecError, parse_gpus
@@ -59,7 +59,7 @@ def test_open_mpi_s_session_folder_goes_in_the_cluster_s_own_on_one_host(monkeyp
     monkeypatch.delenv("PRTE_MCA_prte_tmpdir_base", raising=False)
     key = "PRTE_MCA_prte_tmpdir_base"
     one = mpiexec.plan("mpiexec", 2, "", {}, cores=2, flavor="openmpi", is_root=False)
-    assert mpiexec.session_folder_env(one, "/tmp/ipydist-x") == {key: "/tmp/ipydist-x"}
+    assert one.launcher.session_folder_env(one, "/tmp/ipydist-x") == {key: "/tmp/ipydist-x"}
     # not where the user chose one, across hosts, with MPICH, or past a socket path's length
     mine = mpiexec.plan("mpiexec", 2, "--prtemca prte_tmpdir_base /scratch", {},
                         flavor="openmpi", is_root=False)
@@ -67,10 +67,10 @@ def test_open_mpi_s_session_folder_goes_in_the_cluster_s_own_on_one_host(monkeyp
                           elastic=False)
     mpich = mpiexec.plan("mpiexec", 2, "", {}, flavor="mpich", is_root=False)
     for plan in (mine, across, mpich):
-        assert mpiexec.session_folder_env(plan, "/tmp/ipydist-x") == {}, plan.args
-    assert mpiexec.session_folder_env(one, "/" + "d" * 80) == {}
+        assert plan.launcher.session_folder_env(plan, "/tmp/ipydist-x") == {}, plan.args
+    assert one.launcher.session_folder_env(one, "/" + "d" * 80) == {}
     monkeypatch.setenv(key, "/scratch")
-    assert mpiexec.session_folder_env(one, "/tmp/ipydist-x") == {}
+    assert one.launcher.session_folder_env(one, "/tmp/ipydist-x") == {}
 
 
 def test_elastic_is_on_by_default_across_hosts_where_the_mpi_has_fault_tolerance(tmp_path):
@@ -85,7 +85,7 @@ def test_elastic_is_on_by_default_across_hosts_where_the_mpi_has_fault_tolerance
         assert not one.elastic and "--with-ft" not in one.args
         asked = mpiexec.plan(real, 2, "", {}, cores=8, is_root=False, elastic=True)
         assert asked.elastic and "self,sm,tcp" in asked.args
-        assert mpiexec.ELASTIC_ONE_HOST_NOTE in asked.notes
+        assert launchers.ELASTIC_ONE_HOST_NOTE in asked.notes
     # an Open MPI whose ompi_info says no: off by default, and refused when asked for
     fake = tmp_path / "mpiexec"
     info = tmp_path / "ompi_info"
@@ -303,7 +303,7 @@ def test_mpich_on_one_host_starts_its_ranks_with_gforker_on_shared_memory(tmp_pa
         monkeypatch.delenv(name, raising=False)
     bin_dir = fake_mpich(tmp_path)
     plan = mpiexec.plan(str(bin_dir / "mpiexec"), 4, "", {}, cores=8, flavor="mpich")
-    assert plan.command == [str(bin_dir / "mpiexec.gforker")] and plan.launcher == \
+    assert plan.command == [str(bin_dir / "mpiexec.gforker")] and plan.command_name == \
         "mpiexec.gforker" and plan.title == "MPICH"
     assert plan.env["FI_PROVIDER"] == "shm" and plan.env["MPIR_CVAR_CH4_NETMOD"] == "ofi"
     assert plan.env["MPI4PY_LIBMPI"] == str(tmp_path / "lib" / "libmpi.so.12")

@@ -57,7 +57,7 @@ def start_mpich(shell, capsys, magics, no_cluster):
 def test_on_one_host_nothing_listens_beyond_loopback_and_collectives_work(shell, capsys,
                                                                           start_mpich):
     session, out = start_mpich()
-    assert session.cluster.plan.launcher == "mpiexec.gforker", session.cluster.plan.command
+    assert session.cluster.plan.command_name == "mpiexec.gforker", session.cluster.plan.command
     assert session.cluster.plan.title == "MPICH" and f"{NP} ranks ready" in out, out
     servers = {psutil.Process(info["pid"]).ppid() for info in session.ranks}
     assert len(servers) == 1 and not servers & set(kept_forkserver.running()), (
@@ -81,7 +81,7 @@ def test_hydra_listens_on_every_interface_which_the_check_sees(shell, capsys, st
     """The check above can fail: MPICH's other launcher, named, is used, and its PMI port is
     on 0.0.0.0."""
     session, _ = start_mpich("mpiexec.hydra")
-    assert session.cluster.plan.launcher == "mpiexec.hydra"
+    assert session.cluster.plan.command_name == "mpiexec.hydra"
     assert_collectives_work(shell, capsys)
     assert any(found.startswith("0.0.0.0:")
                for found in listening_beyond_loopback(session.cluster.pids()))
@@ -114,5 +114,5 @@ def test_a_killed_rank_is_reported_and_restart_starts_fresh(shell, capsys, start
     assert left == [], "the killed ranks' shared memory is removed with their cluster"
     run_cell(shell, capsys, "%everyrank import time, torch, ipydist.torch as hvd")
     assert_collectives_work(shell, capsys)
-    assert shell.magics_manager.registry["DistMagics"].session.cluster.plan.launcher == \
+    assert shell.magics_manager.registry["DistMagics"].session.cluster.plan.command_name == \
         "mpiexec.gforker"

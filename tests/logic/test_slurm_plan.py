@@ -45,7 +45,7 @@ def test_outside_an_allocation_salloc_asks_for_the_tasks_and_runs_srun():
 
 def test_the_plan_keeps_one_host_on_loopback_and_names_the_launch():
     plan = slurm.plan(2, "openmpi", slurm.Request(), {"A": "1"}, None, env={})
-    assert plan.launcher == "salloc" and plan.allocates and not plan.multi_host
+    assert plan.command_name == "salloc" and plan.allocates and not plan.multi_host
     assert plan.env == {"A": "1", "GLOO_SOCKET_IFNAME": "lo", "OMPI_MCA_btl": "self,sm",
                         "OMPI_MCA_coll_libnbc_iallreduce_algorithm": "3",
                         "IPYDIST_FORKSERVER": "0"}  # srun's tasks are the ranks themselves
@@ -53,7 +53,7 @@ def test_the_plan_keeps_one_host_on_loopback_and_names_the_launch():
                       env={}).env["IPYDIST_FORKSERVER"] == "a", "--env wins"
     assert plan.title == "Slurm (salloc, then srun)"
     inside = slurm.plan(2, "openmpi", slurm.Request(), {}, None, env=ALLOCATION)
-    assert inside.launcher == "srun" and not inside.allocates
+    assert inside.command_name == "srun" and not inside.allocates
     assert inside.title == "Slurm (srun in job 12)"
     assert "--partition" in inside.hint
 

@@ -111,7 +111,7 @@ class Cluster:
         self.startup = startup.StartWatch(
             self.np, f"Starting {self.np} ranks with {self.plan.title}",
             init=protocol.RankConfig.from_env(self.plan.env).init, started=started,
-            live=display.in_kernel(), launcher=self.plan.launcher)
+            live=display.in_kernel(), launcher=self.plan.command_name)
         self.startup.show(progress, None, [], force=True)
         self._launch()
         self.startup.launched()
@@ -158,7 +158,7 @@ class Cluster:
         cfg.environment = dict(self.plan.env)
         if not self.plan.multi_host:
             cfg.environment[protocol.RENDEZVOUS_PARENT_ENV] = self.profile_dir
-        cfg.environment.update(mpiexec.session_folder_env(self.plan, self.profile_dir))
+        cfg.environment.update(self.plan.launcher.session_folder_env(self.plan, self.profile_dir))
         # A fork server per host, unless turned off (--env, the kernel's own environment, or
         # the plan: see launch/slurm.py): with Open MPI on this host the one this process
         # keeps between its clusters, elsewhere one of this cluster's own (a new name each
@@ -167,7 +167,7 @@ class Cluster:
         if os.environ.get(protocol.FORKSERVER_ENV) == "0":
             cfg.environment.setdefault(protocol.FORKSERVER_ENV, "0")
         elif protocol.FORKSERVER_ENV not in cfg.environment:
-            keep = not self.plan.multi_host and self.plan.flavor == "openmpi"
+            keep = self.plan.launcher.keeps_forkserver(self.plan)
             cfg.environment[protocol.FORKSERVER_ENV] = (
                 kept_forkserver.key_for(cfg.environment) if keep else secrets.token_hex(8))
         cluster.start_controller_sync()
@@ -199,7 +199,7 @@ class Cluster:
                 break
             if not processes.alive(launcher.process):
                 raise ClusterError(self._launch_failure(
-                    f"{self.plan.launcher} exited before the {self.np} ranks started"))
+                    f"{self.plan.command_name} exited before the {self.np} ranks started"))
             if time.perf_counter() > deadline:
                 watch.look(launcher.output_file, registered)
                 raise ClusterError(self._launch_failure(
@@ -401,7 +401,7 @@ class Cluster:
         the dead rank, until gforker's SIGQUIT). The others are killed, as mpiexec ends them;
         gforker then reports how each rank ended (``-exitinfo``) and exits. ``dead``: the
         ranks found dead (:meth:`dead_ranks`), remembered as :attr:`first_dead`."""
-        if self.plan.launcher != mpiexec.GFORKER:
+        if self.plan.launcher.ends_job_after_a_death:
             return
         if self.first_dead is None:
             self.first_dead = dead
@@ -443,9 +443,7 @@ class Cluster:
                     print(f"ipydist: stopping the cluster: {e}", file=sys.stderr)
         processes.reap(pids)
         processes.remove_shared_memory(segments, pids)
-        if self.slurm_job is not None:
-            # salloc gives its job back when srun ends; this makes sure, should it not have
-            slurm.cancel(self.slurm_job)
+        self.plan.launcher.give_back(self.slurm_job)
         if self._watchdog is not None:
             proc, pipe = self._watchdog
             os.close(pipe)  # the watchdog finds nothing left to end, and exits

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from ipydist import protocol
 from ipydist.errors import ClusterError, RankTimeout
-from ipydist.notebook.launch import mpiexec, processes
+from ipydist.notebook.launch import launchers, processes
 from ipydist.specs import describe_ranks
 
 #: How long the heal may take (spawning a replacement, its torch import, its registration,
@@ -138,7 +138,7 @@ def _states(count: int) -> str:
 def rank_env(cluster) -> list[str]:
     """The names of the variables mpiexec gave the ranks (ipydist's, the user's ``--env``,
     ipyparallel's connection folder): a spawned rank must get them too."""
-    return sorted({*cluster.plan.env, *mpiexec.IPP_ENV})
+    return sorted({*cluster.plan.env, *launchers.IPP_ENV})
 
 
 def take_new_ranks(cluster, request, known: set[int], count: int, deadline: float

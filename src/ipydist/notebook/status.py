@@ -56,10 +56,10 @@ def cluster_status(cluster, restart: str) -> StatusTable:
     if dead:
         output = cluster.launcher_output(wait_for_exit=2.0)
         death = deaths.find_death(output, cluster.first_dead or dead)
-        report = deaths.describe_death(output, dead, restart, cluster.plan.launcher,
+        report = deaths.describe_death(output, dead, restart, cluster.plan.command_name,
                                        first=cluster.first_dead)
     return status_table(grouped_by_host(cluster.ranks), states, memory, death, report,
-                        cluster.plan.launcher)
+                        cluster.plan.command_name)
 
 
 def start_table(ranks: list[RankInfo], seconds: float) -> display.Table:

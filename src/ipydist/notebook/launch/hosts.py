@@ -154,10 +154,3 @@ def expand_tasks(tasks_per_node: str, nodes: int) -> list[int]:
         counts += [int(m.group(1))] * int(m.group(2) or 1)
     return counts if len(counts) == nodes else [1] * nodes
 
-
-def mpiexec_host_args(hosts: Hosts, flavor: str) -> list[str]:
-    """The launcher's own way to name the hosts and their slots."""
-    listed = ",".join(f"{name}:{slots}" for name, slots in hosts.hosts)
-    if flavor == "mpich":
-        return ["-hosts", listed]
-    return ["--host", listed]

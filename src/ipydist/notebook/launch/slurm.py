@@ -4,14 +4,14 @@ Inside an allocation (``SLURM_JOB_ID`` set: a batch job, ``salloc``, a notebook 
 JupyterHub spawner started in a job), the ranks are one ``srun`` job step in it. Outside one (a
 login node), ``salloc`` asks for a new allocation, with ``--partition``, ``--time`` and
 ``--account`` passed through, and runs that ``srun`` in it; the job lives as long as the cluster
-(``salloc`` gives it back when ``srun`` ends, and :func:`cancel` makes sure). ``salloc`` rather
-than ``sbatch``: the job is tied to the notebook, its output (MPI's and the ranks' start lines)
-streams back as mpiexec's does, and a kernel that dies takes it down, where a batch job would
-run on by itself and write to a file.
+(``salloc`` gives it back when ``srun`` ends, and the ``Slurm`` launcher makes sure).
+``salloc`` rather than ``sbatch``: the job is tied to the notebook, its output (MPI's and the
+ranks' start lines) streams back as mpiexec's does, and a kernel that dies takes it down, where
+a batch job would run on by itself and write to a file.
 
 ipyparallel's MPI launcher runs either command as it runs mpiexec (``COMMAND -n N ARGS
 program``), so start, output, exit and stop work the same. Everything here but
-:func:`partition_nodes` and :func:`cancel` is a pure rule.
+:func:`partition_nodes` and :func:`pending_reason` is a pure rule.
 """
 
 from __future__ import annotations
@@ -24,9 +24,11 @@ from dataclasses import dataclass, field
 
 from ipydist import protocol
 from ipydist.errors import LaunchError
+from ipydist.notebook.launch import launchers
 from ipydist.notebook.launch.hosts import Hosts, with_route
 from ipydist.notebook.launch.hosts import choose as choose_hosts
-from ipydist.notebook.launch.mpiexec import Plan, find_mpiexec, mpi_flavor, openmpi_tuning
+from ipydist.notebook.launch.launchers import openmpi_tuning
+from ipydist.notebook.launch.mpiexec import Plan, find_mpiexec, mpi_flavor
 from ipydist.specs import SpecError
 
 #: srun's ``--mpi`` plugin for each MPI (the wheels': Open MPI's PMIx, MPICH's PMI-2). Without
@@ -153,11 +155,11 @@ def plan(np: int, flavor: str, request: Request, rank_env: dict[str, str],
         else:
             rank_env["OMPI_MCA_btl"] = "self,sm"
     job = current_job(env)
-    title = f"Slurm (srun in job {job})" if job else "Slurm (salloc, then srun)"
     hint = ("Check --partition, --time, --account and --slurm-args against what Slurm says "
             "above (sinfo lists the partitions and their limits).")
     return Plan(command[0], flavor, args, rank_env, route is not None, [], route, hosts,
-                command=command, title=title, hint=hint, allocates=not job, np=np)
+                command=command, launcher=launchers.Slurm(job), hint=hint, allocates=not job,
+                np=np)
 
 
 def commands(np: int, flavor: str, request: Request, env=None) -> tuple[list[str], list[str]]:
@@ -224,15 +226,3 @@ def pending_reason(job: str) -> str | None:
         return None
     reason = done.stdout.strip()
     return reason if done.returncode == 0 and reason and reason != "None" else None
-
-
-def cancel(job: str, step: str | None = None) -> None:
-    """``scancel`` the job (or one step of it) this cluster started; quiet if it is gone."""
-    scancel = shutil.which("scancel")
-    if scancel is None:
-        return
-    target = f"{job}.{step}" if step is not None else job
-    try:
-        subprocess.run([scancel, target], capture_output=True, timeout=15)
-    except (OSError, subprocess.TimeoutExpired):
-        pass
