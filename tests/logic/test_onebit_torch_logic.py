@@ -26,7 +26,7 @@ def dyadic(n: int, seed: int, scale: float = 1.0) -> torch.Tensor:
     return torch.randint(-63, 64, (n,), generator=g).float() / 16 * scale
 
 
-def same(q: onebit.Quantized, t: ot.Quantized) -> bool:
+def same(q: onebit.QuantizedArrays, t: ot.QuantizedTensors) -> bool:
     return (np.array_equal(q.bits, t.bits.numpy()) and np.array_equal(q.levels, t.levels.numpy())
             and q.numel == t.numel)
 

@@ -50,7 +50,7 @@ LEVEL_BYTES = 4
 
 
 @dataclass
-class Quantized:
+class QuantizedArrays:
     """One rank's message: packed bits (uint8, little-endian bit order: value ``i`` is bit
     ``i % 8`` of byte ``i // 8``) and per group the values of a 0 bit and of a 1 bit (float32
     arrays holding bfloat16 values, sent as their 16 high bits)."""
@@ -82,7 +82,7 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
 
 def quantize_with_feedback(grad: torch.Tensor, residual: torch.Tensor,
                            out: torch.Tensor | None = None,
-                           momentum: Momentum | None = None) -> Quantized:
+                           momentum: Momentum | None = None) -> QuantizedArrays:
     """Quantize ``grad + residual`` and write what the message does not carry into ``out``
     (``residual`` itself when not given; all 1-D float32 of one length). The optimizer passes
     a second buffer, so that a step abandoned before its exchange leaves the residual as the
@@ -101,7 +101,7 @@ def quantize_with_feedback(grad: torch.Tensor, residual: torch.Tensor,
             _numpy(grad), _numpy(momentum.velocity), _numpy(momentum.next_velocity),
             np.float32(momentum.m), np.float32(momentum.damped), momentum.nesterov,
             _numpy(residual), _numpy(out), signs, levels, GROUP)
-    return Quantized(np.packbits(signs, bitorder="little"), levels, n)
+    return QuantizedArrays(np.packbits(signs, bitorder="little"), levels, n)
 
 
 @dataclass
@@ -132,13 +132,13 @@ def _signs(n: int) -> np.ndarray:
     return _spare_signs[:n]
 
 
-def quantize(x: torch.Tensor) -> Quantized:
+def quantize(x: torch.Tensor) -> QuantizedArrays:
     """Quantize the 1-D float32 tensor ``x`` (gradient plus residual) to one bit per value."""
     x = x.detach().reshape(-1).to(torch.float32)
     return quantize_with_feedback(x, torch.zeros_like(x), out=torch.empty_like(x))
 
 
-def dequantize(q: Quantized, into: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize(q: QuantizedArrays, into: torch.Tensor | None = None) -> torch.Tensor:
     """The float32 values a message stands for (in ``into``, float32 of at least ``numel``
     values, when given: large fresh buffers cost more in page faults than the decoding)."""
     if into is None:
@@ -165,7 +165,7 @@ def _levels_from_bytes(raw: np.ndarray) -> np.ndarray:
     return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(-1, 2)
 
 
-def to_message(q: Quantized, extra: torch.Tensor) -> torch.Tensor:
+def to_message(q: QuantizedArrays, extra: torch.Tensor) -> torch.Tensor:
     """``q`` and the float32 values ``extra`` (sent exactly: the optimizer's had-gradient
     flags) as one uint8 tensor, the same size on every rank for the same ``numel``."""
     return torch.from_numpy(np.concatenate([
@@ -174,12 +174,12 @@ def to_message(q: Quantized, extra: torch.Tensor) -> torch.Tensor:
         q.bits]))
 
 
-def _parts(row: np.ndarray, numel: int, extra: int) -> tuple[Quantized, np.ndarray]:
+def _parts(row: np.ndarray, numel: int, extra: int) -> tuple[QuantizedArrays, np.ndarray]:
     """A message (uint8; may be padded) as its quantized values and its extra values."""
     level_bytes = groups(numel) * LEVEL_BYTES
     levels = _levels_from_bytes(row[:level_bytes])
     extras = row[level_bytes:level_bytes + extra * 4].view(np.float32)
-    return Quantized(row[level_bytes + extra * 4:], levels, numel), extras
+    return QuantizedArrays(row[level_bytes + extra * 4:], levels, numel), extras
 
 
 def from_message(row: np.ndarray, numel: int, extra: int,

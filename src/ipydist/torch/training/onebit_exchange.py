@@ -25,7 +25,7 @@ owner's step and the allgather in ``finish``, as gloo does on the CPU.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,33 @@ from ipydist.torch._wire import transport
 from ipydist.torch._wire.starts import torch_group_of
 from ipydist.torch.training import onebit, onebit_torch
 from ipydist.torch.training.momentum_correction import MomentumCorrection
+
+
+class Arithmetic(Protocol):
+    """The 1-bit arithmetic of one device kind, one module each with the same message format
+    byte for byte: :mod:`~ipydist.torch.training.onebit` (numba loops, the CPU) and
+    :mod:`~ipydist.torch.training.onebit_torch` (torch operations, a GPU; the CPU in tests).
+    The exchange picks one per step, by where the bucket lies; the type check holds both
+    modules to these three functions."""
+
+    def quantize_stripes(self, x: torch.Tensor, extra: torch.Tensor, residual: torch.Tensor,
+                         out: torch.Tensor, world: int,
+                         momentum: onebit.Momentum | None = None) -> torch.Tensor:
+        """This rank's message for each stripe of ``x`` plus ``residual`` (``out``: the
+        residual it leaves)."""
+        ...
+
+    def requantize_stripe(self, rows: torch.Tensor, numel: int, extra: int,
+                          residual: torch.Tensor, out: torch.Tensor,
+                          total: torch.Tensor | None = None) -> torch.Tensor:
+        """The owner's step: its stripe summed over the ranks, quantized again."""
+        ...
+
+    def assemble(self, gathered: torch.Tensor, numel: int, extra: int,
+                 into: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
+        """The whole sum from every owner's message, and the summed extras."""
+        ...
+
 
 #: torch.distributed's allgather into one tensor (``all_gather_single`` where torch has it:
 #: there the old name warns).
@@ -69,7 +96,8 @@ class OneBitExchange:
         self.work: Any = None  # the exchange in flight: an MPI chain (``mpi``) or a torch Work
         self.mpi = False
         self._buffers: dict[str, torch.Tensor] = {}
-        self._ops = onebit  # the arithmetic for this step's device: onebit or onebit_torch
+        #: The arithmetic for this step's device: the module onebit or onebit_torch.
+        self._ops: Arithmetic = onebit
         self._stream: torch.cuda.Stream | None = None  # NCCL: where the exchange is queued
         self._result: tuple | None = None  # the decoded sum, once queued or computed
 
@@ -94,7 +122,10 @@ class OneBitExchange:
         sends in it (``transport.bytes_sent``'s model)."""
         device = flat.device
         on_cpu = device.type == "cpu" and not self.torch_on_cpu
-        self._ops = onebit if on_cpu else onebit_torch
+        if on_cpu:  # each branch apart, so that the type check holds each module to it
+            self._ops = onebit
+        else:
+            self._ops = onebit_torch
         self._stream = _side_stream(device)
         self._result = None
         if self._stream is not None:  # the gradients were packed on backward's stream

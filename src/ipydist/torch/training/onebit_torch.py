@@ -44,7 +44,7 @@ from ipydist.torch.training.onebit import GROUP, LEVEL_BYTES, Momentum, groups
 
 
 @dataclass
-class Quantized:
+class QuantizedTensors:
     """One message's parts as tensors on the bucket's device: packed bits (uint8, value ``i``
     is bit ``i % 8`` of byte ``i // 8``) and per group the value of a 0 bit and of a 1 bit
     (float32 holding bfloat16 values)."""
@@ -91,7 +91,7 @@ def _corrected(grad: torch.Tensor, momentum: Momentum, x: torch.Tensor) -> None:
 
 def quantize_with_feedback(grad: torch.Tensor, residual: torch.Tensor,
                            out: torch.Tensor | None = None,
-                           momentum: Momentum | None = None) -> Quantized:
+                           momentum: Momentum | None = None) -> QuantizedTensors:
     """:func:`ipydist.torch.training.onebit.quantize_with_feedback` on ``grad``'s device: the
     message for ``grad + residual`` (or the momentum correction's value for ``grad``, plus
     ``residual``), what it does not carry written to ``out`` (``residual`` when not given)."""
@@ -120,10 +120,10 @@ def quantize_with_feedback(grad: torch.Tensor, residual: torch.Tensor,
     sent = torch.where(up.view(g, GROUP), levels[:, 1:], levels[:, :1])
     torch.sub(x[:n], sent.view(-1)[:n], out=out)
     bits = (up.view(-1, 8) * _bit_weights(x.device)).sum(1, dtype=torch.uint8)
-    return Quantized(bits[:-(-n // 8)], levels, n)
+    return QuantizedTensors(bits[:-(-n // 8)], levels, n)
 
 
-def quantize(x: torch.Tensor) -> Quantized:
+def quantize(x: torch.Tensor) -> QuantizedTensors:
     """Quantize the 1-D tensor ``x`` with no residual (as ``onebit.quantize``)."""
     x = x.detach().reshape(-1).to(torch.float32)
     return quantize_with_feedback(x, torch.zeros_like(x), out=torch.empty_like(x))
@@ -141,7 +141,7 @@ def decode(bits: torch.Tensor, levels: torch.Tensor, numel: int) -> torch.Tensor
     return values.view(rows, g * GROUP)[:, :numel]
 
 
-def dequantize(q: Quantized) -> torch.Tensor:
+def dequantize(q: QuantizedTensors) -> torch.Tensor:
     """The float32 values one message stands for."""
     return decode(q.bits.unsqueeze(0), q.levels.unsqueeze(0), q.numel)[0]
 
@@ -175,7 +175,7 @@ def _levels_from(raw: torch.Tensor) -> torch.Tensor:
     return words.view(torch.float32).reshape(raw.shape[0], raw.shape[1] // LEVEL_BYTES, 2)
 
 
-def _write(row: torch.Tensor, q: Quantized, extra_bytes: torch.Tensor) -> None:
+def _write(row: torch.Tensor, q: QuantizedTensors, extra_bytes: torch.Tensor) -> None:
     """One message into ``row`` (uint8, at least ``message_size`` bytes; the rest untouched)."""
     level_bytes = q.levels.shape[0] * LEVEL_BYTES
     row[:level_bytes] = _level_bytes(q.levels)
@@ -236,7 +236,7 @@ def quantize_stripes(x: torch.Tensor, extra: torch.Tensor, residual: torch.Tenso
     for j, (start, stop) in enumerate(bounds[full:], full):
         if stop > start:  # the shorter one
             first, length = start // GROUP, stop - start
-            _write(send[j], Quantized(q.bits[start // 8:start // 8 + -(-length // 8)],
+            _write(send[j], QuantizedTensors(q.bits[start // 8:start // 8 + -(-length // 8)],
                                       q.levels[first:first + groups(length)], length),
                    extra_bytes)
         else:  # an empty stripe's message is its extra values
