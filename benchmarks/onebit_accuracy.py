@@ -1,5 +1,5 @@
 """Which 1-bit quantizer trains with momentum: the measurement behind ``onebit.GROUP`` and the
-momentum correction (``ipydist.torch.training.momentum_correction``).
+momentum correction (``ipydist.torch.training.gradients.momentum_correction``).
 
 Four ranks are emulated in one process with the real arithmetic of the exchange (each rank's
 ``quantize_stripes`` with its residual, each owner's ``requantize_stripe`` with its own, every
@@ -24,7 +24,7 @@ import torch
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
-from ipydist.torch.training import momentum_correction, onebit
+from ipydist.torch.training.gradients import momentum_correction, onebit
 
 WORLD, BATCH, MOMENTUM = 4, 32, 0.9
 #: Full precision's learning rate per model (the CNN is unstable at 0.1 on some seeds).

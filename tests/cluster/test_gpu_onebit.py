@@ -87,7 +87,7 @@ def test_onebit_trains_cuda_buckets_on_the_gpu_with_no_sync_in_backward(gpu_sess
         "ex = opt._buckets[0].onebit\n"
         "gpu_res = (len(opt._buckets) > 1, ex.residual.device.type, ex._stream is not None,\n"
         "           opt._buckets[0].correction.velocity.device.type,\n"
-        "           'ipydist.torch.training.onebit_kernels' in sys.modules,\n"
+        "           'ipydist.torch.training.gradients.onebit_kernels' in sys.modules,\n"
         "           same_everywhere(w), full_loss(model) < 0.5 * before)"
     )
     assert gpu_session.pull("gpu_res") == [

@@ -9,7 +9,7 @@ from helpers import run_ok
 
 SETUP = """%%everyrank
 import torch, ipydist.torch as hvd
-from ipydist.torch.training.onebit_exchange import OneBitExchange
+from ipydist.torch.training.gradients.onebit_exchange import OneBitExchange
 N, r, b = hvd.size(), hvd.rank(), 16
 torch.manual_seed(0)
 X = torch.randn(4000, 20)

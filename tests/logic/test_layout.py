@@ -163,7 +163,7 @@ def test_a_rank_imports_numba_only_when_1_bit_sgd_is_used():
     code = (
         "import sys, torch\n"
         "import ipydist.torch as hvd\n"
-        "from ipydist.torch.training import onebit\n"
+        "from ipydist.torch.training.gradients import onebit\n"
         "print('numba' in sys.modules, end=' ')\n"
         "onebit.quantize(torch.ones(3))\n"
         "print('numba' in sys.modules)\n"

@@ -1,13 +1,14 @@
-"""Momentum correction (ipydist.torch.training.momentum_correction) against torch.optim.SGD itself:
-with the exchange left out (one rank, what it sends is what comes back), the corrected steps are
-SGD's own steps. Pure arithmetic, no cluster; the cluster tests train with it on 4 ranks."""
+"""Momentum correction (ipydist.torch.training.gradients.momentum_correction) against
+torch.optim.SGD itself: with the exchange left out (one rank, what it sends is what comes back),
+the corrected steps are SGD's own steps. Pure arithmetic, no cluster; the cluster tests train with
+it on 4 ranks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ipydist.torch.training import momentum_correction as mc
+from ipydist.torch.training.gradients import momentum_correction as mc
 
 SETTINGS = [
     dict(momentum=0.9),
@@ -95,7 +96,7 @@ def test_the_quantizer_applies_the_same_correction_on_the_way(settings):
     """``fused`` hands the correction to the 1-bit kernel, which applies it while it
     quantizes (one pass over the bucket): what it quantizes and the velocity it keeps are
     those of ``apply``."""
-    from ipydist.torch.training import onebit
+    from ipydist.torch.training.gradients import onebit
 
     ps_a, ps_b = params(2), params(2)
     opt_a = torch.optim.SGD(ps_a, lr=0.1, **settings)

@@ -1,5 +1,5 @@
-"""1-bit quantization with error feedback (ipydist.torch.training.onebit) on known vectors: pure
-arithmetic, no cluster."""
+"""1-bit quantization with error feedback (ipydist.torch.training.gradients.onebit) on known
+vectors: pure arithmetic, no cluster."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from ipydist.torch.training import onebit
+from ipydist.torch.training.gradients import onebit
 
 
 def test_one_group_on_a_known_vector():

@@ -1,6 +1,7 @@
-"""1-bit quantization in torch operations (ipydist.torch.training.onebit_torch), the path of
-buckets on a GPU, run here on CPU tensors against the numba path (ipydist.torch.training.onebit):
-the same bytes, levels, residuals, velocities and sums. Pure arithmetic, no cluster.
+"""1-bit quantization in torch operations (ipydist.torch.training.gradients.onebit_torch), the
+path of buckets on a GPU, run here on CPU tensors against the numba path
+(ipydist.torch.training.gradients.onebit): the same bytes, levels, residuals, velocities and sums.
+Pure arithmetic, no cluster.
 
 Two kinds of data. "Dyadic" values (few significant bits) make every group's float32 sums
 exact in any order, so the two paths must agree bit for bit in everything. On random values
@@ -14,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from ipydist.torch.training import onebit
-from ipydist.torch.training import onebit_torch as ot
+from ipydist.torch.training.gradients import onebit
+from ipydist.torch.training.gradients import onebit_torch as ot
 
 SIZES = [1, 7, 8, onebit.GROUP, onebit.GROUP + 1, 3 * onebit.GROUP + 1, 5000]
 
@@ -120,7 +121,7 @@ def test_nan_and_inf_levels_keep_their_high_half_as_numba_keeps_it():
     values = words.view(torch.float32)
     got = ot._to_bfloat16(values.clone()).view(torch.int32).tolist()
     want = np.ascontiguousarray(values.numpy()).copy()
-    from ipydist.torch.training import onebit_kernels
+    from ipydist.torch.training.gradients import onebit_kernels
 
     flat = want.view(np.uint32)
     for k in range(flat.size):

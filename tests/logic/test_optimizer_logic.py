@@ -23,8 +23,8 @@ from ipydist.rank import stack_sampler, watcher
 from ipydist.torch._core import process_group, topology, waiting
 from ipydist.torch._wire import call_check
 from ipydist.torch._wire.compression import Compression
-from ipydist.torch.training import buckets
 from ipydist.torch.training import optimizer as optimizer_module
+from ipydist.torch.training.gradients import buckets
 from ipydist.torch.training.optimizer import DistributedOptimizer
 from ipydist.torch.training.optimizer_options import OptimizerOptions
 
@@ -277,14 +277,14 @@ def gpu_like_buckets(world, monkeypatch, had: list[bool]):
 
 def test_on_a_gpu_the_step_waits_once_even_with_nothing_to_read(world, monkeypatch):
     params, plan, reads = gpu_like_buckets(world, monkeypatch, [True] * 4)
-    buckets.unpack(plan, Compression.none, 0.5, 1.0)
+    buckets.unpack(plan, 0.5, 1.0)
     assert reads == [0]  # a wait for the device: the step's one
     assert all(p.grad is not None for p in params)
 
 
 def test_on_a_gpu_the_flags_missing_here_are_read_at_once(world, monkeypatch):
     params, plan, reads = gpu_like_buckets(world, monkeypatch, [True, False, True, False])
-    buckets.unpack(plan, Compression.none, 0.5, 1.0)
+    buckets.unpack(plan, 0.5, 1.0)
     assert reads == [2]
     assert all(p.grad is not None for p in params)  # some rank had one (the fake read says)
 
@@ -294,7 +294,7 @@ def test_on_a_gpu_a_release_during_the_read_writes_nothing(world, monkeypatch):
     world.release()  # the read returns, as after an NCCL abort, and looks
     grads = [p.grad for p in params]
     with pytest.raises(RuntimeError, match="was released"):
-        buckets.unpack(plan, Compression.none, 0.5, 1.0)
+        buckets.unpack(plan, 0.5, 1.0)
     assert [p.grad for p in params] == grads  # the same tensors, and none made
 
 
@@ -382,7 +382,8 @@ def test_hooks_of_two_threads_launch_every_bucket_once_in_order(world):
     for t in threads:
         t.join()
     assert errors == []
-    order = [next(i for i, b in enumerate(opt._buckets) if b.wire is wire)
+    order = [next(i for i, b in enumerate(opt._buckets)
+                  if b.exchange is not None and b.exchange.wire is wire)
              for wire in world.launched]
     assert order == list(range(len(opt._buckets)))
     opt.step()
@@ -430,7 +431,7 @@ def test_a_hook_waiting_on_another_thread_is_named_and_a_first_release_frees_it(
         thread.join(5)
     assert not thread.is_alive()
     assert len(raised) == 1 and "was released" in str(raised[0])  # out of backward()
-    assert opt._next_launch == 0 and all(b.work is None for b in opt._buckets)
+    assert opt._next_launch == 0 and all(b.exchange is None for b in opt._buckets)
 
 
 def test_distributed_optimizer_takes_its_options_as_declared_in_horovod_s_order():

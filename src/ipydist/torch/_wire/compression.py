@@ -51,12 +51,13 @@ class BF16Compressor(Compressor):
 
 
 class OneBitCompressor(Compressor):
-    """1-bit SGD with error feedback (Seide et al. 2014; :mod:`ipydist.torch.training.onebit`): each
-    rank sends one bit per gradient value plus two bfloat16 reconstruction values per group
-    of 64 (summed by the owner of each stripe, not on the wire), and keeps what it did not
-    send for the next step; SGD's momentum is kept per rank before the quantizer
-    (:mod:`ipydist.torch.training.momentum_correction`). DistributedOptimizer only: the exchange is
-    an all-to-all then an allgather of 1-bit messages, not an allreduce."""
+    """1-bit SGD with error feedback (Seide et al. 2014;
+    :mod:`ipydist.torch.training.gradients.onebit`): each rank sends one bit per gradient value
+    plus two bfloat16 reconstruction values per group of 64 (summed by the owner of each
+    stripe, not on the wire), and keeps what it did not send for the next step; SGD's momentum
+    is kept per rank before the quantizer
+    (:mod:`ipydist.torch.training.gradients.momentum_correction`). DistributedOptimizer only:
+    the exchange is an all-to-all then an allgather of 1-bit messages, not an allreduce."""
 
     summed_by_ranks = True
 

@@ -1,16 +1,16 @@
 """``DistributedOptimizer``: any torch optimizer, with gradients averaged over ranks.
 
-Algorithm (data-parallel SGD, as in Horovod, Sergeev & Del Balso 2018, and PyTorch DDP, Li et
-al. 2020): parameters are packed into fused buckets, in reverse order of registration (roughly
-the order backward produces their gradients). When every gradient of a bucket has been
-accumulated, a hook starts an asynchronous allreduce of the whole bucket, so communication
-overlaps the rest of backward; ``step()`` waits for what is still in flight, writes the averaged
-gradients back, and runs the wrapped optimizer. Buckets are always launched in index order, so
-every rank issues the same collectives in the same order. A model whose gradients fit in one
-bucket gets no hooks at all: its single allreduce runs in ``step()``. How a bucket is packed,
-sent (over MPI or the process group) and unpacked is :mod:`ipydist.torch.training.buckets`; a
-parameter that got no gradient on some ranks never blocks the others (its bucket is sent with zeros
-by ``step()``), and one that got no gradient anywhere keeps ``grad = None``, as in one process.
+Algorithm (data-parallel SGD, as in Horovod, Sergeev & Del Balso 2018, and PyTorch DDP, Li et al.
+2020): parameters are packed into fused buckets, in reverse order of registration (roughly the
+order backward produces their gradients). When every gradient of a bucket has been accumulated, a
+hook starts an asynchronous allreduce of the whole bucket, so communication overlaps the rest of
+backward; ``step()`` waits for what is still in flight, writes the averaged gradients back, and
+runs the wrapped optimizer. Buckets are always launched in index order, so every rank issues the
+same collectives in the same order. A model whose gradients fit in one bucket gets no hooks at
+all: its single allreduce runs in ``step()``. How a bucket is packed, sent (over MPI or the
+process group) and unpacked is :mod:`ipydist.torch.training.gradients.buckets`; a parameter that
+got no gradient on some ranks never blocks the others (its bucket is sent with zeros by
+``step()``), and one that got no gradient anywhere keeps ``grad = None``, as in one process.
 
 Before the first bucket of each step leaves, the ranks check that they all send the same
 buckets (:mod:`ipydist.torch._wire.call_check`): a rank with a different model raises, with the
@@ -41,8 +41,8 @@ from ipydist.torch._wire.reduce_ops import Average, ReduceOp, Sum
 from ipydist.torch.horovod import join
 from ipydist.torch.horovod.basics import size
 from ipydist.torch.horovod.process_sets import ProcessSet, comms_for, global_process_set
-from ipydist.torch.training import buckets, momentum_correction
 from ipydist.torch.training import optimizer_options as options
+from ipydist.torch.training.gradients import buckets, momentum_correction
 from ipydist.torch.training.optimizer_options import DEFAULT_BUCKET_CAP_MB, OptimizerOptions
 from ipydist.torch.training.optimizer_state import CheckpointMixin
 from ipydist.torch.training.wrapping import OutsideTheSet, wrap
@@ -166,7 +166,7 @@ class _DistributedMixin(CheckpointMixin):
                 return
             b, i = self._slot[key]
             bucket = self._buckets[b]
-            if i in bucket.ready or bucket.work is not None:
+            if i in bucket.ready or bucket.exchange is not None:
                 raise RuntimeError(
                     f"the gradient of {self._names[key]} was computed again before step(): "
                     "call optimizer.step() (or synchronize()) after each backward, or pass "
@@ -247,8 +247,7 @@ class _DistributedMixin(CheckpointMixin):
                               bucket=self._names.get(id(bucket.params[0])),
                               parameters=len(bucket.params), bytes=bucket.sent_bytes)
         # written only once every bucket is in and the group is known usable (see unpack)
-        buckets.unpack(self._buckets, self._stepped_with, self._prescale, self._postscale,
-                       self._sparse_as_dense)
+        buckets.unpack(self._buckets, self._prescale, self._postscale, self._sparse_as_dense)
         self._next_launch = 0
         self._step_agreed = False
         self._passes_left = dict.fromkeys(self._passes_left, self._passes)
@@ -300,7 +299,7 @@ class _DistributedMixin(CheckpointMixin):
             return super().step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if any(b.work is not None for b in self._buckets):
+        if any(b.exchange is not None for b in self._buckets):
             raise RuntimeError(
                 "optimizer.zero_grad() was called after loss.backward() but before "
                 "optimizer.step() or optimizer.synchronize(); call zero_grad() before backward."

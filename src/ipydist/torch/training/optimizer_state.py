@@ -11,7 +11,7 @@ from ipydist.torch.training.wrapping import OptimizerMixinBase
 if TYPE_CHECKING:
     import torch
 
-    from ipydist.torch.training.buckets import Bucket
+    from ipydist.torch.training.gradients.buckets import Bucket
 
 #: Key of ipydist's own entries in the optimizer's state dict.
 _STATE_KEY = "ipydist"

@@ -12,17 +12,17 @@ Algorithm, for one rank's gradient ``g`` and the residual ``r`` it kept from the
    plus 32 bits per group, 1.5 bits per value with GROUP = 64, 1/21 of float32;
 4. it keeps ``r = x - reconstruct(bits, values)``: exactly what was not sent.
 
-The loops are compiled (:mod:`ipydist.torch.training.onebit_kernels`) for buckets on the CPU; a
-bucket on a GPU is quantized there by the same arithmetic in torch operations
-(:mod:`ipydist.torch.training.onebit_torch`), into the same messages. This module is the format,
-the stripes and their bookkeeping.
+The loops are compiled (:mod:`ipydist.torch.training.gradients.onebit_kernels`) for buckets on the
+CPU; a bucket on a GPU is quantized there by the same arithmetic in torch operations
+(:mod:`ipydist.torch.training.gradients.onebit_torch`), into the same messages. This module is the
+format, the stripes and their bookkeeping.
 
 Why groups of 64 with bfloat16 levels (measured by ``benchmarks/onebit_accuracy.py``, a
 one-process emulation of this exchange on 4 ranks, digits MLP and CNN, SGD with momentum 0.9
 at full precision's learning rate, 30 epochs, mean of 4 seeds; full precision 0.969 and
-0.981): the coarser the groups, the further the reconstruction of a group's small values is
-from them, and the larger the residual that momentum then amplifies. Even with momentum
-before the quantizer (:mod:`ipydist.torch.training.momentum_correction`), groups of 512 (1.06 bits
+0.981): the coarser the groups, the further the reconstruction of a group's small values is from
+them, and the larger the residual that momentum then amplifies. Even with momentum before the
+quantizer (:mod:`ipydist.torch.training.gradients.momentum_correction`), groups of 512 (1.06 bits
 per value, as built first) trained the MLP to 0.23 and the CNN to 0.91, groups of 128 to 0.92 and
 0.981, groups of 64 to 0.974 and 0.982. bfloat16 levels keep float32's range (no overflow for
 large gradients, no flush to zero for small ones), and their rounding goes to the residual.
@@ -32,7 +32,7 @@ owns a stripe, sums the ranks' messages for it in rank order and quantizes the s
 a residual of its own, and every rank decodes every owner's message. So the averaged gradient
 is bit-identical on every rank, and each rank sends about 1/21 of a float32 allreduce's bytes
 whatever the number of ranks. This module is the arithmetic only (no communication):
-:mod:`ipydist.torch.training.onebit_exchange` moves the messages.
+:mod:`ipydist.torch.training.gradients.onebit_exchange` moves the messages.
 """
 
 from __future__ import annotations
@@ -69,8 +69,9 @@ def groups(numel: int) -> int:
 
 
 def _kernels():
-    """The compiled loops (:mod:`ipydist.torch.training.onebit_kernels`), imported on first use."""
-    from ipydist.torch.training import onebit_kernels
+    """The compiled loops (:mod:`ipydist.torch.training.gradients.onebit_kernels`), imported on
+    first use."""
+    from ipydist.torch.training.gradients import onebit_kernels
 
     return onebit_kernels
 
@@ -106,8 +107,9 @@ def quantize_with_feedback(grad: torch.Tensor, residual: torch.Tensor,
 
 @dataclass
 class Momentum:
-    """SGD's momentum kept before the quantizer (:mod:`ipydist.torch.training.momentum_correction`),
-    for ``quantize_with_feedback`` to apply on the way: the velocity, where the new one goes,
+    """SGD's momentum kept before the quantizer
+    (:mod:`ipydist.torch.training.gradients.momentum_correction`), for
+    ``quantize_with_feedback`` to apply on the way: the velocity, where the new one goes,
     momentum, ``1 - dampening`` and Nesterov."""
 
     velocity: torch.Tensor

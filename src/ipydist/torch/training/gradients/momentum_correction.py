@@ -35,7 +35,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ipydist.torch.training.onebit import Momentum
+from ipydist.torch.training.gradients.onebit import Momentum
 
 #: SGD's settings that the correction applies before the quantizer, set aside in its step.
 _APPLIED_BEFORE = {"momentum": 0.0, "weight_decay": 0.0, "maximize": False, "nesterov": False}

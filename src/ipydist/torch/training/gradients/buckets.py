@@ -19,17 +19,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ipydist.torch._core import topology, waiting
 from ipydist.torch._wire import transport
 from ipydist.torch._wire.compression import Compression, Compressor
-from ipydist.torch._wire.starts import torch_group_of
-from ipydist.torch.training.momentum_correction import MomentumCorrection
-from ipydist.torch.training.onebit_exchange import OneBitExchange
+from ipydist.torch.training.gradients.exchanges import Exchange, InPlace, Packed, dense
+from ipydist.torch.training.gradients.momentum_correction import MomentumCorrection
+from ipydist.torch.training.gradients.onebit_exchange import OneBitExchange
 
 #: Cap of the first bucket (DDP's too): small, so communication starts early in backward.
 FIRST_BUCKET_MB = 1.0
@@ -48,23 +46,14 @@ class Bucket:
     params: list[torch.nn.Parameter]
     numel: int
     ready: set[int] = field(default_factory=set)
-    #: The allreduce in flight: a torch Work, an MPI chain (``mpi``), or the 1-bit exchange.
-    work: Any = None
-    mpi: bool = False
+    #: This step's exchange, in flight (None between steps): how the gradients travel, with
+    #: its own state (:mod:`ipydist.torch.training.gradients.exchanges`).
+    exchange: Exchange | None = None
     #: One large parameter (OWN_BUCKET_BYTES): over MPI, uncompressed, its gradient travels in
-    #: place (``sent``), followed by its had-gradient flag (``flag``).
+    #: place (:class:`~ipydist.torch.training.gradients.exchanges.InPlace`).
     own: bool = False
-    sent: torch.Tensor | None = None
-    flag: torch.Tensor | None = None
-    wire: torch.Tensor | None = None
-    ctx: object = None
     buffer: torch.Tensor | None = None  # gradients, then one had-gradient flag per parameter
     views: list[torch.Tensor] = field(default_factory=list)
-    #: Whether this rank had a gradient for each parameter, as the last launch found.
-    had: list[bool] = field(default_factory=list)
-    #: What ``receive`` took for ``write``: one flat piece per parameter, and whether some
-    #: rank had a gradient for it (True, a summed flag, or None: to read).
-    staged: tuple[list, list] | None = None
     #: Compression.onebit: the bucket's exchange and the residuals it keeps between steps.
     onebit: OneBitExchange | None = None
     #: Compression.onebit with SGD's momentum: the momentum kept on this rank, before the
@@ -86,18 +75,33 @@ class Bucket:
     # --- sending ------------------------------------------------------------------------------
 
     def launch(self, compression: type[Compressor], prescale: float, group=None) -> None:
-        """Start this bucket's allreduce (the caller has checked the step with the others)
-        among every rank, or a process set's (``group``: its communicators)."""
+        """Start this bucket's exchange (the caller has checked the step with the others)
+        among every rank, or a process set's (``group``: its communicators): the way is chosen
+        here, once a step, and the exchange keeps what it needs."""
         self.launched = time.perf_counter()
+        exchange: Exchange
         if self.travels_in_place(compression, group):
-            self._launch_in_place(group)
-            return
+            exchange = InPlace(self.params[0], group)
+        else:
+            flat, had = self._pack(prescale)
+            if compression.summed_by_ranks:  # 1-bit: the bucket's exchange, kept
+                onebit = self.onebit_exchange()
+                onebit.start(flat)
+                exchange = onebit
+            else:
+                exchange = Packed(flat, self.numel, self.views, had, compression, group)
+        self.exchange = exchange
+        self.sent_bytes = exchange.sent_bytes
+
+    def _pack(self, prescale: float) -> tuple[torch.Tensor, list[bool]]:
+        """The gradients (scaled) copied into the bucket's buffer, then this rank's
+        had-gradient flags; and those flags."""
         if self.buffer is None:
             self.allocate()
         flat = self.buffer
         assert flat is not None  # allocate made it
-        grads = [_dense(p.grad) for p in self.params]
-        self.had = [g is not None for g in grads]
+        grads = [dense(p.grad) for p in self.params]
+        had = [g is not None for g in grads]
         if len(grads) > 8 and self.numel < 65536 * len(grads):
             # many small tensors: one cat and one scale beat a dispatch per tensor
             torch.cat(
@@ -116,35 +120,14 @@ class Bucket:
                     torch.mul(g, prescale, out=view)
                 else:
                     view.copy_(g)
-        _mark(flat[self.numel:], self.had)
-        if compression.summed_by_ranks:
-            self._launch_onebit(flat)
-            return
-        self.wire, self.ctx = compression.compress(flat)
-        self._count("allreduce", group, self.wire)
-        self.mpi = transport.uses_mpi(self.wire, group)
-        if self.mpi:
-            self.work = transport.start_allreduce(self.wire, group=group)
-        else:
-            self.work = dist.all_reduce(self.wire, op=dist.ReduceOp.SUM, async_op=True,
-                                        group=torch_group_of(group, self.wire))
+        _mark(flat[self.numel:], had)
+        return flat, had
 
     def travels_in_place(self, compression: type[Compressor], group=None) -> bool:
         """Whether the bucket's one gradient travels in its own memory (the same answer on
         every rank: the call check made the plan, dtype, device and compression equal)."""
         return (self.own and compression is Compression.none
                 and transport.uses_mpi(self.params[0], group))
-
-    def _launch_in_place(self, group=None) -> None:
-        p = self.params[0]
-        grad = _dense(p.grad)
-        self.had = [grad is not None]
-        self.sent = torch.zeros_like(p) if grad is None else (
-            grad if grad.is_contiguous() else grad.contiguous())
-        self.flag = torch.tensor([float(grad is not None)], dtype=p.dtype)
-        self._count("allreduce", group, self.sent, self.flag)
-        self.mpi = True
-        self.work = transport.start_allreduce(self.sent, also=[self.flag], group=group)
 
     def onebit_exchange(self) -> OneBitExchange:
         """The bucket's 1-bit exchange, made with zero residuals on first use."""
@@ -155,70 +138,27 @@ class Bucket:
                                          self.correction)
         return self.onebit
 
-    def _launch_onebit(self, flat: torch.Tensor) -> None:
-        """1-bit: quantize gradients plus residual, and exchange the messages by stripes,
-        where the bucket lies (a GPU bucket on the GPU: see ``onebit_exchange``)."""
-        exchange = self.onebit_exchange()  # self.onebit
-        self.sent_bytes = exchange.start(flat)
-        self.work, self.mpi = exchange, exchange.mpi
-
-    def _count(self, collective: str, group, *tensors: torch.Tensor) -> None:
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        owner = topology.get() if group is None else group
-        assert owner is not None  # a step runs on a rank
-        self.sent_bytes = transport.bytes_sent(collective, nbytes, owner.size)
-
     def progress(self) -> bool:
-        """Let an MPI allreduce move on (MPI moves it only inside its calls); True once done
+        """Let the exchange move on (MPI moves it only inside its calls); True once done
         (a gloo one moves by itself: True)."""
-        if self.work is self.onebit:
-            return self.onebit.progress()
-        return not self.mpi or transport.progress(self.work)
+        assert self.exchange is not None  # launched
+        return self.exchange.progress()
 
     # --- receiving ----------------------------------------------------------------------------
 
     def finish(self) -> None:
-        """Wait for the allreduce (a release ends the wait). On a GPU the wait only orders the
+        """Wait for the exchange (a release ends the wait). On a GPU the wait only orders the
         device's stream after it: :func:`unpack` is where the host waits for the device."""
-        if self.work is self.onebit:
-            self.onebit.finish()
-        elif self.mpi:
-            transport.finish(self.work)
-        else:
-            assert self.wire is not None  # what launch sent over the group
-            waiting.wait_for(self.work, on_device=self.wire.device.type != "cpu")
+        assert self.exchange is not None  # launched
+        self.exchange.finish()
 
-    def receive(self, compression: type[Compressor]) -> list[torch.Tensor]:
-        """Take the finished allreduce's result for :meth:`write`, decompressed where it lies
+    def receive(self) -> list[torch.Tensor]:
+        """Take the finished exchange's result for :meth:`write`, decompressed where it lies
         (on a GPU only queued: nothing is read here), and return the summed had-gradient
         flags this rank must read: those of the parameters it had no gradient for (where it
         had one, some rank had)."""
-        if self.sent is not None:
-            assert self.flag is not None  # sent with it
-            self.staged = [self.sent], [True if self.had[0] else None]
-            return [] if self.had[0] else [self.flag[0]]
-        onebit = self.onebit
-        if onebit is not None and self.work is onebit:
-            total, had_grad = onebit.result()  # on the bucket's device
-            self.staged = total.split([p.numel() for p in self.params]), list(had_grad)
-            return []
-        flat = self._decompressed(compression)
-        views = self.views if flat is self.buffer else flat[:self.numel].split(
-            [p.numel() for p in self.params])
-        flags = flat[self.numel:]
-        self.staged = views, [True if had else None for had in self.had]
-        return [flags[i] for i, had in enumerate(self.had) if not had]
-
-    def _decompressed(self, compression: type[Compressor]) -> torch.Tensor:
-        """The received buffer in the gradients' dtype. A cast back (fp16, bf16) goes into the
-        bucket's own buffer, free since the cast out: a new tensor would stay alive, with
-        every other bucket's, until the step's last bucket is in (:func:`unpack`)."""
-        if self.wire is self.buffer:
-            return self.buffer
-        assert self.buffer is not None  # the wire is made from it
-        if compression.decompress is Compressor.decompress and self.ctx == self.buffer.dtype:
-            return self.buffer.copy_(self.wire)
-        return compression.decompress(self.wire, self.ctx)
+        assert self.exchange is not None  # finished
+        return self.exchange.to_read()
 
     def write(self, flags: list, prescale: float, postscale: float,
               sparse_as_dense: bool = False) -> None:
@@ -226,19 +166,13 @@ class Bucket:
         (``flags``: the values of what :meth:`receive` asked to read, in its order); a sparse
         one (it was sent dense) comes back sparse, as Horovod hands it back. Only once the
         group is known usable (:func:`unpack`)."""
-        assert self.staged is not None  # receive staged it
-        values, had = self.staged
-        read = iter(flags)
-        had = [(next(read) if h is None else h) > 0 for h in had]
-        if self.sent is not None:
-            self._write_in_place(had[0], prescale * postscale, sparse_as_dense)
-        else:
-            self._write(values, had, postscale, sparse_as_dense)
+        assert self.exchange is not None  # received
+        self.exchange.write(self, flags, prescale, postscale, sparse_as_dense)
+        self.abandon()
 
-    def _write(self, values, had_grad: list[bool], postscale: float,
-               sparse_as_dense: bool) -> None:
+    def write_gradients(self, values, had_grad: list[bool], postscale: float) -> None:
         """Each parameter's averaged gradient from ``values`` (one flat piece per parameter),
-        where some rank had a gradient."""
+        where some rank had a gradient (what the packed and the 1-bit exchanges write)."""
         grads, sources, sparse = [], [], []
         for p, value, had in zip(self.params, values, had_grad):
             if had:
@@ -256,32 +190,17 @@ class Bucket:
                 [p.grad for p, had in zip(self.params, had_grad) if had], postscale)
         for p in sparse:  # back to the layout it came in: its rows
             p.grad = p.grad.to_sparse(1)
-        self.abandon()
-
-    def _write_in_place(self, had: bool, scale: float, sparse_as_dense: bool) -> None:
-        p, sent = self.params[0], self.sent
-        if had:  # some rank had a gradient
-            was_sparse = p.grad is not None and p.grad.is_sparse
-            if p.grad is None or was_sparse:
-                p.grad = sent
-            elif sent is not p.grad:
-                p.grad.copy_(sent)
-            if scale != 1.0:
-                p.grad.mul_(scale)
-            if was_sparse:
-                p.grad = p.grad.to_sparse(1)
-        self.abandon()
 
     def abandon(self) -> None:
         """Forget what is in flight (done, or void after a release) and the gradients seen."""
         if self.onebit is not None:
             self.onebit.abandon()
-        self.work = self.wire = self.ctx = self.sent = self.flag = self.staged = None
+        self.exchange = None
         self.ready.clear()
 
 
-def unpack(buckets: list[Bucket], compression: type[Compressor], prescale: float,
-           postscale: float, sparse_as_dense: bool = False) -> None:
+def unpack(buckets: list[Bucket], prescale: float, postscale: float,
+           sparse_as_dense: bool = False) -> None:
     """Write the averaged gradients of every finished bucket, once the group is known usable.
 
     The flags this rank must read are read at once, one read per device; on a GPU that read
@@ -291,7 +210,7 @@ def unpack(buckets: list[Bucket], compression: type[Compressor], prescale: float
     gradients half reduced, and the resync would spread rank 0's. A release after the check
     finds the step's data complete.
     """
-    wanted = [bucket.receive(compression) for bucket in buckets]
+    wanted = [bucket.receive() for bucket in buckets]
     read = _read([f for flags in wanted for f in flags],
                  {bucket.params[0].device for bucket in buckets})
     waiting.check_usable()  # after the last read, before the first write
@@ -328,12 +247,6 @@ def _mark(flags: torch.Tensor, had: list[bool]) -> None:
         elif h and start is not None:
             flags[start:i].zero_()
             start = None
-
-
-def _dense(grad: torch.Tensor | None) -> torch.Tensor | None:
-    """A gradient as it travels: sparse ones (``nn.Embedding(sparse=True)``) as dense, as
-    Horovod's ``sparse_as_dense`` sends them."""
-    return grad.to_dense() if grad is not None and grad.is_sparse else grad
 
 
 def alone_rule(compression: type[Compressor], distributed_after: int = 0, group=None):

@@ -1,25 +1,25 @@
 """One gradient bucket's 1-bit exchange over MPI or the process group, and the residuals it
-keeps between steps (the arithmetic is :mod:`ipydist.torch.training.onebit`).
+keeps between steps (the arithmetic is :mod:`ipydist.torch.training.gradients.onebit`).
 
 A step: this rank quantizes its gradients plus its residual, one message per stripe, and sends
 each stripe's owner its message (an all-to-all); each owner sums the messages of its stripe,
 quantizes the sum plus its owner residual, and every rank gathers every owner's message (an
-allgather) and decodes the whole sum. Both residuals (and the velocity of a momentum
-correction, :mod:`ipydist.torch.training.momentum_correction`) take their new values only when the
+allgather) and decodes the whole sum. Both residuals (and the velocity of a momentum correction,
+:mod:`ipydist.torch.training.gradients.momentum_correction`) take their new values only when the
 step completes, so a step that a release abandons leaves them as the last completed step did.
 
-Where a bucket lies decides the rest. On the CPU the numba loops quantize and MPI (or gloo)
-moves the messages. On a GPU the torch operations of
-:mod:`ipydist.torch.training.onebit_torch` quantize in the GPU's memory, the same messages
-byte for byte, and torch.distributed moves them on the device: with NCCL, the all-to-all, the
-owner's step, the allgather and the decoding are all queued from the gradient hook on a side
-stream, with no wait on the host, and ``finish`` only makes the step's stream wait for that
-one (DDP's overlap: backward's own kernels never wait for the network). The messages are not
-copied to the host for MPI: that copy would make the hook wait for the GPU, and MPI here carries
-CPU tensors only, where NCCL takes GPU memory directly. The one wait on the host is at
-``step()``: the had-gradient flags are read back to decide which gradients stay ``None`` (as
-the full-precision path reads them). A backend that is not NCCL (gloo on GPU tensors) runs the
-owner's step and the allgather in ``finish``, as gloo does on the CPU.
+Where a bucket lies decides the rest. On the CPU the numba loops quantize and MPI (or gloo) moves
+the messages. On a GPU the torch operations of
+:mod:`ipydist.torch.training.gradients.onebit_torch` quantize in the GPU's memory, the same
+messages byte for byte, and torch.distributed moves them on the device: with NCCL, the all-to-all,
+the owner's step, the allgather and the decoding are all queued from the gradient hook on a side
+stream, with no wait on the host, and ``finish`` only makes the step's stream wait for that one
+(DDP's overlap: backward's own kernels never wait for the network). The messages are not copied to
+the host for MPI: that copy would make the hook wait for the GPU, and MPI here carries CPU tensors
+only, where NCCL takes GPU memory directly. The one wait on the host is at ``step()``: the
+had-gradient flags are read back to decide which gradients stay ``None`` (as the full-precision
+path reads them). A backend that is not NCCL (gloo on GPU tensors) runs the owner's step and the
+allgather in ``finish``, as gloo does on the CPU.
 """
 
 from __future__ import annotations
@@ -33,15 +33,15 @@ import torch.distributed as dist
 from ipydist.torch._core import process_group, waiting
 from ipydist.torch._wire import transport
 from ipydist.torch._wire.starts import torch_group_of
-from ipydist.torch.training import onebit, onebit_torch
-from ipydist.torch.training.momentum_correction import MomentumCorrection
+from ipydist.torch.training.gradients import onebit, onebit_torch
+from ipydist.torch.training.gradients.momentum_correction import MomentumCorrection
 
 
 class Arithmetic(Protocol):
     """The 1-bit arithmetic of one device kind, one module each with the same message format
-    byte for byte: :mod:`~ipydist.torch.training.onebit` (numba loops, the CPU) and
-    :mod:`~ipydist.torch.training.onebit_torch` (torch operations, a GPU; the CPU in tests).
-    The exchange picks one per step, by where the bucket lies; the type check holds both
+    byte for byte: :mod:`~ipydist.torch.training.gradients.onebit` (numba loops, the CPU) and
+    :mod:`~ipydist.torch.training.gradients.onebit_torch` (torch operations, a GPU; the CPU in
+    tests). The exchange picks one per step, by where the bucket lies; the type check holds both
     modules to these three functions."""
 
     def quantize_stripes(self, x: torch.Tensor, extra: torch.Tensor, residual: torch.Tensor,
@@ -100,6 +100,9 @@ class OneBitExchange:
         self._ops: Arithmetic = onebit
         self._stream: torch.cuda.Stream | None = None  # NCCL: where the exchange is queued
         self._result: tuple | None = None  # the decoded sum, once queued or computed
+        self._staged: tuple | None = None  # the sum and the summed flags, for write
+        #: What this rank sent in the last step (``transport.bytes_sent``'s model).
+        self.sent_bytes = 0
 
     def _place(self, device: torch.device) -> None:
         """Move the residuals and buffers to ``device`` (once: the first step, or the first
@@ -146,8 +149,9 @@ class OneBitExchange:
                 waiting.wait_for(self.work, on_device=True)  # the side stream waits, not the host
                 self._gather()
                 self._result = self._ops.assemble(gathered, self.numel, self.extra, self._total)
-        return (transport.bytes_sent("alltoall", send.numel(), self.world)
-                + transport.bytes_sent("allgather", send.shape[1], self.world))
+        self.sent_bytes = (transport.bytes_sent("alltoall", send.numel(), self.world)
+                           + transport.bytes_sent("allgather", send.shape[1], self.world))
+        return self.sent_bytes
 
     def _quantize(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's message for each stripe (what ``start`` sends)."""
@@ -214,6 +218,23 @@ class OneBitExchange:
         self.work = None
         self._buffers = {}
         self._result = None
+        self._staged = None
+
+    # --- as a bucket's exchange (exchanges.Exchange) ---------------------------------------
+
+    def to_read(self) -> list[torch.Tensor]:
+        """Take the sum (see :meth:`result`); the flags come with it, summed: none to read."""
+        total, had = self.result()
+        self._staged = total, had
+        return []
+
+    def write(self, bucket: Any, flags: list, prescale: float, postscale: float,
+              sparse_as_dense: bool) -> None:
+        assert self._staged is not None  # to_read staged it
+        total, had = self._staged
+        self._staged = None
+        bucket.write_gradients(total.split([p.numel() for p in bucket.params]),
+                               [h > 0 for h in had], postscale)
 
     # --- checkpoints --------------------------------------------------------------------------
 

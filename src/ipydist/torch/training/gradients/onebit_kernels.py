@@ -4,12 +4,14 @@ took about 17 passes over a bucket's memory (a comparison, a mask, sums, a selec
 subtraction, each its own pass), three times the time of these loops on
 ``benchmarks/compression.py``'s model, where the step's time is bounded by memory, not
 arithmetic. That is on a CPU: on a GPU the torch operations are the path
-(:mod:`ipydist.torch.training.onebit_torch`, the same messages), as they run in GPU memory.
+(:mod:`ipydist.torch.training.gradients.onebit_torch`, the same messages), as they run in
+GPU memory.
 
-The format is :mod:`ipydist.torch.training.onebit`'s: value ``i`` of a message is bit ``i % 8`` of
-byte ``i // 8`` (set where the value is >= 0), and group ``k`` of ``group`` values has two levels,
-``levels[k, 0]`` for a 0 bit and ``levels[k, 1]`` for a 1 bit, means rounded to bfloat16 (to
-nearest, ties to even). Imported on first use: numba's import is kept off the ranks' start.
+The format is :mod:`ipydist.torch.training.gradients.onebit`'s: value ``i`` of a message is bit
+``i % 8`` of byte ``i // 8`` (set where the value is >= 0), and group ``k`` of ``group`` values
+has two levels, ``levels[k, 0]`` for a 0 bit and ``levels[k, 1]`` for a 1 bit, means rounded to
+bfloat16 (to nearest, ties to even). Imported on first use: numba's import is kept off the ranks'
+start.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """1-bit quantization in torch operations, for buckets on a GPU: the format and arithmetic of
-:mod:`ipydist.torch.training.onebit` (whose numba loops run on the CPU only), so that a bucket
-on a GPU is quantized, packed, decoded and summed where it lies. Copying it to the host each
-step (as 1-bit did first) cost a blocking copy of the whole bucket inside the gradient hook,
+:mod:`ipydist.torch.training.gradients.onebit` (whose numba loops run on the CPU only), so that a
+bucket on a GPU is quantized, packed, decoded and summed where it lies. Copying it to the host
+each step (as 1-bit did first) cost a blocking copy of the whole bucket inside the gradient hook,
 and the numba loops a CPU core, where the GPU does the same passes in microseconds.
 
 What makes the messages the CPU path's, bit for bit:
@@ -30,7 +30,7 @@ Groups are independent and stripes are whole groups, so a rank quantizes its who
 once and cuts the messages from the result: one set of kernels per bucket, not per stripe.
 Nothing here reads a value back to the host (no ``.item()``, no mask indexing, no tensor made
 from a Python list on the device), so a bucket is quantized inside the gradient hook with no
-synchronization; :mod:`ipydist.torch.training.onebit_exchange` moves the messages.
+synchronization; :mod:`ipydist.torch.training.gradients.onebit_exchange` moves the messages.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ipydist.torch.training import onebit
-from ipydist.torch.training.onebit import GROUP, LEVEL_BYTES, Momentum, groups
+from ipydist.torch.training.gradients import onebit
+from ipydist.torch.training.gradients.onebit import GROUP, LEVEL_BYTES, Momentum, groups
 
 
 @dataclass
@@ -92,8 +92,8 @@ def _corrected(grad: torch.Tensor, momentum: Momentum, x: torch.Tensor) -> None:
 def quantize_with_feedback(grad: torch.Tensor, residual: torch.Tensor,
                            out: torch.Tensor | None = None,
                            momentum: Momentum | None = None) -> QuantizedTensors:
-    """:func:`ipydist.torch.training.onebit.quantize_with_feedback` on ``grad``'s device: the
-    message for ``grad + residual`` (or the momentum correction's value for ``grad``, plus
+    """:func:`ipydist.torch.training.gradients.onebit.quantize_with_feedback` on ``grad``'s device:
+    the message for ``grad + residual`` (or the momentum correction's value for ``grad``, plus
     ``residual``), what it does not carry written to ``out`` (``residual`` when not given)."""
     grad = grad.detach().reshape(-1).to(torch.float32)
     out = residual if out is None else out
