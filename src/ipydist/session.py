@@ -79,6 +79,16 @@ class Session:
         self.last_cell_number = 0
         self._stop_at_exit_registered = False
 
+    def __setattr__(self, name: str, value) -> None:
+        """A start option set on the session would be ignored (the session reads
+        ``self.options``): refused, saying how to change it."""
+        if name in _OPTION_NAMES:
+            raise AttributeError(
+                f"{name} is a start option, kept in session.options: pass it when making the "
+                f"session (Session({name}=...)), or change it with session.options = "
+                f"session.options.changed({name}=...).")
+        super().__setattr__(name, value)
+
     # --- lifecycle ---------------------------------------------------------------------------
 
     @property
@@ -363,6 +373,10 @@ class Session:
         buttons). See :mod:`ipydist.notebook.live.cluster_view`."""
         self._require_running(alive=False)
         return self.monitor.open_view()
+
+
+#: The start options' names, which :meth:`Session.__setattr__` refuses.
+_OPTION_NAMES = frozenset(option.name for option in fields(StartOptions))
 
 
 def _signature_of_options(init):
