@@ -61,8 +61,7 @@ class Session:
     def __init__(self, options: StartOptions | None = None, /, **given):
         #: What the user asked for (``%dist_start``'s options), checked; a restart starts
         #: with them again, and ``scale()`` changes ``np`` in them.
-        self.options = options.changed(**given) if options is not None else \
-            StartOptions.of(**given)
+        self.options = (options or StartOptions()).changed(**given)
         #: Every point the ranks sent with ``hvd.log()``, in order (kept across restarts).
         self.metrics = MetricHistory()
         #: What the live cluster views show (``%dist_status --live``).
@@ -135,7 +134,7 @@ class Session:
             self._stop_at_exit_registered = True
         for attempt in (1, 2):
             progress = display.Progress()
-            cluster = self.cluster = Cluster(plan, plan.np, options.timeout)
+            cluster = self.cluster = Cluster(plan, options.timeout)
             try:
                 cluster.start(progress, started=t0)
                 break

@@ -367,19 +367,14 @@ class StartOptions:
             if parse is not None:
                 object.__setattr__(self, option.name, parse(getattr(self, option.name)))
 
-    @classmethod
-    def of(cls, **given: Any) -> StartOptions:
-        """The options from keyword arguments, an unknown name refused with the names there
-        are (``Session(nps=4)``)."""
-        names = [option.name for option in fields(cls)]
+    def changed(self, **given: Any) -> StartOptions:
+        """These options with some changed, checked as new ones are; an unknown name is
+        refused with the names there are (``Session(nps=4)``)."""
+        names = [option.name for option in fields(self)]
         unknown = [name for name in given if name not in names]
         if unknown:
             raise SpecError(f"{', '.join(unknown)}: no such start option; the options are "
                             f"{', '.join(names)}.")
-        return cls(**given)
-
-    def changed(self, **given: Any) -> StartOptions:
-        """These options with some changed (checked as new ones are)."""
         return replace(self, **given)
 
 

@@ -62,9 +62,9 @@ def profile_parent(plan: mpiexec.Plan) -> str | None:
 class Cluster:
     """The controller, mpiexec and its ranks, the client, and the watchdog of one cluster."""
 
-    def __init__(self, plan: mpiexec.Plan, np: int, timeout: float):
+    def __init__(self, plan: mpiexec.Plan, timeout: float):
         self.plan = plan
-        self.np = np
+        self.np = plan.np
         self.timeout = timeout
         #: Ranks released by a cell that ended before every rank stopped: the ranks recover
         #: (``recovery.recover``) before the next cell, once all are idle.

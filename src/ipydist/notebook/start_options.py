@@ -6,7 +6,7 @@ and the parsed arguments back as ``StartOptions``."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import MISSING, Field, fields
+from dataclasses import Field, fields
 from typing import Any
 
 from IPython.core.magic_arguments import argument, magic_arguments
@@ -19,7 +19,6 @@ def _arguments(option: Field[Any]) -> list[argument]:
     meta, flag = option.metadata, flag_of(option)
     if flag is None:
         return []
-    default = {} if option.default is MISSING else option.default
     if option.default is True:  # --no-init: a switch that turns the field off
         return [argument(flag, dest=option.name, action="store_false", help=meta["help"])]
     if meta["off"]:  # --elastic / --no-elastic, None when neither is given
@@ -30,7 +29,7 @@ def _arguments(option: Field[Any]) -> list[argument]:
     if meta["many"]:  # --env K=V K=V, or given twice
         return [argument(flag, dest=option.name, nargs="+", action="extend", default=[],
                          metavar=meta["metavar"], help=meta["help"])]
-    return [argument(flag, dest=option.name, default=default, metavar=meta["metavar"],
+    return [argument(flag, dest=option.name, default=option.default, metavar=meta["metavar"],
                      help=meta["help"])]
 
 
@@ -51,4 +50,4 @@ def options_of(args: argparse.Namespace, **defaults: Any) -> StartOptions:
     options the line left at None (the kernel's ``--np``)."""
     given = dict(vars(args))
     given.update({k: v for k, v in defaults.items() if given.get(k) is None})
-    return StartOptions.of(**given)
+    return StartOptions().changed(**given)

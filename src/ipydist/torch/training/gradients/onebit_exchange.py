@@ -120,9 +120,9 @@ class OneBitExchange:
         self.next_owner_residual = torch.empty_like(self.owner_residual)
         self._total = torch.empty(self.numel, dtype=torch.float32, device=device)
 
-    def start(self, flat: torch.Tensor) -> int:
-        """Start the exchange of ``flat`` (values, then extras); returns the bytes this rank
-        sends in it (``transport.bytes_sent``'s model)."""
+    def start(self, flat: torch.Tensor) -> None:
+        """Start the exchange of ``flat`` (values, then extras); :attr:`sent_bytes` is what
+        this rank sends in it (``transport.bytes_sent``'s model)."""
         device = flat.device
         on_cpu = device.type == "cpu" and not self.torch_on_cpu
         if on_cpu:  # each branch apart, so that the type check holds each module to it
@@ -151,7 +151,6 @@ class OneBitExchange:
                 self._result = self._ops.assemble(gathered, self.numel, self.extra, self._total)
         self.sent_bytes = (transport.bytes_sent("alltoall", send.numel(), self.world)
                            + transport.bytes_sent("allgather", send.shape[1], self.world))
-        return self.sent_bytes
 
     def _quantize(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's message for each stripe (what ``start`` sends)."""
