@@ -64,6 +64,12 @@ FORKSERVER_OWNER_ENV = "IPYDIST_FORKSERVER_OWNER"
 DEFAULT_PG_TIMEOUT = 600.0
 
 
+#: The first NCCL that lets several ranks of one communicator use the same GPU, when
+#: ``NCCL_MULTI_RANK_GPU_ENABLE=1`` (before it, NCCL refuses: "Duplicate GPU detected"): the
+#: ranks' choice of how CUDA tensors travel when they share GPUs, and ``ipydist doctor``'s.
+NCCL_SHARED_MODE = (2, 30)
+
+
 @dataclass(frozen=True)
 class RankConfig:
     """What every rank is told at start; :meth:`to_env` and :meth:`from_env` are inverses."""
@@ -258,6 +264,9 @@ class RankInfo:
     device: str = "cpu"
     backend: str = "(none)"
     transport: str = ""
+    #: How CUDA tensors travel when the ranks of its host share GPUs ("" when this rank has
+    #: a GPU of its own, or none): "nccl", "nccl-hostid", "gloo" or "mpi".
+    gpu_sharing: str = ""
     local_rank: int = 0
     local_size: int = 1
     cross_rank: int = 0

@@ -1,8 +1,11 @@
 """NCCL clusters on real GPUs (issue 29): CPU tensors beside NCCL, failures that leave no
 half-applied step and no rank killed by NCCL's watchdog, and the collectives on CUDA tensors.
 
-They need every GPU of the host (one rank per GPU, at least 2) and skip without. Run with
-``pytest -m gpu``.
+They use every GPU of the host, one rank per GPU and at least 2 ranks: on one GPU two ranks
+share it over NCCL (``--backend nccl``), by NCCL 2.30's shared mode where the machine's NCCL
+has it, else with each rank posing as a host of its own (``NCCL_HOSTID``: NCCL's socket
+transport), so NCCL's own behaviour (abort, watchdog) runs on the one GPU the tests are lent.
+Run with ``pytest -m gpu``.
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ from ipydist.errors import CellTimeout, RankError
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                       reason="needs 2 or more CUDA GPUs"),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
+
+#: One rank per GPU, at least 2: on one GPU both share it over NCCL (see the module's doc).
+RANKS = max(2, torch.cuda.device_count())
 
 MODEL = """%%everyrank
 import os, time, torch, torch.distributed as dist, ipydist.torch as hvd
@@ -63,13 +68,14 @@ def train(steps, raise_on=None, when=None, sleep_on=None):
 
 @pytest.fixture
 def nccl(shell, magics, capsys):
-    """Every GPU of the host, one rank each (NCCL), the tests' short failure grace."""
-    n = torch.cuda.device_count()
+    """Every GPU of the host, one rank each (at least 2), NCCL, the tests' short failure
+    grace."""
     s = magics.session
-    if s is None or not s.running or s.size != n or s.options.gpus != "auto":
+    if (s is None or not s.running or s.size != RANKS or s.options.gpus != "auto"
+            or s.options.backend != "nccl"):
         if s is not None and s.running:
             s.stop(quiet=True)
-        run_ok(shell, capsys, f"%dist_start --np {n} --gpus auto")
+        run_ok(shell, capsys, f"%dist_start --np {RANKS} --gpus auto --backend nccl")
     magics.session.options = magics.session.options.changed(failure_grace=1.0)
     run_ok(shell, capsys, MODEL)
     return magics.session
@@ -87,7 +93,7 @@ def _same_ranks_train_on(shell, capsys, session, pids) -> None:
 train(3)
 print("same:", same_everywhere(), os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"))
 """)
-    assert "[all ranks] same: True 2" in as_merged(out, torch.cuda.device_count()), out
+    assert "[all ranks] same: True 2" in as_merged(out, RANKS), out
 
 
 def test_the_group_serves_cuda_with_nccl_and_cpu_with_gloo(shell, capsys, nccl):
@@ -107,8 +113,8 @@ ok.append(c.eq(hvd.size()).all().item())
 ok.append(hvd.allgather_object(hvd.rank()) == list(range(hvd.size())))
 print("all right:", all(ok))
 """)
-    assert "[all ranks] cpu:gloo,cuda:nccl" in as_merged(out, torch.cuda.device_count()), out
-    assert "[all ranks] all right: True" in as_merged(out, torch.cuda.device_count()), out
+    assert "[all ranks] cpu:gloo,cuda:nccl" in as_merged(out, RANKS), out
+    assert "[all ranks] all right: True" in as_merged(out, RANKS), out
 
 
 @pytest.mark.parametrize("when", ["before backward", "after backward"])
@@ -120,7 +126,7 @@ def test_a_rank_that_raises_leaves_no_step_half_applied(shell, capsys, nccl, whe
     out = run_ok(shell, capsys, "%everyrank print('unchanged:', bool(weights().equal(start)), "
                                 "bool(weights().isfinite().all()))")
     # the first step of the cell never completed on any rank: nothing of it was applied
-    assert "[all ranks] unchanged: True True" in as_merged(out, torch.cuda.device_count()), out
+    assert "[all ranks] unchanged: True True" in as_merged(out, RANKS), out
     _same_ranks_train_on(shell, capsys, nccl, pids)
 
 
@@ -135,7 +141,7 @@ def test_the_stop_button_during_step_applies_nothing_of_it(shell, capsys, nccl):
     assert isinstance(result.error_in_exec, KeyboardInterrupt), err
     out = run_ok(shell, capsys, "%everyrank print('as before the step:', "
                                 "bool(weights().equal(before_step)))")
-    assert "[all ranks] as before the step: True" in as_merged(out, torch.cuda.device_count()), out
+    assert "[all ranks] as before the step: True" in as_merged(out, RANKS), out
     _same_ranks_train_on(shell, capsys, nccl, pids)
 
 
@@ -155,7 +161,7 @@ p = hvd.allreduce(torch.ones(4, device=hvd.device()), op=hvd.Sum, process_set=pa
     if hvd.rank() in (0, 1) else torch.full((4,), 2.0)
 print("sums:", s[0].item() == hvd.size(), p[0].item() == 2.0)
 """)
-    assert "[all ranks] sums: True True" in as_merged(out, torch.cuda.device_count()), out
+    assert "[all ranks] sums: True True" in as_merged(out, RANKS), out
     _same_ranks_train_on(shell, capsys, nccl, pids)
 
 
@@ -184,7 +190,7 @@ last = hvd.join()
 ok["join"] = last in range(n)
 print("bad:", sorted(k for k, v in ok.items() if not v))
 """)
-    assert "[all ranks] bad: []" in as_merged(out, torch.cuda.device_count()), out
+    assert "[all ranks] bad: []" in as_merged(out, RANKS), out
 
 
 def test_checkpoints_with_block_momentum_mid_block_on_cuda(shell, capsys, nccl, tmp_path):
@@ -211,8 +217,7 @@ others = [torch.cuda.memory_allocated(i) for i in range(torch.cuda.device_count(
 print("back:", all(torch.equal(a, b) for a, b in zip(local, net.parameters())),
       "others' GPUs untouched:", not any(others))
 """)
-    assert "[all ranks] back: True others' GPUs untouched: True" in as_merged(
-        out, torch.cuda.device_count()), out
+    assert "[all ranks] back: True others' GPUs untouched: True" in as_merged(out, RANKS), out
 
 
 def test_sync_batch_norm_on_cuda_against_one_batch_norm(shell, capsys, nccl):
@@ -256,4 +261,4 @@ big = torch.randn(32, 64, 56, 56, device=dev, requires_grad=True)
 ratio = peak(hvd.SyncBatchNorm(64).to(dev), big) / peak(torch.nn.BatchNorm2d(64).to(dev), big)
 print("ok:", max(errors.values()) < 1e-3, auto_dtype, ratio <= 1.5, errors, round(ratio, 2))
 """)
-    assert "[all ranks] ok: True True True" in as_merged(out, torch.cuda.device_count()), out
+    assert "[all ranks] ok: True True True" in as_merged(out, RANKS), out

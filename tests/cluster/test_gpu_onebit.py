@@ -1,7 +1,7 @@
 """1-bit SGD on CUDA buckets: quantized, exchanged (NCCL) and decoded on the GPU by the torch
 operations of ``onebit_torch``, queued from the gradient hooks with no wait on the host. Run
-with ``pytest -m gpu`` (one rank per GPU; one GPU is enough: its rank still goes through the
-whole exchange). tests/cluster/test_onebit_torch_path.py runs the same arithmetic on a CPU
+with ``pytest -m gpu`` (one rank per GPU, at least 2: on one GPU two ranks share it over NCCL,
+see test_gpu_nccl.py). tests/cluster/test_onebit_torch_path.py runs the same arithmetic on a CPU
 cluster, and tests/logic/test_onebit_torch_logic.py holds it to the numba path's bytes."""
 
 from __future__ import annotations
@@ -67,8 +67,10 @@ def train(model, opt, steps, first=0, strict_from=None):
 
 @pytest.fixture(scope="module")
 def gpu_session():
-    n = torch.cuda.device_count()
-    with ipydist.Session(np=n, gpus="auto") as s:
+    """One rank per GPU, at least 2 (sharing one GPU over NCCL where there is one), so that
+    the buckets' messages cross ranks."""
+    with ipydist.Session(np=max(2, torch.cuda.device_count()), gpus="auto",
+                         backend="nccl") as s:
         s.run(SETUP)
         yield s
 

@@ -173,8 +173,7 @@ def test_plan_device():
     assert device.plan_device("auto", 3, 4, 2, "gloo") == 1  # gloo may share GPUs
     with pytest.raises(LaunchError, match="asks for 2 GPU"):
         device.plan_device([0, 1], 0, 2, 1, "auto")
-    with pytest.raises(LaunchError, match="NCCL needs one GPU per rank"):
-        device.plan_device("auto", 0, 4, 2, "auto")
+    assert device.plan_device("auto", 3, 4, 2, "auto") == 1  # dealt round-robin
     with pytest.raises(LaunchError, match="--backend nccl needs GPUs"):
         device.plan_device("auto", 0, 1, 0, "nccl")
     assert device.resolve_backend("auto", 0) == "nccl"

@@ -53,8 +53,7 @@ def test_one_visible_gpu_per_rank_is_not_too_few():
     """Slurm's --gpus-per-task=1: each of 4 ranks sees one GPU, its own: device 0 each."""
     for rank in range(4):
         assert device.plan_device("auto", rank, 4, 1, "auto", own_gpus=True) == 0
-    with pytest.raises(LaunchError, match="NCCL needs one GPU per rank"):
-        device.plan_device("auto", 1, 4, 1, "auto")  # one GPU shared by 4 ranks
+    assert device.ranks_per_gpu(4, 1, own_gpus=True) == 1  # none of them shares
 
 
 @pytest.mark.parametrize(("gpus", "local_rank", "local_size", "count", "index"), [
@@ -120,7 +119,8 @@ def test_the_notebook_checks_gpus_per_rank_before_a_one_host_launch(monkeypatch)
     with pytest.raises(LaunchError, match=re.escape("(2 of --gpus 0,1)")):
         local_gpus.check_gpus_here([0, 1], "auto", 2, 2)
     monkeypatch.setattr(local_gpus, "list_gpus", lambda: [f"GPU {i}: A" for i in range(8)])
-    assert local_gpus.default_np(2) == 4
+    assert local_gpus.default_np("auto", 2, "0,1,2,3") == 2  # 4 inherited GPUs, 2 each
+    assert local_gpus.default_np("auto", 2, None) == 4  # the host's 8
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "two", "1.5", True])

@@ -21,6 +21,7 @@ from ipydist.cli.checks import FAIL, NOTE, OK, Check
 from ipydist.cli.hostcheck import check_hosts
 from ipydist.errors import LaunchError
 from ipydist.notebook.launch import local_gpus, mpiexec
+from ipydist.protocol import NCCL_SHARED_MODE
 from ipydist.session import Session
 
 MIN_PYTHON = (3, 10)
@@ -69,7 +70,20 @@ def check_gpus() -> Check:
                      "install a CUDA build of torch that matches the driver "
                      "(https://pytorch.org/get-started/locally/).")
     return Check(OK, "GPUs", f"{len(gpus)}: {gpus[0].split(' (UUID')[0]}"
-                 + (" ..." if len(gpus) > 1 else "") + "; one rank per GPU, NCCL")
+                 + (" ..." if len(gpus) > 1 else "") + "; one rank per GPU, NCCL"
+                 + _sharing(torch))
+
+
+def _sharing(torch) -> str:
+    """What ranks beyond the GPUs do on this machine's NCCL (docs/gpus.md)."""
+    try:
+        version = tuple(torch.cuda.nccl.version())
+    except Exception:
+        return "; more ranks share the GPUs over gloo"
+    shown = ".".join(map(str, version))
+    if version[:2] >= NCCL_SHARED_MODE:
+        return f" {shown}; more ranks share the GPUs over NCCL's shared mode"
+    return f" {shown}; more ranks share the GPUs over gloo (NCCL shares one from 2.30)"
 
 
 def check_mpiexec() -> Check:

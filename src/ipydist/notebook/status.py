@@ -62,16 +62,54 @@ def cluster_status(cluster, restart: str) -> StatusTable:
                         cluster.plan.command_name)
 
 
-def start_table(ranks: list[RankInfo], seconds: float) -> display.Table:
+def start_table(ranks: list[RankInfo], seconds: float) -> StatusTable:
     """The table after a start. Its caption is short: in HTML a caption is as wide as the
-    table, so a longer one wraps (the columns already say the backend and the ranks)."""
+    table, so a longer one wraps (the columns already say the backend and the ranks); ranks
+    that share GPUs get one line under it (:func:`sharing_note`)."""
     rows = [[i.rank, i.host, i.pid, i.device, i.backend, i.transport]
             for i in grouped_by_host(ranks)]
     hosts = len({i.host for i in ranks})
     where = f" on {hosts} hosts" if hosts > 1 else ""
     caption = f"{len(ranks)} ranks{where} ready in {seconds:.1f} s"
-    return display.Table(["rank", "host", "pid", "device", "backend", "transport"], rows,
-                         caption)
+    return StatusTable(["rank", "host", "pid", "device", "backend", "transport"], rows,
+                       caption, sharing_note(ranks))
+
+
+#: What each way of sharing a GPU costs (``RankInfo.gpu_sharing``), in the start table's
+#: words; the figures are docs/gpus.md's (2 ranks on one H100).
+SHARING_COSTS = {
+    "nccl": "CUDA tensors travel by NCCL's shared mode (NCCL_MULTI_RANK_GPU_ENABLE)",
+    "nccl-hostid": "CUDA tensors travel by NCCL over its socket transport, each rank posing "
+                   "as a host of its own (NCCL_HOSTID: this NCCL has no shared mode; a 64 MB "
+                   "allreduce took 37 ms on an H100)",
+    "gloo": "CUDA tensors travel by gloo through host memory (a 64 MB allreduce took 42 ms "
+            "on an H100; NCCL 2.30 or later would share the GPU directly)",
+    "mpi": "CUDA tensors travel by ipydist's MPI backend through host memory",
+}
+
+
+def sharing_note(ranks: list[RankInfo]) -> str:
+    """One line for ranks that share GPUs (empty when none do): how many on how many GPUs of
+    which host, and how their CUDA tensors travel, with what that costs."""
+    by_host: dict[str, list[RankInfo]] = {}
+    for info in ranks:
+        if info.gpu_sharing:
+            by_host.setdefault(info.host, []).append(info)
+    if not by_host:
+        return ""
+    shapes = {(len(infos), len({i.device for i in infos}), infos[0].gpu_sharing)
+              for infos in by_host.values()}
+    if len(shapes) == 1:
+        ((count, gpus, way),) = shapes
+        where = (f"on {next(iter(by_host))}" if len(by_host) == 1
+                 else f"on each of {len(by_host)} hosts")
+        share = f"{count} ranks share {gpus} GPU{'s' if gpus > 1 else ''} {where}"
+    else:
+        share = "; ".join(f"{len(infos)} ranks share {len({i.device for i in infos})} "
+                          f"GPU(s) on {host}" for host, infos in by_host.items())
+        way = next(iter(by_host.values()))[0].gpu_sharing
+    return (f"{share}, dealt round-robin (they take turns on each GPU): "
+            f"{SHARING_COSTS.get(way, way)}.")
 
 
 def status_table(ranks: list[RankInfo], states: dict[int, str], memory: dict[int, str],

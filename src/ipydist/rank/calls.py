@@ -86,6 +86,7 @@ def info() -> protocol.RankInfo:
         rank=rt.rank, size=rt.size, host=rt.host or socket.gethostname(), pid=os.getpid(),
         device=str(rt.device), backend=rt.backend if dist.is_initialized() else "(none)",
         transport="hierarchical" if rt.node_data is not None else rt.transport,
+        gpu_sharing=rt.gpu_sharing,
         local_rank=rt.local_rank, local_size=rt.local_size,
         cross_rank=rt.cross_rank, cross_size=rt.cross_size,
         launched_pid=forkserver.stub_pid or os.getpid(),

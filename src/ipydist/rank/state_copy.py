@@ -33,21 +33,85 @@ def user_variables(shell) -> dict:
 def pack(variables: dict) -> tuple[bytes, list[str]]:
     """(one pickle of every variable that pickles, the names of those that do not, with
     their types). Tries all at once first; only when that fails, one by one."""
-    import cloudpickle
-
     try:
-        return cloudpickle.dumps(variables), []
+        return _dumps(variables), []
     except Exception:
         pass
     kept, skipped = {}, []
     for name, value in variables.items():
         try:
-            cloudpickle.dumps(value)
+            _dumps(value)
         except Exception:
             skipped.append(f"{name} ({type(value).__name__})")
         else:
             kept[name] = value
-    return cloudpickle.dumps(kept), skipped
+    return _dumps(kept), skipped
+
+
+def _dumps(value) -> bytes:
+    import io
+
+    import cloudpickle
+    import torch
+
+    class StatePickler(cloudpickle.Pickler):
+        """cloudpickle, with each tensor storage pickled once, however many tensors view it
+        (torch pickles a storage anew for every tensor: a view and its base came back as two
+        copies), and a GPU's storage pickled from host memory, to be loaded onto the
+        receiving rank's own GPU (torch would load it onto the sender's)."""
+
+        def __init__(self, file) -> None:
+            super().__init__(file, protocol=cloudpickle.DEFAULT_PROTOCOL)
+            self.storages: dict[int, _Storage] = {}
+
+        def reducer_override(self, obj):
+            if isinstance(obj, torch.storage.TypedStorage):
+                untyped = obj._untyped_storage
+                one = self.storages.setdefault(untyped._cdata, _Storage(untyped))
+                return _typed_storage, (one, obj.dtype)
+            return super().reducer_override(obj)
+
+    file = io.BytesIO()
+    StatePickler(file).dump(value)
+    return file.getvalue()
+
+
+class _Storage:
+    """One tensor storage in a state's pickle (see :func:`_dumps`): the same object for every
+    tensor that views it, so that the pickle holds it once and its tensors share it again."""
+
+    def __init__(self, untyped) -> None:
+        self.untyped = untyped
+
+    def __reduce__(self):
+        import pickle
+
+        import torch
+
+        on_gpu = self.untyped.device.type == "cuda"
+        host = self.untyped.cpu() if on_gpu else self.untyped
+        data = torch.empty(0, dtype=torch.uint8).set_(host).numpy()  # its bytes, not a copy
+        return _untyped_storage, (pickle.PickleBuffer(data), on_gpu)
+
+
+def _untyped_storage(data, on_gpu: bool):
+    """A storage loaded on the receiving rank, over the bytes the pickle gave (a bytearray:
+    no copy); a GPU's onto this rank's own GPU."""
+    import torch
+
+    if len(data):
+        untyped = torch.frombuffer(data, dtype=torch.uint8).untyped_storage()
+    else:
+        untyped = torch.empty(0, dtype=torch.uint8).untyped_storage()
+    if on_gpu and torch.cuda.is_available():
+        return untyped.cuda(torch.cuda.current_device())
+    return untyped
+
+
+def _typed_storage(untyped, dtype):
+    import torch
+
+    return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
 
 
 def random_states() -> dict:

@@ -14,10 +14,24 @@ from ipydist.errors import LaunchError
 from ipydist.specs import format_gpus
 
 
-def default_np(gpus_per_rank: int = 1) -> int:
-    """One rank per GPU (or per ``gpus_per_rank`` GPUs) when ``nvidia-smi`` lists GPUs, else
-    one per CPU core."""
-    return len(list_gpus()) // gpus_per_rank or os.cpu_count() or 1
+def default_np(gpus: str | list[int] = "auto", gpus_per_rank: int = 1,
+               inherited: str | None = None) -> int:
+    """One rank per GPU the cluster may use (or per ``gpus_per_rank`` of them), else one per
+    CPU core. The GPUs it may use: the ``--gpus`` list, else those of an inherited
+    ``CUDA_VISIBLE_DEVICES`` (``inherited``: the kernel's own, which the ranks inherit),
+    else the host's (``nvidia-smi``); ``--gpus none``: none."""
+    return usable_gpus(gpus, inherited) // gpus_per_rank or os.cpu_count() or 1
+
+
+def usable_gpus(gpus: str | list[int], inherited: str | None) -> int:
+    """How many GPUs ranks started here may use (see :func:`default_np`)."""
+    if gpus == "none":
+        return 0
+    if isinstance(gpus, list):
+        return len(gpus)
+    if inherited is not None:
+        return len([e for e in inherited.split(",") if e.strip()])
+    return len(list_gpus())
 
 
 def list_gpus() -> list[str]:

@@ -3,6 +3,7 @@ Slurm's) plan, each option checked against the others before anything starts."""
 
 from __future__ import annotations
 
+import os
 import shlex
 
 from ipydist import protocol
@@ -29,7 +30,8 @@ def plan_launch(options: StartOptions) -> Plan:
     else:
         named = choose_hosts(options.hosts, options.hostfile, shlex.split(options.mpi_args))
         np = options.np or (named.slots if named is not None else
-                            local_gpus.default_np(options.gpus_per_rank))
+                            local_gpus.default_np(options.gpus, options.gpus_per_rank,
+                                                  os.environ.get("CUDA_VISIBLE_DEVICES")))
         if named is not None and np > named.slots and "--oversubscribe" not in options.mpi_args:
             raise SpecError(
                 f"--np {np}: {named.source} gives {named.slots} slots. Name more "

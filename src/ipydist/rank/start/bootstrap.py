@@ -83,7 +83,7 @@ def join(comm, config: protocol.RankConfig | None = None, survivor=None):
         os.environ["OMP_NUM_THREADS"] = str(threads)  # for processes the rank starts
     rt.timeout_s = config.pg_timeout
     if survivor is not None:
-        rt.device_index = survivor.device_index
+        rt.device_index, rt.gpu_sharing = survivor.device_index, survivor.gpu_sharing
     elif problem is None:
         try:
             count = torch.cuda.device_count() if gpus != "none" else 0
@@ -91,15 +91,20 @@ def join(comm, config: protocol.RankConfig | None = None, survivor=None):
                 gpus, rt.local_rank, rt.local_size, count, config.backend, own_gpus)
             if rt.device_index is not None:
                 torch.cuda.set_device(rt.device_index)
+                rt.gpu_sharing = _share_gpus(rt, count, config.backend, own_gpus)
         except (LaunchError, RuntimeError) as e:
             problem = str(e)
     _fail_all(comm, rt.rank, rt.host, problem)
 
-    rt.backend = survivor.backend if survivor else device.resolve_backend(
-        config.backend, rt.device_index)
+    wishes = comm.allgather((
+        device.resolve_backend(config.backend, rt.device_index, rt.gpu_sharing),
+        survivor.backend if survivor else None))
+    rt.backend = device.agree_backend([w for w, _ in wishes], [k for _, k in wishes])
     topology.set_runtime(rt)
     if survivor is None:
         shims.install_reuse_shim()
+        if rt.gpu_sharing:
+            shims.install_shared_gpu_shim()
         shims.track_ddp_models()
         watcher.break_communication_with(process_group.break_communication)
         metrics.send_with(channel.publish)
@@ -151,6 +156,23 @@ def _this_host(comm, mpi, inherited: str | None) -> tuple[bool, int, int]:
         return device.own_gpus(local.allgather(inherited)), local.Get_rank(), local.Get_size()
     finally:
         local.Free()
+
+
+def _share_gpus(rt, count: int, backend: str, own_gpus: bool) -> str:
+    """How this rank's CUDA tensors travel when the host's ranks share its GPUs ("" when each
+    has its own), with NCCL's environment set for it before any communicator is made."""
+    import torch
+
+    per_gpu = device.ranks_per_gpu(rt.local_size, count, own_gpus)
+    if per_gpu < 2:
+        return ""
+    try:
+        version = device.nccl_version(torch.cuda.nccl.version())
+    except Exception:  # a torch built without NCCL
+        version = None
+    way = device.sharing_way(backend, version)
+    os.environ.update(device.sharing_env(way, per_gpu, rt.host, rt.local_rank))
+    return way
 
 
 def _use_route_to(notebook_addr: str) -> str | None:

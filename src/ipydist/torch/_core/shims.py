@@ -12,6 +12,7 @@ import inspect
 import sys
 import weakref
 
+import torch
 import torch.distributed as dist
 
 from ipydist.protocol import MPI_BACKEND
@@ -76,17 +77,52 @@ def plain_backend(asked, rt: topology.Runtime) -> str:
     ``None``: the cluster's own. ``mpi`` (torch's, not built into its wheels): ipydist's
     backend over mpi4py stands in. ``cpu:gloo,cuda:nccl``, PyTorch's form for mixed work: what
     ipydist's ``nccl`` is on a rank with a GPU, gloo on one without (NCCL could not be made
-    there). Any other name or ``device:backend`` list is given to torch as it is, through
-    ipydist's rendezvous.
+    there). NCCL asked of ranks that share a GPU over gloo: the cluster's gloo, which NCCL
+    older than 2.30 cannot replace there. Any other name or ``device:backend`` list is given
+    to torch as it is, through ipydist's rendezvous.
     """
     if asked is None:
         return rt.backend
     name = str(asked).strip().lower()
     if name == "mpi" and not dist.is_mpi_available():
         return MPI_BACKEND
+    nccl = name.replace(" ", "") in ("nccl", process_group.NCCL_WITH_CPU)
+    if nccl and rt.gpu_sharing in ("gloo", "mpi"):
+        return rt.backend  # ranks sharing a GPU where NCCL cannot ("Duplicate GPU detected")
     if name.replace(" ", "") == process_group.NCCL_WITH_CPU:
         return "nccl" if rt.device_index is not None else "gloo"
     return name
+
+
+_set_device_announced = False
+
+
+def install_shared_gpu_shim() -> None:
+    """``torch.cuda.set_device(hvd.local_rank())``, Horovod's way to pin a rank's GPU, on a
+    host whose ranks share its GPUs: local rank 2 of 4 ranks on 1 GPU names a GPU that is not
+    there, so the call pins the GPU the rank was dealt instead (and says so once). Any other
+    index goes to torch as given."""
+    original = torch.cuda.set_device
+
+    @functools.wraps(original)
+    def set_device(device) -> None:
+        global _set_device_announced
+        rt = topology.get()
+        index = device.index if isinstance(device, torch.device) else device
+        if isinstance(index, str):
+            index = torch.device(index).index
+        if (rt is not None and rt.gpu_sharing and rt.device_index is not None
+                and index == rt.local_rank and index >= torch.cuda.device_count()):
+            if not _set_device_announced:
+                print(f"ipydist: torch.cuda.set_device({index}) on rank {rt.rank}: "
+                      f"{rt.local_size} ranks share {torch.cuda.device_count()} GPU(s) on "
+                      f"this host, so it pins cuda:{rt.device_index}, the GPU this rank "
+                      "was dealt (hvd.device() names it).", file=sys.stderr)
+                _set_device_announced = True
+            index = rt.device_index
+        return original(index if index is not None else device)
+
+    torch.cuda.set_device = set_device
 
 
 #: Every DistributedDataParallel model made on this rank (see :func:`track_ddp_models`).

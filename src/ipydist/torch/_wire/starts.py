@@ -342,6 +342,8 @@ def start_alltoall(tensor: torch.Tensor, splits=None, name: str | None = None,
                                                 async_op=True))
         recv_rows = theirs.tolist()
         send = _for_group(tensor.reshape(rows, *tensor.shape[1:])[:sum(send_rows)])
+        if not send.is_cpu and not process_group.nccl_serves_cuda():
+            send = send.cpu()  # gloo (ranks sharing a GPU) has no all_to_all of CUDA tensors
         out = send.new_empty((sum(recv_rows), *send.shape[1:]))
         work = dist.all_to_all_single(out, send, output_split_sizes=recv_rows,
                                       input_split_sizes=send_rows,
@@ -349,7 +351,7 @@ def start_alltoall(tensor: torch.Tensor, splits=None, name: str | None = None,
         mpi = False
 
     def finish() -> torch.Tensor:
-        return out.to(tensor.dtype)
+        return out.to(tensor.device, tensor.dtype)
 
     return Pending(work, mpi, finish, f"alltoall.{name}" if name else None,
                    "ALLTOALL", on_device=_on_device(send)), recv_rows

@@ -1,0 +1,49 @@
+"""The one pickle of rank 0's variables that a replacement loads (``rank/state_copy.py``):
+what tensors share stays shared, each storage travels once, and every tensor comes back equal.
+Pure logic on CPU tensors; ``tests/cluster/test_gpu_shared.py`` heals CUDA state on a GPU."""
+
+from __future__ import annotations
+
+import cloudpickle
+import torch
+
+from ipydist.rank.state_copy import pack
+
+
+def _copied(variables: dict) -> dict:
+    payload, skipped = pack(variables)
+    assert skipped == []
+    return cloudpickle.loads(payload)
+
+
+def test_views_of_one_storage_share_it_again_and_it_travels_once():
+    base = torch.randn(10_000)
+    copied = _copied({"base": base, "head": base[:100], "every_other": base[::2],
+                      "as_matrix": base.view(100, 100)})
+    for name in ("head", "every_other", "as_matrix"):
+        assert copied[name].untyped_storage().data_ptr() == copied["base"].data_ptr(), name
+    copied["base"][0] = 7.0
+    assert copied["head"][0] == 7.0 and copied["as_matrix"][0, 0] == 7.0
+    one_copy = len(pack({"base": base})[0])
+    assert len(pack({"base": base, "head": base[:100]})[0]) < one_copy + 1000  # not twice
+
+
+def test_a_model_and_its_optimizer_come_back_bit_for_bit_and_still_linked():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    odd = {"half": torch.randn(5).half(), "bf16": torch.ones(3, dtype=torch.bfloat16),
+           "ints": torch.arange(6), "empty": torch.empty(0), "flag": torch.tensor(True)}
+    copied = _copied({"model": model, "opt": opt, "odd": odd})
+    assert copied["opt"].param_groups[0]["params"][0] is next(copied["model"].parameters())
+    for (_, a), (_, b) in zip(model.state_dict().items(), copied["model"].state_dict().items()):
+        assert torch.equal(a, b)
+    state = copied["opt"].state_dict()["state"][0]
+    assert torch.equal(state["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    for name, value in odd.items():
+        assert copied["odd"][name].dtype == value.dtype and torch.equal(copied["odd"][name], value)
+    # what came back is writable and a tensor of its own, not a read-only view of the pickle
+    copied["odd"]["ints"] += 1
+    assert copied["odd"]["ints"].tolist() == [1, 2, 3, 4, 5, 6]
