@@ -120,10 +120,24 @@ def test_openmpi_plan_leaves_fitting_runs_and_user_choices_alone():
     )
     # the user's transports, and gloo kept on loopback (one host)
     tuning = "OMPI_MCA_coll_libnbc_iallreduce_algorithm"
-    assert plan.args == ["-x", tuning, "-x", "GLOO_SOCKET_IFNAME", "-x", "IPYDIST_FORKSERVER",
-                         "--mca", "btl", "self,tcp"]
+    assert plan.args == ["--bind-to", "none", "-x", tuning, "-x", "GLOO_SOCKET_IFNAME",
+                         "-x", "IPYDIST_FORKSERVER", "--mca", "btl", "self,tcp"]
     assert plan.env["GLOO_SOCKET_IFNAME"] == "lo" and plan.env[tuning] == "3"
     assert plan.notes == [] and "OMPI_ALLOW_RUN_AS_ROOT" not in plan.env
+
+
+def test_ranks_are_not_bound_to_one_core_unless_the_user_binds_them(monkeypatch):
+    """Open MPI binds each of at most 2 ranks to one core by default: a rank's torch threads
+    then shared it (issue 48). ipydist passes --bind-to none, as horovodrun does, unless the
+    user chose a binding (and the ranks then take as many threads as they have cores)."""
+    monkeypatch.delenv("PRTE_MCA_hwloc_default_binding_policy", raising=False)
+    for user in ("", "--bind-to core", "--bind-to=socket", "--prtemca "
+                 "hwloc_default_binding_policy core"):
+        plan = mpiexec.plan("mpiexec", 1, user, {}, cores=8, flavor="openmpi", is_root=False)
+        assert ("none" in plan.args) == (user == ""), (user, plan.args)
+    assert device.threads_per_rank(8, 1) == 8
+    assert device.threads_per_rank(8, 2, usable=1) == 1  # bound to one core: one thread
+    assert device.threads_per_rank(8, 2, usable=8) == 4
 
 
 def test_the_users_open_mpi_tuning_wins(monkeypatch):

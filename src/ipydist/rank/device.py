@@ -238,6 +238,10 @@ def agree_backend(wishes: Sequence[str], kept: Sequence[str | None]) -> str:
     return "gloo" if "gloo" in wishes else wishes[0]
 
 
-def threads_per_rank(cores: int, local_size: int) -> int:
-    """torch threads per rank so that the ranks on one host do not oversubscribe its cores."""
-    return max(1, cores // max(1, local_size))
+def threads_per_rank(cores: int, local_size: int, usable: int | None = None) -> int:
+    """torch threads per rank so that the ranks on one host do not oversubscribe its cores,
+    and no more than the cores the rank may run on (``usable``: its CPU affinity, where a
+    launcher bound it: Slurm's ``--cpus-per-task``, an ``--mpi-args=--bind-to core``). More
+    threads than cores make torch's threads wait for each other: 600x slower steps."""
+    threads = max(1, cores // max(1, local_size))
+    return threads if usable is None else max(1, min(threads, usable))

@@ -146,6 +146,8 @@ class OpenMPI(Launcher):
             # second probing libfabric and UCX, and the TCP transport listens on every
             # interface of every rank.
             args += ["--mca", "btl", "self,sm"]
+        if not binding_chosen(user_args):
+            args += ["--bind-to", "none"]
         for name in forwarded(launch.rank_env, multi_host):
             args += ["-x", name]
 
@@ -197,6 +199,19 @@ def elastic_args(multi_host: bool, user_args: list[str]) -> list[str]:
         if not mca_set(user_args, "btl_tcp_if_include"):
             args += ["--mca", "btl_tcp_if_include", "lo"]
     return args
+
+
+def binding_chosen(user_args: list[str]) -> bool:
+    """Whether the user chose how Open MPI binds ranks to cores. Unless they did, ipydist
+    passes ``--bind-to none`` (as ``horovodrun`` does): Open MPI binds each rank to ONE core
+    when it starts at most 2, so the torch threads of a rank (cores / ranks on the host)
+    shared that core; one rank on 2 cores stepped 600x slower than a plain process (issue
+    48), and a rank of a GPU host had one core for its data loading and kernel launches."""
+    if any(a.split("=")[0] in ("--bind-to", "-bind-to", "--cpu-set", "-cpu-set")
+           for a in user_args):
+        return True
+    return (mca_set(user_args, "hwloc_default_binding_policy")
+            or "PRTE_MCA_hwloc_default_binding_policy" in os.environ)
 
 
 def mca_set(user_args: list[str], name: str) -> bool:

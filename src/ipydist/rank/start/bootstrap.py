@@ -77,7 +77,7 @@ def join(comm, config: protocol.RankConfig | None = None, survivor=None):
     if survivor is None:
         # OMP_NUM_THREADS from the user (--env) wins; otherwise share the host's cores.
         threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or device.threads_per_rank(
-            os.cpu_count() or 1, rt.local_size
+            os.cpu_count() or 1, rt.local_size, len(os.sched_getaffinity(0))
         )
         torch.set_num_threads(threads)
         os.environ["OMP_NUM_THREADS"] = str(threads)  # for processes the rank starts

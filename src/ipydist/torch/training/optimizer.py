@@ -95,6 +95,7 @@ class _DistributedMixin(CheckpointMixin):
                 bucket.correction = momentum_correction.MomentumCorrection(
                     bucket.params, self, 1.0 / (ranks * self._postscale))
         self._corrected = any(b.correction is not None for b in self._buckets)
+        self._alone = self._nothing_to_exchange(ranks)
         self._stepped_with: type[Compressor] = Compression.none  # the last synchronize's
         self._slot = {id(p): (b, i) for b, bucket in enumerate(self._buckets)
                       for i, p in enumerate(bucket.params)}
@@ -133,6 +134,19 @@ class _DistributedMixin(CheckpointMixin):
         ranks = size() if group is None else group.size
         self._prescale, self._postscale = _scales(
             self._op, float(self._options.gradient_predivide_factor), ranks)
+        self._alone = self._nothing_to_exchange(ranks)
+
+    def _nothing_to_exchange(self, ranks: int) -> bool:
+        """Whether a step has nothing to send: one rank (in the world, or the process set),
+        uncompressed and unscaled, where the average of a gradient is the gradient itself.
+        Such a step packs, sends and waits for nothing, so that one rank trains as fast as a
+        plain optimizer does (on a GPU, the copies into buckets and the one wait for the
+        device per step were most of what a step of one rank cost above plain training).
+        fp16 and 1-bit compression still round the gradient, and ``sparse_as_dense`` still
+        makes it dense, as on more ranks."""
+        return (ranks == 1 and self._compression is Compression.none
+                and self._op in (Average, Sum) and self._prescale == 1.0
+                and self._postscale == 1.0 and not self._sparse_as_dense)
 
     def __reduce__(self):
         """Pickled as what makes it: the wrapped optimizer's class, state and parameter groups,
@@ -173,6 +187,8 @@ class _DistributedMixin(CheckpointMixin):
                     "backward_passes_per_step=k to accumulate k backward passes."
                 )
             bucket.ready.add(i)
+            if self._alone:
+                return  # nothing to send (see _nothing_to_exchange)
             while (
                 self._next_launch < len(self._buckets)
                 and len(self._buckets[self._next_launch].ready)
@@ -232,6 +248,9 @@ class _DistributedMixin(CheckpointMixin):
         self._synchronized = True
         if self._grad_marks == self._current_marks():
             return
+        if self._alone:  # one rank: every gradient is already its own average
+            self._end_step()
+            return
         process_group.ensure()
         with self._launching:
             while self._next_launch < len(self._buckets):
@@ -248,6 +267,11 @@ class _DistributedMixin(CheckpointMixin):
                               parameters=len(bucket.params), bytes=bucket.sent_bytes)
         # written only once every bucket is in and the group is known usable (see unpack)
         buckets.unpack(self._buckets, self._prescale, self._postscale, self._sparse_as_dense)
+        self._end_step()
+
+    def _end_step(self) -> None:
+        for bucket in self._buckets:
+            bucket.ready.clear()
         self._next_launch = 0
         self._step_agreed = False
         self._passes_left = dict.fromkeys(self._passes_left, self._passes)
@@ -306,7 +330,7 @@ class _DistributedMixin(CheckpointMixin):
             )
         super().zero_grad(set_to_none=set_to_none)
         if (self._announced is None and self._buckets and not self._step_agreed
-                and self._process_set is global_process_set):
+                and self._process_set is global_process_set and not self._alone):
             compression = self._compression_now()
             if compression not in self._headers:
                 self._headers[compression] = np.asarray(
