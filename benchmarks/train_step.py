@@ -12,10 +12,12 @@ load hits them alike:
 
 Two models: a small MLP of many small tensors (latency-bound) and a model of a few large tensors
 (bandwidth-bound). Targets on CPU: on the large model, the communication overhead (step minus
-floor) of hvd and of ddp-mpi at most half of ddp's; on the small one, hvd <= 1.0x ddp. On a
-machine with GPUs, it also measures DistributedOptimizer at np=1 against plain single-GPU
-training (target <= 1.03x) and at np=1..N against DDP on NCCL (target <= 1.0x), with a third
-model of 48 tensors of 4 MB (buckets of DDP's size matter there).
+floor) of hvd and of ddp-mpi at most half of ddp's; on the small one, hvd <= 1.0x ddp; and
+one rank alone: hvd <= 1.03x the plain optimizer (a world of one has nothing to exchange). On
+a machine with GPUs, it also measures DistributedOptimizer at np=1 against plain single-GPU
+training (target <= 1.03x), at np=1..N against DDP on NCCL (target <= 1.0x), and 2 ranks
+sharing GPU 0 against DDP sharing it the same way, with a third model of 48 tensors of 4 MB
+(buckets of DDP's size matter there).
 
     .venv/bin/python benchmarks/train_step.py [--np 2] [--steps 30] [--rounds 5]
     .venv/bin/python benchmarks/train_step.py --gpu-only   # the GPU section alone
@@ -162,8 +164,27 @@ def main(argv: list[str] | None = None) -> int:
                                       for mb in BUCKET_SWEEP))
     print("\nCPU targets (large-tensors: hvd and ddp-mpi overhead <= 0.5 of ddp's; small-mlp: "
           f"hvd <= 1.0x ddp): {'met' if ok else 'not met'}")
+    ok &= one_rank_overhead(args.steps, args.rounds)
     gpu_ok = gpu_overhead(args.steps, args.rounds)
     return 0 if ok and gpu_ok is not False else 1
+
+
+def one_rank_overhead(steps: int, rounds: int) -> bool:
+    """One rank on the CPU: DistributedOptimizer against the plain optimizer (target <= 1.03x,
+    the GPU's np=1 bar): a world of one has nothing to exchange."""
+    kinds = ["small-mlp", "large-tensors"]
+    with ipydist.Session(np=1, gpus="none") as s:
+        s.run(RANK_CODE)
+        med = measure(s, kinds, [("floor", None), ("hvd", None)], steps, rounds)
+    ok = True
+    print(f"\nCPU, np=1, median of {rounds} rounds; ms per step.")
+    print(f"{'model':<14}{'plain':>9}{'hvd':>9}{'hvd/plain':>11}")
+    for kind in kinds:
+        floor, hvd = med[(kind, "floor", None)], med[(kind, "hvd", None)]
+        ok &= hvd <= 1.03 * floor
+        print(f"{kind:<14}{floor * 1e3:>9.2f}{hvd * 1e3:>9.2f}{hvd / floor:>10.3f}x")
+    print(f"CPU target at np=1 (hvd <= 1.03x plain): {'met' if ok else 'not met'}")
+    return ok
 
 
 def gpu_overhead(steps: int, rounds: int) -> bool | None:
@@ -180,18 +201,23 @@ def gpu_overhead(steps: int, rounds: int) -> bool | None:
     print(f"\nGPU, median of {rounds} rounds of {steps} steps; ms per step, slowest rank.")
     print(f"{'np':>3} {'model':<14}{'floor':>9}{'ddp':>9}{'hvd':>9}{'hvd/floor':>11}"
           f"{'hvd/ddp':>9}")
-    for n in range(1, torch.cuda.device_count() + 1):
-        with ipydist.Session(np=n, gpus="auto") as s:
+    # one rank per GPU, then 2 ranks sharing GPU 0 (DDP sharing it the same way beside them)
+    runs = [(n, "auto") for n in range(1, torch.cuda.device_count() + 1)] + [(2, "0")]
+    for n, gpus in runs:
+        with ipydist.Session(np=n, gpus=gpus) as s:
             s.run(RANK_CODE)
+            way = s.ranks[0]["gpu_sharing"]
             med = measure(s, kinds, [("floor", None), ("ddp", None), ("hvd", None)], steps,
                           rounds)
+        label = f"{n}/1" if gpus == "0" else str(n)
         for kind in kinds:
             floor, ddp, hvd = (med[(kind, v, None)] for v in ("floor", "ddp", "hvd"))
             ok &= hvd <= ddp and (n > 1 or hvd <= 1.03 * floor)
-            print(f"{n:>3} {kind:<14}{floor * 1e3:>9.2f}{ddp * 1e3:>9.2f}{hvd * 1e3:>9.2f}"
-                  f"{hvd / floor:>10.3f}x{hvd / ddp:>8.3f}x")
-    print("GPU targets (hvd <= 1.03x plain at np=1, <= 1.0x ddp at np=1..N): "
-          f"{'met' if ok else 'not met'}")
+            print(f"{label:>3} {kind:<14}{floor * 1e3:>9.2f}{ddp * 1e3:>9.2f}{hvd * 1e3:>9.2f}"
+                  f"{hvd / floor:>10.3f}x{hvd / ddp:>8.3f}x" + (f"  (share by {way})"
+                                                                 if way else ""))
+    print("np 2/1: two ranks sharing GPU 0. GPU targets (hvd <= 1.03x plain at np=1, <= 1.0x "
+          f"ddp at np=1..N and sharing): {'met' if ok else 'not met'}")
     return ok
 
 

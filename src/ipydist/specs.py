@@ -281,20 +281,23 @@ class StartOptions:
     decided by the launch plan."""
 
     np: int | None = _option(
-        help="number of ranks (default: the kernel's --np, else one per GPU, else one per CPU "
-        "core); more ranks than cores works: they share the cores",
+        help="number of ranks (default: the kernel's --np, else one per GPU the cluster may "
+        "use: the --gpus list, else CUDA_VISIBLE_DEVICES, else the host's; else one per CPU "
+        "core); more ranks than cores or GPUs works: they share them",
         parse=_maybe(parse_np), metavar="N")
     gpus: str | list[int] = _option(
-        "auto", help="auto: one GPU per rank, by local rank, when the host has GPUs; none: CPU "
-        "only; a list such as 0,1: only these GPUs", parse=parse_gpus, metavar="SPEC")
+        "auto", help="auto: one GPU per rank, by local rank, when the host has GPUs (more "
+        "ranks than GPUs are dealt them round-robin); none: CPU only; a list such as 0,1: "
+        "only these GPUs", parse=parse_gpus, metavar="SPEC")
     gpus_per_rank: int = _option(
         1, help="GPUs each rank sees (default: 1): the host's GPUs are dealt out N to a rank, "
         "each rank numbering its own from cuda:0, for a model split across them",
         parse=parse_gpus_per_rank, metavar="N")
     backend: str = _option(
         "auto", help="the torch.distributed backend (DDP's): auto (NCCL when ranks have GPUs, "
-        "else gloo), nccl, gloo, or mpi (ipydist's, over mpi4py: CPU tensors, 2-20x faster "
-        "than gloo on one host)", parse=parse_backend, metavar="NAME")
+        "else gloo; ranks sharing a GPU: NCCL 2.30's shared mode, else gloo), nccl, gloo, or "
+        "mpi (ipydist's, over mpi4py: CPU tensors, 2-20x faster than gloo on one host)",
+        parse=parse_backend, metavar="NAME")
     transport: str = _option(
         "auto", help="the wire of ipydist's collectives on CPU tensors: auto (MPI, where "
         "mpiexec or srun started the ranks: 2-20x faster than gloo on one host; across hosts, "

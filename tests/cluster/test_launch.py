@@ -12,6 +12,7 @@ from ipydist.notebook.launch import deaths, launchers, local_gpus, mpiexec
 from ipydist.protocol import RankInfo
 from ipydist.rank import device
 from ipydist.specs import SpecError, parse_gpus
+from ipydist.torch._core import gpu_sharing
 
 
 def test_find_mpiexec_prefers_explicit_then_env_then_venv(tmp_path, monkeypatch):
@@ -190,10 +191,10 @@ def test_plan_device():
     assert device.plan_device("auto", 3, 4, 2, "auto") == 1  # dealt round-robin
     with pytest.raises(LaunchError, match="--backend nccl needs GPUs"):
         device.plan_device("auto", 0, 1, 0, "nccl")
-    assert device.resolve_backend("auto", 0) == "nccl"
-    assert device.resolve_backend("auto", None) == "gloo"
-    assert device.resolve_backend("gloo", 0) == "gloo"
-    assert device.resolve_backend("mpi", None) == "mpi4py"  # ipydist's, over mpi4py
+    assert gpu_sharing.resolve_backend("auto", 0) == "nccl"
+    assert gpu_sharing.resolve_backend("auto", None) == "gloo"
+    assert gpu_sharing.resolve_backend("gloo", 0) == "gloo"
+    assert gpu_sharing.resolve_backend("mpi", None) == "mpi4py"  # ipydist's, over mpi4py
 
 
 def test_threads_per_rank():

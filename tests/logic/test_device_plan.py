@@ -11,6 +11,7 @@ from ipydist.notebook.launch import local_gpus
 from ipydist.protocol import RankConfig
 from ipydist.rank import device
 from ipydist.specs import SpecError, parse_gpus_per_rank
+from ipydist.torch._core import gpu_sharing
 
 
 @pytest.mark.parametrize(("gpus", "inherited", "visible"), [
@@ -53,7 +54,7 @@ def test_one_visible_gpu_per_rank_is_not_too_few():
     """Slurm's --gpus-per-task=1: each of 4 ranks sees one GPU, its own: device 0 each."""
     for rank in range(4):
         assert device.plan_device("auto", rank, 4, 1, "auto", own_gpus=True) == 0
-    assert device.ranks_per_gpu(4, 1, own_gpus=True) == 1  # none of them shares
+    assert gpu_sharing.ranks_per_gpu(4, 1, own_gpus=True) == 1  # none of them shares
 
 
 @pytest.mark.parametrize(("gpus", "local_rank", "local_size", "count", "index"), [

@@ -14,8 +14,7 @@ from ipydist.notebook.launch.planning import plan_launch
 from ipydist.notebook.status import SHARING_COSTS, sharing_note, start_table
 from ipydist.protocol import RankInfo
 from ipydist.rank import device
-from ipydist.rank.device import SHARING_WAYS
-from ipydist.torch._core import shims, topology
+from ipydist.torch._core import gpu_sharing, shims, topology
 
 OLD_NCCL, SHARING_NCCL = (2, 28, 9), (2, 30, 3)
 
@@ -37,7 +36,7 @@ def test_gpus_are_dealt_round_robin(local_size, gpus, dealt):
     (4, 1, False, 4), (4, 2, False, 2), (3, 2, False, 2), (2, 2, False, 1),
     (2, 8, False, 1), (4, 0, False, 0), (4, 1, True, 1)])
 def test_ranks_per_gpu(local_size, gpus, own, per_gpu):
-    assert device.ranks_per_gpu(local_size, gpus, own) == per_gpu
+    assert gpu_sharing.ranks_per_gpu(local_size, gpus, own) == per_gpu
 
 
 @pytest.mark.parametrize(("backend", "nccl", "way"), [
@@ -52,32 +51,32 @@ def test_ranks_per_gpu(local_size, gpus, own, per_gpu):
     ("mpi", OLD_NCCL, "mpi"),
 ])
 def test_how_cuda_tensors_travel_between_ranks_sharing_a_gpu(backend, nccl, way):
-    assert device.sharing_way(backend, nccl) == way
-    assert way in SHARING_WAYS and way in SHARING_COSTS
+    assert gpu_sharing.sharing_way(backend, nccl) == way
+    assert way in gpu_sharing.SHARING_WAYS and way in SHARING_COSTS
 
 
 def test_nccl_asked_of_a_torch_without_nccl_says_what_to_do():
     with pytest.raises(LaunchError, match="this torch has no NCCL.*leave --backend out"):
-        device.sharing_way("nccl", None)
+        gpu_sharing.sharing_way("nccl", None)
 
 
 def test_nccl_versions_as_torch_reports_them():
-    assert device.nccl_version((2, 28, 9)) == (2, 28, 9)
-    assert device.nccl_version(22809) == (2, 28, 9)  # one number, in older torch
-    assert device.nccl_version((2, 30)) == (2, 30, 0)
+    assert gpu_sharing.nccl_version((2, 28, 9)) == (2, 28, 9)
+    assert gpu_sharing.nccl_version(22809) == (2, 28, 9)  # one number, in older torch
+    assert gpu_sharing.nccl_version((2, 30)) == (2, 30, 0)
 
 
 def test_the_environment_nccl_is_given_for_each_way():
-    assert device.sharing_env("nccl", 2, "h", 1, {}) == {
+    assert gpu_sharing.sharing_env("nccl", 2, "h", 1, {}) == {
         "NCCL_MULTI_RANK_GPU_ENABLE": "1", "NCCL_NVLS_ENABLE": "0"}
-    assert device.sharing_env("nccl", 4, "h", 1, {})["NCCL_MAX_CTAS"] == "2"
+    assert gpu_sharing.sharing_env("nccl", 4, "h", 1, {})["NCCL_MAX_CTAS"] == "2"
     # what the user set (--env) is kept
-    assert device.sharing_env("nccl", 4, "h", 1, {"NCCL_MAX_CTAS": "1"}) == {
+    assert gpu_sharing.sharing_env("nccl", 4, "h", 1, {"NCCL_MAX_CTAS": "1"}) == {
         "NCCL_MULTI_RANK_GPU_ENABLE": "1", "NCCL_NVLS_ENABLE": "0"}
-    ids = [device.sharing_env("nccl-hostid", 4, "h", r, {"NCCL_HOSTID": "same"})
+    ids = [gpu_sharing.sharing_env("nccl-hostid", 4, "h", r, {"NCCL_HOSTID": "same"})
            for r in range(4)]
     assert len({e["NCCL_HOSTID"] for e in ids}) == 4  # one each, over the user's one
-    assert device.sharing_env("gloo", 4, "h", 1, {}) == {}
+    assert gpu_sharing.sharing_env("gloo", 4, "h", 1, {}) == {}
 
 
 @pytest.mark.parametrize(("backend", "index", "way", "resolved"), [
@@ -85,7 +84,7 @@ def test_the_environment_nccl_is_given_for_each_way():
     ("auto", None, "", "gloo"), ("nccl", 0, "nccl-hostid", "nccl"), ("gloo", 0, "", "gloo"),
 ])
 def test_resolve_backend_when_sharing(backend, index, way, resolved):
-    assert device.resolve_backend(backend, index, way) == resolved
+    assert gpu_sharing.resolve_backend(backend, index, way) == resolved
 
 
 def test_every_rank_agrees_on_one_backend():

@@ -67,7 +67,7 @@ def join(comm, config: protocol.RankConfig | None = None, survivor=None):
 
     import torch  # after the watcher and CUDA_VISIBLE_DEVICES
 
-    from ipydist.torch._core import process_group, shims, topology
+    from ipydist.torch._core import gpu_sharing, process_group, shims, topology
     from ipydist.torch.training import metrics
 
     if survivor is None:
@@ -97,7 +97,7 @@ def join(comm, config: protocol.RankConfig | None = None, survivor=None):
     _fail_all(comm, rt.rank, rt.host, problem)
 
     wishes = comm.allgather((
-        device.resolve_backend(config.backend, rt.device_index, rt.gpu_sharing),
+        gpu_sharing.resolve_backend(config.backend, rt.device_index, rt.gpu_sharing),
         survivor.backend if survivor else None))
     rt.backend = device.agree_backend([w for w, _ in wishes], [k for _, k in wishes])
     topology.set_runtime(rt)
@@ -161,17 +161,11 @@ def _this_host(comm, mpi, inherited: str | None) -> tuple[bool, int, int]:
 def _share_gpus(rt, count: int, backend: str, own_gpus: bool) -> str:
     """How this rank's CUDA tensors travel when the host's ranks share its GPUs ("" when each
     has its own), with NCCL's environment set for it before any communicator is made."""
-    import torch
+    from ipydist.torch._core import gpu_sharing, process_group
 
-    per_gpu = device.ranks_per_gpu(rt.local_size, count, own_gpus)
-    if per_gpu < 2:
-        return ""
-    try:
-        version = device.nccl_version(torch.cuda.nccl.version())
-    except Exception:  # a torch built without NCCL
-        version = None
-    way = device.sharing_way(backend, version)
-    os.environ.update(device.sharing_env(way, per_gpu, rt.host, rt.local_rank))
+    way, env = gpu_sharing.plan_sharing(rt.local_size, count, backend, own_gpus,
+                                   process_group.nccl_version(), rt.host, rt.local_rank)
+    os.environ.update(env)
     return way
 
 

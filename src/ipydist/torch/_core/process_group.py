@@ -18,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ipydist.torch._core import retired, store, topology
+from ipydist.torch._core import gpu_sharing, retired, store, topology
 from ipydist.torch._core.topology import Runtime
 
 #: What a collective raises on a rank a release broke (until the recovery rebuilds its group).
@@ -255,19 +255,34 @@ def broken_message() -> str:
 
 
 def ensure() -> Runtime:
-    """The runtime with a live default group, creating either as needed (collective)."""
+    """The runtime with a live default group, creating either as needed (collective). Outside
+    a cluster of ipydist's (a script under plain mpiexec or torchrun), ranks that share a GPU
+    share it as a cluster's do (:mod:`~ipydist.torch._core.gpu_sharing`)."""
     rt = topology.get()
     if rt is None:
         comm = topology.mpi_world()
         rt = topology.from_mpi(comm) if comm is not None else topology.from_env()
         rt.device_index = _default_device_index(rt)
-        rt.backend = "nccl" if rt.device_index is not None else "gloo"
+        if rt.device_index is not None:
+            rt.gpu_sharing, env = gpu_sharing.plan_sharing(
+                rt.local_size, torch.cuda.device_count(), "auto", False, nccl_version(),
+                rt.host, rt.local_rank)
+            os.environ.update(env)
+        rt.backend = gpu_sharing.resolve_backend("auto", rt.device_index, rt.gpu_sharing)
         topology.set_runtime(rt)
     if not dist.is_initialized():
         if rt.broken:  # a recovery gave up on it: a rebuild by one rank alone would hang
             raise RuntimeError(broken_message())
         make(rt)
     return rt
+
+
+def nccl_version() -> tuple[int, ...] | int | None:
+    """NCCL's version as this torch reports it; None for a torch built without NCCL."""
+    try:
+        return torch.cuda.nccl.version()
+    except Exception:
+        return None
 
 
 def _default_device_index(rt: Runtime) -> int | None:

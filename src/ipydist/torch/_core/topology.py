@@ -43,7 +43,7 @@ class Runtime:
     store_path: str = ""
     device_index: int | None = None
     #: How CUDA tensors travel when this host's ranks share its GPUs (a word of
-    #: ``ipydist.rank.device.SHARING_WAYS``); "" when each rank has a GPU of its own.
+    #: ``gpu_sharing.SHARING_WAYS``); "" when each rank has a GPU of its own.
     gpu_sharing: str = ""
     backend: str = "gloo"
     master_addr: str = "127.0.0.1"
