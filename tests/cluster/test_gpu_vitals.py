@@ -14,9 +14,11 @@ pytestmark = [
 ]
 
 
-def test_a_rank_reads_its_gpu_while_it_computes():
+@pytest.mark.parametrize("np", [1, 2])
+def test_each_rank_reads_its_gpu_while_it_computes(np):
+    """One rank, and 2 ranks sharing GPU 0 (the view's GPU column for each of them)."""
     pytest.importorskip("pynvml", reason="needs nvidia-ml-py (the gpu extra)")
-    with ipydist.Session(np=1, gpus="auto") as s:
+    with ipydist.Session(np=np, gpus="0") as s:
         s.run("import torch\n"
               "from ipydist.rank.vitals import Vitals\n"
               "x = torch.randn(4096, 4096, device='cuda')\n"
@@ -25,6 +27,8 @@ def test_a_rank_reads_its_gpu_while_it_computes():
               "    x = x @ x / 4096\n"
               "reading = readings.sample({})['gpu']\n"
               "torch.cuda.synchronize()")
-        reading = s.pull("reading", rank=0)
-    assert 0 <= reading["util"] <= 100, reading
-    assert reading["used"] >= 64 * 2**20 and reading["total"] > reading["used"], reading
+        readings = s.pull("reading")
+    assert len(readings) == np
+    for reading in readings:
+        assert 0 <= reading["util"] <= 100, reading
+        assert reading["used"] >= 64 * 2**20 and reading["total"] > reading["used"], reading
