@@ -47,3 +47,22 @@ def test_a_model_and_its_optimizer_come_back_bit_for_bit_and_still_linked():
     # what came back is writable and a tensor of its own, not a read-only view of the pickle
     copied["odd"]["ints"] += 1
     assert copied["odd"]["ints"].tolist() == [1, 2, 3, 4, 5, 6]
+
+
+def test_the_tensors_bytes_travel_beside_the_pickle_from_their_own_memory():
+    """A heal sends the storages apart (over MPI, in chunks) from where they lie: the pickle
+    is small, each storage is there once, and what comes back uses the memory it was
+    received into, with no second copy."""
+    import numpy as np
+
+    base = torch.arange(1 << 16, dtype=torch.float32)
+    storages: list = []
+    payload, _ = pack({"base": base, "head": base[:10], "other": torch.ones(3)}, storages)
+    assert len(payload) < 4000 and len(storages) == 2
+    assert memoryview(storages[0]).nbytes == base.nbytes
+    assert np.shares_memory(np.asarray(memoryview(storages[0])), base.numpy())  # no copy
+    received = [np.array(memoryview(s), dtype=np.uint8) for s in storages]  # as MPI would
+    copied = cloudpickle.loads(payload, buffers=received)
+    assert torch.equal(copied["base"], base) and copied["head"].data_ptr() == copied[
+        "base"].data_ptr()
+    assert np.shares_memory(copied["base"].numpy(), received[0])

@@ -30,25 +30,29 @@ def user_variables(shell) -> dict:
             if not name.startswith("_") and name not in _SHELL_NAMES and name not in hidden}
 
 
-def pack(variables: dict) -> tuple[bytes, list[str]]:
+def pack(variables: dict, storages: list | None = None) -> tuple[bytes, list[str]]:
     """(one pickle of every variable that pickles, the names of those that do not, with
-    their types). Tries all at once first; only when that fails, one by one."""
+    their types). Tries all at once first; only when that fails, one by one. ``storages``:
+    a list that gets the tensors' bytes, each a buffer over the tensor's own memory, which
+    the pickle then leaves out (``pickle.loads(..., buffers=)`` takes them back); None: the
+    pickle holds them."""
     try:
-        return _dumps(variables), []
+        return _dumps(variables, storages), []
     except Exception:
-        pass
+        if storages:
+            storages.clear()
     kept, skipped = {}, []
     for name, value in variables.items():
         try:
-            _dumps(value)
+            _dumps(value, [])
         except Exception:
             skipped.append(f"{name} ({type(value).__name__})")
         else:
             kept[name] = value
-    return _dumps(kept), skipped
+    return _dumps(kept, storages), skipped
 
 
-def _dumps(value) -> bytes:
+def _dumps(value, storages: list | None = None) -> bytes:
     import io
 
     import cloudpickle
@@ -60,8 +64,9 @@ def _dumps(value) -> bytes:
         copies), and a GPU's storage pickled from host memory, to be loaded onto the
         receiving rank's own GPU (torch would load it onto the sender's)."""
 
-        def __init__(self, file) -> None:
-            super().__init__(file, protocol=cloudpickle.DEFAULT_PROTOCOL)
+        def __init__(self, file, buffer_callback=None) -> None:
+            super().__init__(file, protocol=cloudpickle.DEFAULT_PROTOCOL,
+                             buffer_callback=buffer_callback)
             self.storages: dict[int, _Storage] = {}
 
         def reducer_override(self, obj):
@@ -72,7 +77,7 @@ def _dumps(value) -> bytes:
             return super().reducer_override(obj)
 
     file = io.BytesIO()
-    StatePickler(file).dump(value)
+    StatePickler(file, None if storages is None else storages.append).dump(value)
     return file.getvalue()
 
 
@@ -95,8 +100,9 @@ class _Storage:
 
 
 def _untyped_storage(data, on_gpu: bool):
-    """A storage loaded on the receiving rank, over the bytes the pickle gave (a bytearray:
-    no copy); a GPU's onto this rank's own GPU."""
+    """A storage loaded on the receiving rank, over the bytes the pickle gave (a bytearray,
+    or the array :func:`copy_from` received them into: no copy); a GPU's onto this rank's
+    own GPU."""
     import torch
 
     if len(data):
@@ -212,17 +218,23 @@ def copy_from(root: int, to: list[int], was_size: int | None = None) -> HealRepo
     shell = get_ipython()
     out = HealReport()
     if rt.rank == root:
-        payload, skipped = pack(user_variables(shell))
-        out = replace(out, bytes=len(payload), skipped=tuple(skipped))
+        storages: list = []
+        payload, skipped = pack(user_variables(shell), storages)
+        views = [memoryview(s).cast("B") for s in storages]
+        sizes = [v.nbytes for v in views]
+        out = replace(out, bytes=len(payload) + sum(sizes), skipped=tuple(skipped))
         for rank in to:
-            comm.send((payload, random_states(), process_sets.registry()), dest=rank, tag=71)
+            comm.send((payload, sizes, random_states(), process_sets.registry()), dest=rank,
+                      tag=71)
+        _send_storages(comm, views, to)
     elif rt.rank in to:
         import cloudpickle
 
-        payload, states, known_sets = comm.recv(source=root, tag=71)
+        payload, sizes, states, known_sets = comm.recv(source=root, tag=71)
+        received = _receive_storages(comm, root, sizes)
         process_sets.adopt(known_sets)  # before loading: a variable may name a set
         try:
-            variables = cloudpickle.loads(payload)
+            variables = cloudpickle.loads(payload, buffers=received)
             out = replace(out, rebound=tuple(rebind(variables, rt.rank, rt.size, root,
                                                     was_size or rt.size)))
             into_namespace(variables, shell.user_ns)
@@ -233,6 +245,38 @@ def copy_from(root: int, to: list[int], was_size: int | None = None) -> HealRepo
     if process_sets.any_added():  # the same answer on every rank now
         out = replace(out, sets_removed=tuple(process_sets.rejoin(rt.size)))
     return out
+
+
+#: The tensors' bytes travel in messages of this size at most: MPI counts in 32-bit ints in
+#: its older calls, and a heal's progress is seen message by message.
+CHUNK_BYTES = 64 << 20
+
+
+def _chunks(nbytes: int):
+    return ((start, min(start + CHUNK_BYTES, nbytes)) for start in range(0, nbytes, CHUNK_BYTES))
+
+
+def _send_storages(comm, views: list[memoryview], to: list[int]) -> None:
+    """Send every tensor's bytes from where they lie (no copy, no pickle: MPI reads the
+    tensor's memory), to every rank of ``to`` at once (several dead ranks copy in parallel)."""
+    from mpi4py import MPI
+
+    requests = [comm.Isend([view[start:end], MPI.BYTE], dest=rank, tag=72)
+                for rank in to for view in views for start, end in _chunks(view.nbytes)]
+    MPI.Request.Waitall(requests)
+
+
+def _receive_storages(comm, root: int, sizes: list[int]) -> list:
+    """Receive the tensors' bytes straight into memory of their own (one array per storage,
+    which the loaded tensors then use: no second copy)."""
+    import numpy as np
+    from mpi4py import MPI
+
+    arrays = [np.empty(n, dtype=np.uint8) for n in sizes]
+    requests = [comm.Irecv([array[start:end], MPI.BYTE], source=root, tag=72)
+                for array in arrays for start, end in _chunks(array.nbytes)]
+    MPI.Request.Waitall(requests)
+    return arrays
 
 
 def resized(was_size: int) -> HealReport:
