@@ -187,6 +187,13 @@ DEBUG_RANKS_KEY = "ipydist.debug_ranks"
 #: Data-message key of a rank's pdb, stopped in a cell: ``{"seq", "rank", "output"}`` and
 #: ``"prompt"`` (it waits for a command) or ``"ended": True`` (the cell goes on).
 DEBUG_KEY = "ipydist.debug"
+
+#: Data-message key of a heal's copy (rank 0 sends it while the state's tensors travel to the
+#: replacements): (bytes sent, of how many), at most twice a second, so that the notebook
+#: sees the copy move, ends it only when it stops moving, and ``%dist_status`` says how far it
+#: is (:mod:`ipydist.notebook.healing`).
+HEAL_PROGRESS_KEY = "ipydist.heal_progress"
+
 #: The message types of the notebook's questions on an engine's control channel, which a
 #: rank answers while its cell runs (see ``ipydist.rank.introspection.control``), and of the
 #: answers.

@@ -362,7 +362,12 @@ class Session:
 
     def status(self) -> display.Table:
         """One row per rank: host, pid, device, state, memory. After a death, which rank died
-        first and how, the others as stopped by mpiexec, and what to do next."""
+        first and how, the others as stopped by mpiexec, and what to do next; while a heal
+        runs, how far it is (the copy of rank 0's state: MB sent of how many)."""
+        heal = self.healing
+        if heal is not None and not heal.done and self.cluster is not None:
+            # a heal under way: how far it is, not a wait for it (the next cell waits)
+            return cluster_status(self.cluster, self.words.restart, healing=heal.describe())
         return cluster_status(self._require_running(alive=False), self.words.restart)
 
 

@@ -17,12 +17,17 @@ from dataclasses import replace
 
 from ipydist import protocol
 from ipydist.errors import ClusterError, RankTimeout
+from ipydist.notebook import ipp
 from ipydist.notebook.launch import launchers, processes
 from ipydist.specs import describe_ranks
 
-#: How long the heal may take (spawning a replacement, its torch import, its registration,
-#: the copy) before it is given up.
+#: How long a heal's start may take (spawning a replacement, its torch import, its
+#: registration) before it is given up.
 HEAL_SECONDS = 60.0
+#: How long a heal's copy of rank 0's state may go without moving
+#: (:data:`~ipydist.protocol.HEAL_PROGRESS_KEY`) before it is given up: a copy that moves is
+#: never cut off, however large the state.
+COPY_STALL_SECONDS = 60.0
 
 
 class Heal:
@@ -39,6 +44,9 @@ class Heal:
         self.started = time.monotonic()
         self.lines: list[str] = []
         self.failed: str | None = None
+        #: What it is doing now, and the copy's (bytes sent, of how many), for %dist_status.
+        self.phase = "starting the replacement"
+        self.progress: tuple[int, int] | None = None
         self._thread = threading.Thread(target=self._run, name="ipydist-heal", daemon=True)
 
     def start(self) -> Heal:
@@ -48,6 +56,15 @@ class Heal:
     @property
     def done(self) -> bool:
         return not self._thread.is_alive()
+
+    def describe(self) -> str:
+        """Where the heal is, in a sentence (``%dist_status`` shows it while it runs)."""
+        text = (f"{describe_ranks(self.dead)} {'is' if len(self.dead) == 1 else 'are'} being "
+                f"replaced ({time.monotonic() - self.started:.0f} s): {self.phase}")
+        if self.progress is not None:
+            sent, total = self.progress
+            text += f", {sent / 2**20:.0f} of {total / 2**20:.0f} MB"
+        return text + "."
 
     def wait(self) -> list[str]:
         """Wait for the heal to end; the lines that say what it did."""
@@ -85,8 +102,10 @@ class Heal:
         for rank in self.dead:  # for %dist_status
             cluster.ranks[rank] = replace(cluster.ranks[rank], replacement=True)
         root = survivors[0]
-        copied = copy_state(cluster, root, self.dead, cluster.size, deadline)
-        states = cluster.call("elastic_reset", True, timeout=max(deadline - time.monotonic(), 1))
+        self.phase = f"copying rank {root}'s state"
+        copied = copy_state(cluster, root, self.dead, cluster.size, self._copied)
+        self.phase = "resetting hvd.elastic states"
+        states = cluster.call("elastic_reset", True, timeout=HEAL_SECONDS)
         one = len(self.dead) == 1
         pids = ", ".join(str(cluster.ranks[r].pid) for r in self.dead)
         line = (f"{describe_ranks(self.dead)} {'was' if one else 'were'} replaced in "
@@ -96,6 +115,9 @@ class Heal:
             line += (f" {_states(states[0])} went back to {'its' if states[0] == 1 else 'their'}"
                      " last commit() on every rank, synced from rank 0, reset callbacks run.")
         return [line]
+
+    def _copied(self, progress: tuple[int, int]) -> None:
+        self.progress = progress
 
     def _went_on(self, replies: list[protocol.HealReport], survivors: list[int]) -> str:
         """The replacements could not be started, and the survivors went on as the world
@@ -171,10 +193,30 @@ def _not_replaced(request) -> bool:
     return request.successful() and bool(request.get()[0].not_replaced)
 
 
-def copy_state(cluster, root: int, to: list[int], was_size: int, deadline: float) -> str:
-    """Copy ``root``'s variables to the new ranks ``to``; says what was copied."""
-    copied = cluster.call("copy_state", root, to, was_size,
-                          timeout=max(deadline - time.monotonic(), 1.0))
+def copy_state(cluster, root: int, to: list[int], was_size: int,
+               on_progress=lambda progress: None) -> str:
+    """Copy ``root``'s variables to the new ranks ``to``; says what was copied. No deadline
+    while the copy moves: ended (RankTimeout) once it has not moved for COPY_STALL_SECONDS.
+    ``on_progress`` gets (bytes sent, of how many) as ``root`` says them."""
+    ranks = list(range(cluster.size))
+    request = cluster.view(ranks).apply_async(protocol.on_rank, "copy_state", root, to,
+                                              was_size)
+    seen, moved = None, time.monotonic()
+    while not ipp.wait(request, 0.2):
+        progress = ipp.published(request, ranks, root, protocol.HEAL_PROGRESS_KEY)
+        if progress is not None and tuple(progress) != seen:
+            seen, moved = tuple(progress), time.monotonic()
+            on_progress(seen)
+        if time.monotonic() - moved > COPY_STALL_SECONDS:
+            late = ipp.still_running(request, ranks)
+            cluster.abort([ipp.msg_id(request, ranks, r) for r in late], late)
+            where = (f"at {seen[0] / 2**20:.0f} of {seen[1] / 2**20:.0f} MB" if seen
+                     else "before any of it was sent")
+            raise RankTimeout(f"the copy of rank {root}'s state stopped moving {where} for "
+                              f"{COPY_STALL_SECONDS:g} s ({describe_ranks(late)} still in it)")
+    if (progress := ipp.published(request, ranks, root, protocol.HEAL_PROGRESS_KEY)):
+        on_progress(tuple(progress))
+    copied = request.get()
     failed = [f"rank {r}: {reply.failed}" for r, reply in enumerate(copied) if reply.failed]
     if failed:
         raise ClusterError(f"loading rank {root}'s variables failed on {'; '.join(failed)}")
@@ -204,7 +246,7 @@ def scale(cluster, size: int) -> str:
                                                              rank_env(cluster))
         take_new_ranks(cluster, request, known, size - was, deadline)
         added = list(range(was, size))
-        what = f"{describe_ranks(added)} started, {copy_state(cluster, 0, added, was, deadline)}"
+        what = f"{describe_ranks(added)} started, {copy_state(cluster, 0, added, was)}"
     replies = cluster.view(list(range(min(was, size)))).apply_sync(
         protocol.on_rank, "resized", was)
     states = cluster.call("elastic_reset", False, timeout=HEAL_SECONDS)[0]

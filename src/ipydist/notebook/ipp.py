@@ -32,6 +32,13 @@ def per_rank(async_result, targets: list[int]) -> dict:
     return dict(zip(targets, async_result._children))
 
 
+def published(async_result, targets: list[int], rank: int, key: str):
+    """The latest value ``rank`` published under ``key`` (``ipydist.rank.channel.publish``)
+    while it ran this request; None if none yet."""
+    future = per_rank(async_result, targets)[rank]
+    return (future.output.metadata.get("data") or {}).get(key)
+
+
 def still_running(async_result, targets: list[int]) -> list[int]:
     """The ranks of ``targets`` that have not replied to ``async_result`` yet."""
     return [r for r, child in per_rank(async_result, targets).items() if not child.done()]

@@ -40,9 +40,10 @@ class StatusTable(display.Table):
         return super()._repr_html_() + note
 
 
-def cluster_status(cluster, restart: str) -> StatusTable:
+def cluster_status(cluster, restart: str, healing: str = "") -> StatusTable:
     """The table of ``cluster``'s ranks as they are now (``restart``: how the user starts a
-    fresh cluster, for the note after a death)."""
+    fresh cluster, for the note after a death). ``healing``: where a heal under way is, said
+    under the table instead of what ended a dead rank (the heal replaces it)."""
     states, memory = {}, {}
     for info in cluster.ranks:
         states[info.rank], proc = cluster.rank_state(info.rank)
@@ -53,6 +54,9 @@ def cluster_status(cluster, restart: str) -> StatusTable:
                 pass
     dead = [info for info in cluster.ranks if states[info.rank] == "dead"]
     death, report = None, ""
+    if healing:
+        return status_table(grouped_by_host(cluster.ranks), states, memory,
+                            launcher=cluster.plan.command_name, healing=healing)
     if dead:
         output = cluster.launcher_output(wait_for_exit=2.0)
         death = deaths.find_death(output, cluster.first_dead or dead)
@@ -114,7 +118,7 @@ def sharing_note(ranks: list[RankInfo]) -> str:
 
 def status_table(ranks: list[RankInfo], states: dict[int, str], memory: dict[int, str],
           death: Death | None = None, report: str = "",
-          launcher: str = "mpiexec") -> StatusTable:
+          launcher: str = "mpiexec", healing: str = "") -> StatusTable:
     """The table of ``ranks`` (rank infos, in the order shown) in ``states`` (``"idle"``,
     ``"busy"`` or ``"dead"`` by rank), with each live rank's ``memory``; ``death`` is the rank
     that died first and how (:func:`~ipydist.notebook.launch.deaths.find_death`), ``report``
@@ -134,7 +138,7 @@ def status_table(ranks: list[RankInfo], states: dict[int, str], memory: dict[int
     if replaced := sorted(i.rank for i in ranks if i.replacement):
         caption += (f"; {describe_ranks(replaced)} "
                     f"{'is a replacement' if len(replaced) == 1 else 'are replacements'}")
-    return StatusTable(COLUMNS, rows, caption, report if dead else "")
+    return StatusTable(COLUMNS, rows, caption, healing or (report if dead else ""))
 
 
 def _dead_state(rank: int, death: Death | None, dead: int, launcher: str) -> str:

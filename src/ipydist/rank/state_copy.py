@@ -256,14 +256,32 @@ def _chunks(nbytes: int):
     return ((start, min(start + CHUNK_BYTES, nbytes)) for start in range(0, nbytes, CHUNK_BYTES))
 
 
+#: How often the sending rank says how far the copy is (``protocol.HEAL_PROGRESS_KEY``).
+PROGRESS_SECONDS = 0.5
+
+
 def _send_storages(comm, views: list[memoryview], to: list[int]) -> None:
     """Send every tensor's bytes from where they lie (no copy, no pickle: MPI reads the
-    tensor's memory), to every rank of ``to`` at once (several dead ranks copy in parallel)."""
+    tensor's memory), to every rank of ``to`` at once (several dead ranks copy in parallel),
+    saying how far it is as messages complete."""
+    import time
+
     from mpi4py import MPI
 
+    from ipydist.protocol import HEAL_PROGRESS_KEY
+    from ipydist.rank import channel
+
+    pieces = [(rank, view, start, end) for rank in to for view in views
+              for start, end in _chunks(view.nbytes)]
     requests = [comm.Isend([view[start:end], MPI.BYTE], dest=rank, tag=72)
-                for rank in to for view in views for start, end in _chunks(view.nbytes)]
-    MPI.Request.Waitall(requests)
+                for rank, view, start, end in pieces]
+    total, sent, said = sum(end - start for _, _, start, end in pieces), 0, 0.0
+    channel.publish(HEAL_PROGRESS_KEY, (0, total))
+    while (done := MPI.Request.Waitsome(requests)) is not None:
+        sent += sum(pieces[i][3] - pieces[i][2] for i in done)
+        if time.monotonic() - said >= PROGRESS_SECONDS or sent == total:
+            channel.publish(HEAL_PROGRESS_KEY, (sent, total))
+            said = time.monotonic()
 
 
 def _receive_storages(comm, root: int, sizes: list[int]) -> list:
