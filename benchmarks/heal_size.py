@@ -5,7 +5,8 @@ DistributedOptimizer and one tensor of the size given (the state that dominates:
 weights and Adam's moments, a dataset held in memory). Rank 1 is SIGKILLed between cells; the
 next cell (which waits for the heal) checks that the replacement holds rank 0's tensor. Printed
 per size: the seconds from the kill to the end of that cell, the copy's rate (bytes moved over
-those seconds), and the peak resident memory of the sending rank (rank 0) and of the
+those seconds), the machine's memory in use at its peak against before the kill, and the peak
+resident memory of the sending rank (rank 0) and of the
 replacement during the heal, as multiples of the state moved (bar: at most 1.25x each), with
 the peak of kernel plus ranks beside it. Memory is sampled every 20 ms (psutil), so a peak
 shorter than that can be missed.
@@ -45,7 +46,7 @@ class Peaks:
     """Each process's peak resident memory (this one and the cluster's), sampled."""
 
     def __init__(self, session) -> None:
-        self.session, self.peak, self.total = session, {}, 0
+        self.session, self.peak, self.total, self.system = session, {}, 0, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -62,6 +63,8 @@ class Peaks:
 
     def _sample(self) -> None:
         while not self._stop.wait(0.02):
+            memory = psutil.virtual_memory()
+            self.system = max(self.system, memory.total - memory.available)
             total = 0
             for p in self._processes():
                 try:
@@ -86,6 +89,8 @@ def one_heal(gb: float) -> dict:
         # a rank without the state: what the replacement holds before the copy, about
         empty = psutil.Process(sender).memory_info().rss
         s.run(BIG.format(n=n))
+        memory = psutil.virtual_memory()
+        in_use = memory.total - memory.available  # both ranks hold the state
         peaks = Peaks(s)
         killed = time.perf_counter()
         os.kill(s.ranks[1]["pid"], signal.SIGKILL)
@@ -98,7 +103,7 @@ def one_heal(gb: float) -> dict:
     return {"seconds": ended, "ok": all(ok), "state": state,
             "sender": (peaks.peak.get(sender, 0) - empty) / state,
             "receiver": (peaks.peak.get(receiver, 0) - empty) / state,
-            "total": peaks.total / 2**30}
+            "total": peaks.total / 2**30, "system": (peaks.system - in_use) / state}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,14 +117,18 @@ def main(argv: list[str] | None = None) -> int:
         seconds = statistics.median(r["seconds"] for r in runs)
         rows.append((gb, seconds, runs[0]["state"] / seconds / 2**20,
                      max(r["sender"] for r in runs), max(r["receiver"] for r in runs),
-                     max(r["total"] for r in runs), all(r["ok"] for r in runs)))
+                     max(r["total"] for r in runs), max(r["system"] for r in runs),
+                     all(r["ok"] for r in runs)))
     print(f"\nnp=2, one host; median of {args.repeats}; memory: a rank's peak during the heal, "
           "less a rank without the state, / the state")
     print(f"{'state':>8}{'kill->cell':>12}{'MB/s':>8}{'sender':>9}{'replacement':>13}"
-          f"{'all GiB':>9}  copied")
-    for gb, seconds, rate, sender, receiver, total, ok in rows:
+          f"{'all GiB':>9}{'machine':>9}  copied")
+    for gb, seconds, rate, sender, receiver, total, system, ok in rows:
         print(f"{gb:>6g}GB{seconds:>11.1f}s{rate:>8.0f}{sender:>8.2f}x{receiver:>12.2f}x"
-              f"{total:>9.1f}  {'yes' if ok else 'NO'}")
+              f"{total:>9.1f}{system:>+8.2f}x  {'yes' if ok else 'NO'}")
+    print("machine: the machine's memory in use at its peak during the heal, less before the "
+          "kill (both ranks holding the state), over the state: a shared-memory file counts "
+          "here even where no process has touched its pages yet")
     return 0
 
 

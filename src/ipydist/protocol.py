@@ -193,6 +193,13 @@ DEBUG_KEY = "ipydist.debug"
 #: sees the copy move, ends it only when it stops moving, and ``%dist_status`` says how far it
 #: is (:mod:`ipydist.notebook.healing`).
 HEAL_PROGRESS_KEY = "ipydist.heal_progress"
+#: The start of the name of a heal's shared-memory file (``ipydist.rank.healing.state_transfer``),
+#: followed by the writing rank's pid: rank 0 removes it when the copy ends, and the notebook
+#: removes what a rank killed in the middle of one left, when it stops the cluster.
+HEAL_FILE_PREFIX = "ipydist-heal-"
+#: Where that file goes: ``--env IPYDIST_HEAL_SHARED_MEMORY=DIR`` (``none``: over MPI).
+HEAL_SHARED_MEMORY = "/dev/shm"
+HEAL_SHARED_MEMORY_VARIABLE = "IPYDIST_HEAL_SHARED_MEMORY"
 
 #: The message types of the notebook's questions on an engine's control channel, which a
 #: rank answers while its cell runs (see ``ipydist.rank.introspection.control``), and of the

@@ -467,6 +467,13 @@ after = (hvd.size(), kept, same_everywhere(flat()))
     assert elastic.pull("after") == [(NP, {"note": "defined before the kill", "step": 3}, True)
                                      ] * NP
     assert [r["pid"] for r in elastic.ranks][:2] == old_pids[:2]
+    # the tensors went through /dev/shm (one host), and the file is gone
+    from ipydist.rank.healing import state_transfer
+
+    if os.path.isdir(state_transfer.SHARED_MEMORY):
+        left = [n for n in os.listdir(state_transfer.SHARED_MEMORY)
+                if n.startswith(f"{state_transfer.FILE_PREFIX}{old_pids[0]}-")]
+        assert left == [], left
 
 
 def test_a_rank_is_replaced_when_every_slot_was_taken(shell, capsys, magics, no_cluster):

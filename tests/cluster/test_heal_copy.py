@@ -2,8 +2,8 @@
 tensors (no copy of the state on either side), ``%dist_status`` says how far the copy is,
 and a copy that stops moving is ended, saying where, while one that moves is never cut off.
 
-Real ranks under ``--elastic`` (2 on this host), a tensor of 512 MB on each; rank 1 is
-SIGKILLed between cells. ``benchmarks/heal_size.py`` measures the larger sizes (1-8 GB).
+Real ranks under ``--elastic`` (2 on this host), a tensor of 512 MB on each, sent over MPI;
+rank 1 is SIGKILLed between cells. ``benchmarks/heal_size.py`` measures the larger sizes (1-8 GB).
 """
 
 from __future__ import annotations
@@ -18,10 +18,14 @@ import pytest
 from helpers import wait_gone
 
 import ipydist
+from ipydist import protocol
 from ipydist.errors import ClusterError
 from ipydist.notebook import healing
 
 MB = 2**20
+#: The tensors over MPI, as to a replacement on another host (on this one they go through
+#: /dev/shm, in a fraction of a second: test_elastic.py's heals take that way).
+OVER_MPI = {"IPYDIST_HEAL_SHARED_MEMORY": "none"}
 
 
 def _kill_and_wait_for_the_heal(session) -> healing.Heal:
@@ -36,7 +40,7 @@ def _kill_and_wait_for_the_heal(session) -> healing.Heal:
 
 def test_the_copy_says_how_far_it_is_and_costs_no_copy_of_the_state(no_cluster):
     size = 512 * MB
-    with ipydist.Session(np=2, elastic=True) as s:
+    with ipydist.Session(np=2, elastic=True, env=OVER_MPI) as s:
         s.run("import torch\n"
               "base = torch.ones(1 << 20)")  # torch's own memory in use, before the state
         empty = psutil.Process(s.ranks[0]["pid"]).memory_info().rss
@@ -70,7 +74,7 @@ def test_a_copy_that_stops_moving_is_ended_saying_where(no_cluster, monkeypatch)
     COPY_STALL_SECONDS without progress the heal ends, saying how far it got; a copy that
     moves has no deadline (``benchmarks/heal_size.py``: 8 GB in 18 s here)."""
     monkeypatch.setattr(healing, "COPY_STALL_SECONDS", 2.0)
-    s = ipydist.Session(np=2, elastic=True).start()
+    s = ipydist.Session(np=2, elastic=True, env=OVER_MPI).start()
     try:
         s.run("import torch\n"
               f"big = torch.ones({512 * MB // 4})")
@@ -87,7 +91,14 @@ def test_a_copy_that_stops_moving_is_ended_saying_where(no_cluster, monkeypatch)
         with pytest.raises(ClusterError, match="run Session.restart"):
             s.run("pass")
         os.kill(stopped, signal.SIGCONT)
+        # what rank 0 leaves in /dev/shm when it is killed in the middle of a copy through
+        # it (made here: this copy went over MPI) goes when the cluster stops
+        left = os.path.join(protocol.HEAL_SHARED_MEMORY,
+                            f"{protocol.HEAL_FILE_PREFIX}{s.ranks[0]['pid']}-test")
+        if os.path.isdir(protocol.HEAL_SHARED_MEMORY):
+            open(left, "wb").close()
     finally:
         pids = s.cluster.pids() if s.cluster is not None else []
         s.stop(quiet=True)
     assert wait_gone(pids, 10) == []
+    assert not os.path.exists(left)

@@ -1,4 +1,4 @@
-"""The one pickle of rank 0's variables that a replacement loads (``rank/state_copy.py``):
+"""The one pickle of rank 0's variables that a replacement loads (``rank/healing/state_copy.py``):
 what tensors share stays shared, each storage travels once, and every tensor comes back equal.
 Pure logic on CPU tensors; ``tests/cluster/test_gpu_shared.py`` heals CUDA state on a GPU."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import cloudpickle
 import torch
 
-from ipydist.rank.state_copy import pack
+from ipydist.rank.healing.state_copy import pack
 
 
 def _copied(variables: dict) -> dict:
@@ -66,3 +66,29 @@ def test_the_tensors_bytes_travel_beside_the_pickle_from_their_own_memory():
     assert torch.equal(copied["base"], base) and copied["head"].data_ptr() == copied[
         "base"].data_ptr()
     assert np.shares_memory(copied["base"].numpy(), received[0])
+
+
+def test_on_one_host_the_bytes_go_through_one_shared_memory_file(tmp_path, monkeypatch):
+    """What rank 0 writes into /dev/shm (here a folder of the test's) and a replacement maps:
+    every storage back, empty ones too, writable once the file is gone (copy-on-write pages);
+    ``IPYDIST_HEAL_SHARED_MEMORY=none`` keeps it all on MPI."""
+    from ipydist.rank.healing import state_transfer
+
+    monkeypatch.setenv(state_transfer.SHARED_MEMORY_VARIABLE, str(tmp_path))
+    model = torch.nn.Linear(3, 2)
+    storages: list = []
+    payload, _ = pack({"model": model, "empty": torch.empty(0), "x": torch.arange(10.0)},
+                      storages)
+    views = [memoryview(s).cast("B") for s in storages]
+    shared = state_transfer._write_shared(views, state_transfer._Progress(1), 1)
+    assert shared is not None and shared[0].startswith(str(tmp_path))
+    arrays = state_transfer._map_shared(shared, [v.nbytes for v in views])
+    state_transfer._remove(shared[0])
+    assert list(tmp_path.iterdir()) == []
+    copied = cloudpickle.loads(payload, buffers=arrays)
+    copied["x"][0] = 7.0  # writable, and only this copy changes
+    assert copied["x"].tolist() == [7.0, *range(1, 10)]
+    assert torch.equal(copied["model"].weight, model.weight)
+    assert copied["empty"].shape == (0,)
+    monkeypatch.setenv(state_transfer.SHARED_MEMORY_VARIABLE, "none")
+    assert state_transfer._write_shared(views, state_transfer._Progress(1), 1) is None

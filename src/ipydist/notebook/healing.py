@@ -11,6 +11,8 @@ waits for the heal and says what it did, or, should it fail, what to do instead.
 
 from __future__ import annotations
 
+import glob
+import os
 import threading
 import time
 from dataclasses import replace
@@ -228,6 +230,23 @@ def copy_state(cluster, root: int, to: list[int], was_size: int,
     if rebound:
         text += f"; given the new rank's part of the data: {', '.join(rebound)}"
     return text
+
+
+def remove_files_of(pids: list[int], env: dict[str, str]) -> None:
+    """Remove the shared-memory files of a heal's copy that ranks ``pids`` (of this host)
+    left: rank 0 removes its own when the copy ends, but a rank killed in the middle of one
+    cannot (``env``: the ranks' environment, which may name the folder)."""
+    folders = [protocol.HEAL_SHARED_MEMORY]
+    chosen = env.get(protocol.HEAL_SHARED_MEMORY_VARIABLE)
+    if chosen and chosen not in ("none", protocol.HEAL_SHARED_MEMORY):
+        folders.append(chosen)
+    for folder in folders:
+        for pid in pids:
+            for path in glob.glob(os.path.join(folder, f"{protocol.HEAL_FILE_PREFIX}{pid}-*")):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
 
 
 def scale(cluster, size: int) -> str:

@@ -185,8 +185,9 @@ def _give_up(out: protocol.RecoveryReport, why: str) -> protocol.RecoveryReport:
 
 def heal(dead: list[int], replace: bool, hosts: list[str] | None = None,
          env: Sequence[str] = ()) -> protocol.HealReport:
-    """``--elastic``, after ``dead`` died: the world again (see :mod:`ipydist.rank.heal`)."""
-    from ipydist.rank import heal as healing
+    """``--elastic``, after ``dead`` died: the world again (see
+    :mod:`ipydist.rank.healing.heal`)."""
+    from ipydist.rank.healing import heal as healing
 
     return healing.heal(dead, replace, hosts, env)
 
@@ -199,8 +200,9 @@ def elastic_reset(restore: bool) -> int:
 
 
 def resize(size: int, env: Sequence[str] = ()) -> protocol.HealReport:
-    """``Session.scale``: a world of ``size`` ranks (see :func:`ipydist.rank.heal.resize`)."""
-    from ipydist.rank import heal as healing
+    """``Session.scale``: a world of ``size`` ranks (see
+    :func:`ipydist.rank.healing.heal.resize`)."""
+    from ipydist.rank.healing import heal as healing
 
     return healing.resize(size, env)
 
@@ -208,7 +210,7 @@ def resize(size: int, env: Sequence[str] = ()) -> protocol.HealReport:
 def copy_state(root: int, to: list[int], was_size: int | None = None) -> protocol.HealReport:
     """After a heal or a resize: ``root``'s variables and random states to the new ranks
     ``to`` (``was_size``: the world's size before a resize)."""
-    from ipydist.rank import state_copy
+    from ipydist.rank.healing import state_copy
 
     return state_copy.copy_from(root, to, was_size)
 
@@ -216,7 +218,7 @@ def copy_state(root: int, to: list[int], was_size: int | None = None) -> protoco
 def resized(was_size: int) -> protocol.HealReport:
     """After a resize, on a rank that stayed (its number kept): its samplers, optimizers and
     process sets follow the new size."""
-    from ipydist.rank import state_copy
+    from ipydist.rank.healing import state_copy
 
     return state_copy.resized(was_size)
 

@@ -20,7 +20,10 @@ def publish(key: str, value) -> None:
     zmqshell = sys.modules.get("ipykernel.zmqshell")  # imported by the engine's kernel
     if zmqshell is None or not zmqshell.ZMQInteractiveShell.initialized():
         return
-    shell = zmqshell.ZMQInteractiveShell.instance()
+    try:
+        shell = zmqshell.ZMQInteractiveShell.instance()
+    except Exception:  # another kind of IPython shell holds the singleton: not an engine
+        return
     if getattr(shell, "kernel", None) is None or getattr(shell, "data_pub", None) is None:
         return
     try:

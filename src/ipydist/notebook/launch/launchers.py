@@ -188,7 +188,7 @@ class OpenMPI(Launcher):
 def elastic_args(multi_host: bool, user_args: list[str]) -> list[str]:
     """Open MPI's fault tolerance (ULFM): mpiexec keeps the job when a rank dies, the others
     learn of it in their MPI calls, and they can shrink their communicators and spawn a
-    replacement (``ipydist.rank.heal``). On one host TCP must be beside shared memory (with
+    replacement (``ipydist.rank.healing.heal``). On one host TCP must be beside shared memory (with
     ``self,sm`` alone, fault tolerance finds the ranks unreachable and MPI_Init crashes), kept
     to loopback."""
     args = ["--with-ft", "ulfm"]

@@ -40,8 +40,8 @@ def bootstrap(env: dict[str, str] | None = None):
 def join(comm, config: protocol.RankConfig | None = None, survivor=None):
     """This rank's runtime and process group in the world ``comm`` (collective: every rank
     of it calls this, in the same steps). ``survivor``: the runtime of a rank that outlived
-    another (see :mod:`ipydist.rank.heal`), whose device, threads and hooks stay as they are;
-    None for a rank starting."""
+    another (see :mod:`ipydist.rank.healing.heal`), whose device, threads and hooks stay as
+    they are; None for a rank starting."""
     from mpi4py import MPI
 
     config = config or protocol.RankConfig.from_env()

@@ -1,6 +1,6 @@
 """A process spawned to replace ranks that died or to grow the world (``--elastic``; see
-:mod:`ipydist.rank.heal`): which rank it takes, how it is spawned (:func:`spawn_one`, on both
-sides), and the world in which it has its number."""
+:mod:`ipydist.rank.healing.heal`): which rank it takes, how it is spawned (:func:`spawn_one`,
+on both sides), and the world in which it has its number."""
 
 from __future__ import annotations
 

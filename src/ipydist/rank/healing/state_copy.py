@@ -1,10 +1,12 @@
 """A replacement rank gets rank 0's state: its variables, in one pickle, and its random states.
 
-After a heal (:mod:`ipydist.rank.heal`) a replacement has an empty namespace. Rank 0 (the
+After a heal (:mod:`ipydist.rank.healing.heal`) a replacement has an empty namespace. Rank 0 (the
 lowest survivor, ``root``) pickles every variable of its namespace that pickles with
 cloudpickle (functions and classes defined in cells travel by value, modules by name) as one
 object, so that what its variables share stays shared (an optimizer's parameters are the
 model's), and sends it over MPI to each replacement, which loads it into its own namespace.
+The tensors' storages are left out of that pickle, each once, and travel as bytes from the
+tensors' own memory (:mod:`ipydist.rank.healing.state_transfer`).
 Variables that do not pickle (a generator, an open file, a live iterator over a DataLoader)
 are named in the notebook's message. Objects that know their rank are rebound to the
 replacement's: ``hvd.shard()``'s samplers and torch's ``DistributedSampler`` made with the
@@ -209,6 +211,7 @@ def copy_from(root: int, to: list[int], was_size: int | None = None) -> HealRepo
     of ``was_size`` to theirs). Returns, on ``root``, the names not copied."""
     from IPython import get_ipython
 
+    from ipydist.rank.healing import state_transfer
     from ipydist.torch._core import topology
     from ipydist.torch.horovod import process_sets
 
@@ -226,12 +229,12 @@ def copy_from(root: int, to: list[int], was_size: int | None = None) -> HealRepo
         for rank in to:
             comm.send((payload, sizes, random_states(), process_sets.registry()), dest=rank,
                       tag=71)
-        _send_storages(comm, views, to)
+        state_transfer.send(comm, views, to)
     elif rt.rank in to:
         import cloudpickle
 
         payload, sizes, states, known_sets = comm.recv(source=root, tag=71)
-        received = _receive_storages(comm, root, sizes)
+        received = state_transfer.receive(comm, root, sizes)
         process_sets.adopt(known_sets)  # before loading: a variable may name a set
         try:
             variables = cloudpickle.loads(payload, buffers=received)
@@ -245,56 +248,6 @@ def copy_from(root: int, to: list[int], was_size: int | None = None) -> HealRepo
     if process_sets.any_added():  # the same answer on every rank now
         out = replace(out, sets_removed=tuple(process_sets.rejoin(rt.size)))
     return out
-
-
-#: The tensors' bytes travel in messages of this size at most: MPI counts in 32-bit ints in
-#: its older calls, and a heal's progress is seen message by message.
-CHUNK_BYTES = 64 << 20
-
-
-def _chunks(nbytes: int):
-    return ((start, min(start + CHUNK_BYTES, nbytes)) for start in range(0, nbytes, CHUNK_BYTES))
-
-
-#: How often the sending rank says how far the copy is (``protocol.HEAL_PROGRESS_KEY``).
-PROGRESS_SECONDS = 0.5
-
-
-def _send_storages(comm, views: list[memoryview], to: list[int]) -> None:
-    """Send every tensor's bytes from where they lie (no copy, no pickle: MPI reads the
-    tensor's memory), to every rank of ``to`` at once (several dead ranks copy in parallel),
-    saying how far it is as messages complete."""
-    import time
-
-    from mpi4py import MPI
-
-    from ipydist.protocol import HEAL_PROGRESS_KEY
-    from ipydist.rank import channel
-
-    pieces = [(rank, view, start, end) for rank in to for view in views
-              for start, end in _chunks(view.nbytes)]
-    requests = [comm.Isend([view[start:end], MPI.BYTE], dest=rank, tag=72)
-                for rank, view, start, end in pieces]
-    total, sent, said = sum(end - start for _, _, start, end in pieces), 0, 0.0
-    channel.publish(HEAL_PROGRESS_KEY, (0, total))
-    while (done := MPI.Request.Waitsome(requests)) is not None:
-        sent += sum(pieces[i][3] - pieces[i][2] for i in done)
-        if time.monotonic() - said >= PROGRESS_SECONDS or sent == total:
-            channel.publish(HEAL_PROGRESS_KEY, (sent, total))
-            said = time.monotonic()
-
-
-def _receive_storages(comm, root: int, sizes: list[int]) -> list:
-    """Receive the tensors' bytes straight into memory of their own (one array per storage,
-    which the loaded tensors then use: no second copy)."""
-    import numpy as np
-    from mpi4py import MPI
-
-    arrays = [np.empty(n, dtype=np.uint8) for n in sizes]
-    requests = [comm.Irecv([array[start:end], MPI.BYTE], source=root, tag=72)
-                for array in arrays for start, end in _chunks(array.nbytes)]
-    MPI.Request.Waitall(requests)
-    return arrays
 
 
 def resized(was_size: int) -> HealReport:

@@ -12,7 +12,7 @@ ipydist.rank`` like any rank, and its bootstrap finds that world
 (:func:`ipydist.rank.start.replacement.world`); both sides then make the rank's runtime and
 process group in the same collective steps (:func:`ipydist.rank.start.bootstrap.join`). It
 registers with the controller as a new engine, and the notebook copies rank 0's state to it
-(:mod:`ipydist.rank.state_copy`).
+(:mod:`ipydist.rank.healing.state_copy`).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def heal(dead: list[int], replace: bool, hosts: list[str] | None = None,
             not_replaced = f"MPI could not start a replacement: {e.Get_error_string()}"
     out = _rejoin(world, rt, started)
     if world is survivors:
-        from ipydist.rank import state_copy
+        from ipydist.rank.healing import state_copy
 
         followed = state_copy.renumbered(rt.rank, rt.size, sorted(dead))
         out = dataclasses.replace(out, rebound=followed.rebound, sets_removed=followed.sets_removed,
