@@ -14,7 +14,7 @@ shorter than that can be missed.
 Bars (issue 49): 1 GB within 5 s of the kill, 4 GB within 15 s, 8 GB completes; memory at
 most 1.25x the state moved on the sending and on the receiving rank.
 
-    .venv/bin/python benchmarks/heal_size.py [--gb 0.25 1 4] [--repeats 1]
+    .venv/bin/python benchmarks/heal_size.py [--gb 0.25 1 4] [--repeats 1] [--np 2] [--dead 1]
 """
 
 from __future__ import annotations
@@ -80,10 +80,10 @@ class Peaks:
         self._thread.join()
 
 
-def one_heal(gb: float) -> dict:
+def one_heal(gb: float, np: int = 2, dead: int = 1) -> dict:
     n = int(gb * 2**30 / 4)
     state = n * 4
-    with ipydist.Session(np=2, elastic=True) as s:
+    with ipydist.Session(np=np, elastic=True) as s:
         s.run(SETUP)
         sender = s.ranks[0]["pid"]
         # a rank without the state: what the replacement holds before the copy, about
@@ -93,7 +93,8 @@ def one_heal(gb: float) -> dict:
         in_use = memory.total - memory.available  # both ranks hold the state
         peaks = Peaks(s)
         killed = time.perf_counter()
-        os.kill(s.ranks[1]["pid"], signal.SIGKILL)
+        for rank in range(1, 1 + dead):
+            os.kill(s.ranks[rank]["pid"], signal.SIGKILL)
         time.sleep(0.5)  # between cells, as a person would be
         s.run(f"ok = bool(big[::4097].eq(3).all()) and big.numel() == {n}")
         ended = time.perf_counter() - killed
@@ -110,17 +111,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, nargs="+", default=[0.25, 1, 4])
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--np", type=int, default=2)
+    parser.add_argument("--dead", type=int, default=1,
+                        help="ranks killed at once (1..DEAD), copied to in parallel")
     args = parser.parse_args(argv)
     rows = []
     for gb in args.gb:
-        runs = [one_heal(gb) for _ in range(args.repeats)]
+        runs = [one_heal(gb, args.np, args.dead) for _ in range(args.repeats)]
         seconds = statistics.median(r["seconds"] for r in runs)
         rows.append((gb, seconds, runs[0]["state"] / seconds / 2**20,
                      max(r["sender"] for r in runs), max(r["receiver"] for r in runs),
                      max(r["total"] for r in runs), max(r["system"] for r in runs),
                      all(r["ok"] for r in runs)))
-    print(f"\nnp=2, one host; median of {args.repeats}; memory: a rank's peak during the heal, "
-          "less a rank without the state, / the state")
+    print(f"\nnp={args.np}, {args.dead} killed, one host; median of {args.repeats}; memory: a "
+          "rank's peak during the heal, less a rank without the state, / the state")
     print(f"{'state':>8}{'kill->cell':>12}{'MB/s':>8}{'sender':>9}{'replacement':>13}"
           f"{'all GiB':>9}{'machine':>9}  copied")
     for gb, seconds, rate, sender, receiver, total, system, ok in rows:
