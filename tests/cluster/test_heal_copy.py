@@ -1,5 +1,6 @@
 """A heal's copy of rank 0's state at a size that takes time (issue 49): the tensors travel as
-tensors (no copy of the state on either side), ``%dist_status`` says how far the copy is,
+tensors (no copy of the state on either side), ``%dist_status`` and the live view say how
+far the copy is,
 and a copy that stops moving is ended, saying where, while one that moves is never cut off.
 
 Real ranks under ``--elastic`` (2 on this host), a tensor of 512 MB on each, sent over MPI;
@@ -47,9 +48,10 @@ def test_the_copy_says_how_far_it_is_and_costs_no_copy_of_the_state(no_cluster):
         s.run(f"big = torch.arange({size // 4}, dtype=torch.float32)\n"
               "view = big[1000:2000]")
         heal = _kill_and_wait_for_the_heal(s)
-        notes, peak = set(), 0
+        notes, captions, peak = set(), set(), 0
         while not heal.done:
             notes.add(s.status().note)
+            captions.add(s.monitor.snapshot()["caption"])  # the live view's and the panel's
             if heal.phase.startswith("copying"):
                 try:
                     replacement = psutil.Process(s.cluster.ranks[1].pid)
@@ -65,6 +67,8 @@ def test_the_copy_says_how_far_it_is_and_costs_no_copy_of_the_state(no_cluster):
     assert any(re.search(r"is being replaced \(\d+ s\): copying rank 0's state, \d+ of "
                          r"516 MB\.$", n) for n in copying), notes
     assert not any("Session.restart()" in n for n in notes), notes  # the heal, not the death
+    assert any(re.fullmatch(r"2 ranks · rank 1 is being replaced \(\d+ s\): copying rank 0's "
+                            r"state, \d+ of 516 MB", c) for c in captions), captions
     # the replacement holds the state once (the arrays it was received into), not two copies
     assert peak - empty <= 1.25 * size, f"{(peak - empty) / size:.2f}x the state"
 

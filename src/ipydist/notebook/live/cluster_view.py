@@ -184,6 +184,9 @@ class ClusterMonitor:
             rows.append(row(info, alive, fresh, usage, cell, replaced))
         what = (f"running cell {cell.number}" if cell and cell.number is not None
                 else "running a cell" if cell else "idle")
+        heal = session.healing
+        if heal is not None and not heal.done:  # where the heal is: the copy's MB of how many
+            what = heal.describe().rstrip(".")
         hosts = len({r["host"] for r in rows})
         where = f" on {hosts} hosts" if hosts > 1 else ""
         return {"rows": rows, "caption": f"{len(rows)} ranks{where} · {what}",
