@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # types only: these modules are handed a session, they do not make one
     from ipydist.notebook.cluster import Cluster
+    from ipydist.notebook.healing import Heal
     from ipydist.notebook.live.cluster_view import ClusterMonitor
     from ipydist.notebook.live.history import MetricHistory
     from ipydist.notebook.words import Words
@@ -33,6 +34,8 @@ class SessionFace(Protocol):
     #: Every point logged with ``hvd.log()``; the live views' state.
     metrics: MetricHistory
     monitor: ClusterMonitor
+    #: A heal under way (``--elastic``), None otherwise: the live views say where it is.
+    healing: Heal | None
 
     @property
     def running(self) -> bool: ...
