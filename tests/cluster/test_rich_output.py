@@ -12,6 +12,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from ipydist.cli.run import execute_starting_again
+
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 HTML_OF_EACH_RANK = "display(HTML(f'<b>hello from rank {hvd.rank()}</b>'))"
 
@@ -44,7 +46,9 @@ CELLS = {
 def outputs(tmp_path_factory):
     nb = nbformat.v4.new_notebook(
         cells=[nbformat.v4.new_code_cell(c) for c in CELLS.values()])
-    NotebookClient(nb, timeout=300, kernel_name="python3").execute()
+    # a kernel that dies before it answers (a port taken between its choice and its bind) is
+    # started again, as ipydist run does
+    execute_starting_again(lambda: NotebookClient(nb, timeout=300, kernel_name="python3"))
     return {name: cell.outputs for name, cell in zip(CELLS, nb.cells)}
 
 

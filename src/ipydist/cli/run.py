@@ -20,6 +20,24 @@ KERNEL_NAME = "python3"
 _NP_OPTION = re.compile(r"--np(?:\s*=\s*|\s+)\S+")
 
 
+#: What nbclient says when the kernel died before it answered at all: nothing has run yet.
+KERNEL_DIED_AT_START = "Kernel died before replying to kernel_info"
+
+
+def execute_starting_again(make_client) -> None:
+    """``make_client().execute()``, with one more start of a fresh kernel when the first died
+    before it answered. jupyter_client picks the kernel's ports free and the kernel binds them
+    a moment later: another process can take one in between ("Address already in use", once
+    in the tests, beside a second worker starting clusters). No cell has run then, so a second
+    start, with ports of its own, repeats nothing."""
+    try:
+        make_client().execute()
+    except RuntimeError as e:
+        if KERNEL_DIED_AT_START not in str(e):
+            raise
+        make_client().execute()
+
+
 def default_output(notebook: Path) -> Path:
     """``<notebook dir>/executed/<name>``: next to the source, and ignored by git."""
     return notebook.parent / "executed" / notebook.name
@@ -75,19 +93,22 @@ def run_notebook(
         print(f"ipydist: {notebook} has no %dist_start line; --np {np} has no effect.",
               file=sys.stderr)
     out = Path(output) if output is not None else default_output(notebook)
-    client = NotebookClient(
-        nb,
-        timeout=timeout,
-        # On a timeout, interrupt rather than kill: %%everyrank passes the interrupt on to the
-        # ranks, and the then idle kernel shuts down cleanly, stopping its cluster as it exits.
-        interrupt_on_timeout=True,
-        kernel_name=KERNEL_NAME,
-        resources={"metadata": {"path": str(notebook.resolve().parent)}},
-        config=_kernel_config(),
-    )
+    def client() -> NotebookClient:
+        return NotebookClient(
+            nb,
+            timeout=timeout,
+            # On a timeout, interrupt rather than kill: %%everyrank passes the interrupt on to
+            # the ranks, and the then idle kernel shuts down cleanly, stopping its cluster as it
+            # exits.
+            interrupt_on_timeout=True,
+            kernel_name=KERNEL_NAME,
+            resources={"metadata": {"path": str(notebook.resolve().parent)}},
+            config=_kernel_config(),
+        )
+
     failure = None
     try:
-        client.execute()
+        execute_starting_again(client)
     except CellExecutionError as e:
         if e.ename == "KeyboardInterrupt":
             failure = f"{_running_cell(nb)} ran past the cell timeout of {timeout:g} s."
