@@ -204,11 +204,16 @@ def copy_state(cluster, root: int, to: list[int], was_size: int,
     request = cluster.view(ranks).apply_async(protocol.on_rank, "copy_state", root, to,
                                               was_size)
     seen, moved = None, time.monotonic()
-    while not ipp.wait(request, 0.2):
+
+    def look() -> None:  # what root said last, passed on when it moved
+        nonlocal seen, moved
         progress = ipp.published(request, ranks, root, protocol.HEAL_PROGRESS_KEY)
         if progress is not None and tuple(progress) != seen:
             seen, moved = tuple(progress), time.monotonic()
             on_progress(seen)
+
+    while not ipp.wait(request, 0.2):
+        look()
         if time.monotonic() - moved > COPY_STALL_SECONDS:
             late = ipp.still_running(request, ranks)
             cluster.abort([ipp.msg_id(request, ranks, r) for r in late], late)
@@ -216,8 +221,7 @@ def copy_state(cluster, root: int, to: list[int], was_size: int,
                      else "before any of it was sent")
             raise RankTimeout(f"the copy of rank {root}'s state stopped moving {where} for "
                               f"{COPY_STALL_SECONDS:g} s ({describe_ranks(late)} still in it)")
-    if (progress := ipp.published(request, ranks, root, protocol.HEAL_PROGRESS_KEY)):
-        on_progress(tuple(progress))
+    look()  # its last word, when it came before the reply
     copied = request.get()
     failed = [f"rank {r}: {reply.failed}" for r, reply in enumerate(copied) if reply.failed]
     if failed:

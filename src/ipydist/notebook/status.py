@@ -101,17 +101,17 @@ def sharing_note(ranks: list[RankInfo]) -> str:
             by_host.setdefault(info.host, []).append(info)
     if not by_host:
         return ""
+    way = next(iter(by_host.values()))[0].gpu_sharing  # the first host's, for the cost
     shapes = {(len(infos), len({i.device for i in infos}), infos[0].gpu_sharing)
               for infos in by_host.values()}
     if len(shapes) == 1:
-        ((count, gpus, way),) = shapes
+        ((count, gpus, _),) = shapes
         where = (f"on {next(iter(by_host))}" if len(by_host) == 1
                  else f"on each of {len(by_host)} hosts")
         share = f"{count} ranks share {gpus} GPU{'s' if gpus > 1 else ''} {where}"
     else:
         share = "; ".join(f"{len(infos)} ranks share {len({i.device for i in infos})} "
                           f"GPU(s) on {host}" for host, infos in by_host.items())
-        way = next(iter(by_host.values()))[0].gpu_sharing
     return (f"{share}, dealt round-robin (they take turns on each GPU): "
             f"{SHARING_COSTS.get(way, way)}.")
 

@@ -30,8 +30,13 @@ def usable_gpus(gpus: str | list[int], inherited: str | None) -> int:
     if isinstance(gpus, list):
         return len(gpus)
     if inherited is not None:
-        return len([e for e in inherited.split(",") if e.strip()])
+        return _listed(inherited)
     return len(list_gpus())
+
+
+def _listed(visible: str) -> int:
+    """The devices a ``CUDA_VISIBLE_DEVICES`` value names."""
+    return len([e for e in visible.split(",") if e.strip()])
 
 
 def list_gpus() -> list[str]:
@@ -60,7 +65,7 @@ def check_gpus_here(gpus: str | list[int], backend: str, np: int = 1,
         return
     inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
     if inherited is not None:  # the ranks inherit it, and --gpus counts within it
-        count = len([e for e in inherited.split(",") if e.strip()])
+        count = _listed(inherited)
         found = (f"{count} GPU(s) in CUDA_VISIBLE_DEVICES ({inherited})" if count
                  else "no GPU (CUDA_VISIBLE_DEVICES is empty)")
     else:

@@ -173,12 +173,11 @@ def _send_over_mpi(comm, views: list[memoryview], to: list[int], progress: _Prog
     rank of ``to`` at once, saying how far it is as messages complete."""
     from mpi4py import MPI
 
-    pieces = [(view, start, end) for _ in to for view in views
+    pieces = [(rank, view[start:end]) for rank in to for view in views
               for start, end in _chunks(view.nbytes)]
-    requests = [comm.Isend([view[start:end], MPI.BYTE], dest=rank, tag=_DATA)
-                for rank in to for view in views for start, end in _chunks(view.nbytes)]
+    requests = [comm.Isend([piece, MPI.BYTE], dest=rank, tag=_DATA) for rank, piece in pieces]
     while (done := MPI.Request.Waitsome(requests)) is not None:
-        progress.add(sum(pieces[i][2] - pieces[i][1] for i in done))
+        progress.add(sum(pieces[i][1].nbytes for i in done))
 
 
 def _receive_over_mpi(comm, root: int, sizes: list[int]) -> list:

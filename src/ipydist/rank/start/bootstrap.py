@@ -94,12 +94,11 @@ def join(comm, config: protocol.RankConfig | None = None, survivor=None):
                 rt.gpu_sharing = _share_gpus(rt, count, config.backend, own_gpus)
         except (LaunchError, RuntimeError) as e:
             problem = str(e)
-    _fail_all(comm, rt.rank, rt.host, problem)
-
-    wishes = comm.allgather((
-        gpu_sharing.resolve_backend(config.backend, rt.device_index, rt.gpu_sharing),
-        survivor.backend if survivor else None))
-    rt.backend = device.agree_backend([w for w, _ in wishes], [k for _, k in wishes])
+    # one collective: whether any rank failed, and the backend each would use
+    wish = gpu_sharing.resolve_backend(config.backend, rt.device_index, rt.gpu_sharing)
+    gathered = comm.allgather((problem, wish, survivor.backend if survivor else None))
+    _fail_all([p for p, _, _ in gathered], rt.rank, rt.host, problem)
+    rt.backend = device.agree_backend([w for _, w, _ in gathered], [k for _, _, k in gathered])
     topology.set_runtime(rt)
     if survivor is None:
         shims.install_reuse_shim()
@@ -197,9 +196,9 @@ def _reached(rank: int, phase: str) -> None:
         pass
 
 
-def _fail_all(comm, rank: int, host: str, problem: str | None) -> None:
-    """Collective: if any rank has a problem, each one with a problem says so, and all exit."""
-    problems = comm.allgather(problem)
+def _fail_all(problems: list[str | None], rank: int, host: str, problem: str | None) -> None:
+    """If any rank has a problem (``problems``: every rank's), each one with a problem says
+    so, and all exit."""
     if not any(problems):
         return
     if problem:
