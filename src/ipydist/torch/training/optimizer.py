@@ -136,6 +136,7 @@ class _DistributedMixin(CheckpointMixin):
         self._prescale, self._postscale = _scales(
             self._op, float(self._options.gradient_predivide_factor), ranks)
         self._alone = self._nothing_to_exchange(ranks)
+        self._headers.clear()  # they carry the scaling: a step grown from 2 ranks to 3 sent 0.5
 
     def _nothing_to_exchange(self, ranks: int) -> bool:
         """Whether a step has nothing to send: one rank (in the world, or the process set),
