@@ -1,17 +1,23 @@
-"""What ``--elastic`` costs, and how fast it heals.
+"""What ``--elastic`` costs, and how fast it heals, with and without hot spares.
 
-1. Allreduce with Open MPI's fault tolerance (ULFM, ``--elastic``) against without, per size:
-   the two kinds of cluster alternate (a cluster cannot switch), each pass timing
-   ``hvd.allreduce_`` (ipydist's transport, call check and waits) and raw mpi4py
-   ``Allreduce`` on every size; printed: medians over passes of elastic / plain. The bar for
-   ``--elastic`` to be on by default: at most 1.10x at 1 MB and above.
-2. Heals: on one elastic cluster with a model and its DistributedOptimizer, a rank is
-   SIGKILLed while the others run allreduces, again and again (a replacement of a replacement
-   too); printed: the seconds from the kill to the end of the cell and to the end of the
-   next cell, which waits for the heal and checks the parameters identical.
-3. ``Session.scale``: np -> np/2 -> np, a few times; the seconds each way.
+1. Allreduce with Open MPI's fault tolerance (ULFM, ``--elastic``, with ``--spares`` as
+   given: with spares on one host MPI is shared memory only, without them TCP is beside it)
+   against a plain cluster, per size: the two kinds of cluster alternate (a cluster cannot
+   switch), each pass timing ``hvd.allreduce_`` (ipydist's transport, call check and waits)
+   and raw mpi4py ``Allreduce`` on every size; printed: medians over passes of elastic /
+   plain. The bar for ``--elastic`` to be on by default: at most 1.10x at 1 MB and above.
+2. Starts: a plain cluster against an elastic one with one hot spare, alternating; printed:
+   the medians of the seconds to a ready cluster, and the memory of its own a spare holds.
+3. Heals with a spare against heals by a spawn, alternating, each on a fresh cluster with a
+   model and its DistributedOptimizer: a rank is SIGKILLed while the others run allreduces;
+   printed: the seconds from the kill to the end of the cell and to the end of the next cell,
+   which waits for the heal and checks the parameters identical (bar for spares: the next
+   cell done within 1.5 s of the kill, median). Then, on one cluster, heal after heal (a
+   replacement of a replacement too) by spawns.
+4. ``Session.scale``: np -> np/2 -> np, a few times; the seconds each way.
 
-    .venv/bin/python benchmarks/elastic.py [--np 4] [--passes 5] [--heals 5] [--scales 3]
+    .venv/bin/python benchmarks/elastic.py [--np 4] [--spares 0] [--passes 5] [--starts 5]
+                                           [--heals 5] [--scales 3]
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import sys
 import threading
 import time
 
+import psutil
 from allreduce import RANK_CODE, SIZES, label
 
 import ipydist
@@ -47,9 +54,10 @@ step()
 """
 
 
-def allreduce_pass(np: int, elastic: bool, rounds: int) -> dict:
+def allreduce_pass(np: int, elastic: bool, rounds: int, spares: int = 0) -> dict:
     times: dict = {}
-    with ipydist.Session(np=np, gpus="none", elastic=elastic) as s:
+    with ipydist.Session(np=np, gpus="none", elastic=elastic,
+                         spares=spares if elastic else None) as s:
         s.run(RANK_CODE, output="rank0")
         for r in range(rounds):
             for size in SIZES:
@@ -59,15 +67,15 @@ def allreduce_pass(np: int, elastic: bool, rounds: int) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def cost(np: int, passes: int) -> bool:
+def cost(np: int, passes: int, spares: int) -> bool:
     per: dict = {}
     for p in range(passes):
         for elastic in ([True, False] if p % 2 == 0 else [False, True]):
-            for k, v in allreduce_pass(np, elastic, 2).items():
+            for k, v in allreduce_pass(np, elastic, 2, spares).items():
                 per.setdefault((elastic, *k), []).append(v)
     med = {k: statistics.median(v) for k, v in per.items()}
-    print(f"\nnp={np}, CPU float32, one host; median of {passes} passes of each kind "
-          "(alternating), ms per call (slowest rank)")
+    print(f"\nnp={np}, CPU float32, one host, elastic with --spares {spares}; median of "
+          f"{passes} passes of each kind (alternating), ms per call (slowest rank)")
     print(f"{'size':>7} {'ipydist plain':>14} {'elastic':>9} {'ratio':>7}   "
           f"{'raw mpi plain':>14} {'elastic':>9} {'ratio':>7}")
     ok = True
@@ -85,39 +93,80 @@ def cost(np: int, passes: int) -> bool:
     return ok
 
 
+def starts(np: int, count: int) -> None:
+    """A plain cluster's start against an elastic one's with one hot spare, alternating."""
+    took: dict = {False: [], True: []}
+    own = []
+    for i in range(count):
+        for spare in ([True, False] if i % 2 == 0 else [False, True]):
+            t0 = time.perf_counter()
+            with ipydist.Session(np=np, gpus="none", elastic=spare or None,
+                                 spares=1 if spare else None) as s:
+                took[spare].append(time.perf_counter() - t0)
+                if spare:
+                    own.append(psutil.Process(s.cluster.spare_pids[0]).memory_full_info().uss)
+    plain, spare = statistics.median(took[False]), statistics.median(took[True])
+    print(f"\n{count} starts of each (alternating), np={np}: plain {plain:.2f} s, elastic with "
+          f"1 hot spare {spare:.2f} s ({spare / plain:.2f}x); a spare holds "
+          f"{statistics.median(own) / 2**20:.0f} MiB of its own (median)")
+
+
+def one_heal(np: int, spares: int) -> tuple[float, float]:
+    """On a fresh cluster: (kill to the end of the cell, kill to the end of the next)."""
+    with ipydist.Session(np=np, gpus="none", elastic=True, spares=spares) as s:
+        s.run(MODEL, output="rank0")
+        return kill_and_heal(s, 1)
+
+
+def kill_and_heal(s, victim: int) -> tuple[float, float]:
+    """SIGKILL ``victim`` while the ranks run allreduces; the seconds from the kill to the end
+    of that cell and to the end of the next, which checks the parameters identical."""
+    killed: list[float] = []
+
+    def kill(pid=s.ranks[victim]["pid"]):
+        killed.append(time.time())
+        os.kill(pid, signal.SIGKILL)
+
+    timer = threading.Timer(1.0, kill)
+    timer.start()
+    try:
+        s.run("t = torch.ones(1000)\nwhile True:\n    hvd.allreduce_(t)", output="rank0")
+    except RankDied:
+        pass
+    ended = time.time() - killed[0]
+    timer.join()
+    s.run("step()\nsame = identical()", output="rank0")
+    assert s.pull("same") == [True] * s.size
+    return ended, time.time() - killed[0]
+
+
 def heals(np: int, count: int) -> None:
+    runs: dict = {0: [], 1: []}
+    for i in range(count):
+        for spares in ([1, 0] if i % 2 == 0 else [0, 1]):
+            runs[spares].append(one_heal(np, spares))
+    for spares, name in ((1, "a hot spare (--spares 1)"), (0, "a spawn (--spares 0)")):
+        ended, healed = zip(*runs[spares])
+        print(f"\n{count} heals by {name}, np={np}, each on a fresh cluster: cell ended "
+              f"{statistics.median(ended):.2f} s after the kill (max {max(ended):.2f}), healed "
+              f"and the next cell done {statistics.median(healed):.2f} s after it (max "
+              f"{max(healed):.2f}); parameters identical after each")
     ended, healed = [], []
-    with ipydist.Session(np=np, gpus="none", elastic=True) as s:
+    with ipydist.Session(np=np, gpus="none", elastic=True, spares=0) as s:
         s.run(MODEL, output="rank0")
         for i in range(count):
-            victim = 1 + i % (np - 1)
-            killed: list[float] = []
-
-            def kill(pid=s.ranks[victim]["pid"], killed=killed):
-                killed.append(time.time())
-                os.kill(pid, signal.SIGKILL)
-
-            timer = threading.Timer(1.0, kill)
-            timer.start()
-            try:
-                s.run("t = torch.ones(1000)\nwhile True:\n    hvd.allreduce_(t)", output="rank0")
-            except RankDied:
-                pass
-            ended.append(time.time() - killed[0])
-            timer.join()
-            s.run("step()\nsame = identical()", output="rank0")
-            healed.append(time.time() - killed[0])
-            assert s.pull("same") == [True] * np
-    print(f"\n{count} heals on np={np} (rank 1..{np - 1} in turn SIGKILLed mid-allreduce): "
-          f"cell ended {statistics.median(ended):.2f} s after the kill (max {max(ended):.2f}), "
-          f"healed and the next cell done {statistics.median(healed):.2f} s after it "
-          f"(max {max(healed):.2f}); parameters identical after each")
+            e, h = kill_and_heal(s, 1 + i % (np - 1))
+            ended.append(e)
+            healed.append(h)
+    print(f"{count} heals in a row on one cluster by spawns (rank 1..{np - 1} in turn): cell "
+          f"ended {statistics.median(ended):.2f} s after the kill, next cell done "
+          f"{statistics.median(healed):.2f} s after it (max {max(healed):.2f})")
 
 
 def scales(np: int, count: int) -> None:
     """``Session.scale`` np -> np/2 -> np, ``count`` times, a DistributedOptimizer on board."""
     down, up = [], []
-    with ipydist.Session(np=np, gpus="none", elastic=True) as s:
+    with ipydist.Session(np=np, gpus="none", elastic=True, spares=0) as s:
         s.run(MODEL, output="rank0")
         for _ in range(count):
             t0 = time.perf_counter()
@@ -136,11 +185,16 @@ def scales(np: int, count: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--np", type=int, default=4)
+    parser.add_argument("--spares", type=int, default=1,
+                        help="the elastic cluster's hot spares in the allreduce comparison")
     parser.add_argument("--passes", type=int, default=5)
+    parser.add_argument("--starts", type=int, default=5)
     parser.add_argument("--heals", type=int, default=5)
     parser.add_argument("--scales", type=int, default=3)
     args = parser.parse_args(argv)
-    ok = cost(args.np, args.passes) if args.passes else True
+    ok = cost(args.np, args.passes, args.spares) if args.passes else True
+    if args.starts:
+        starts(args.np, args.starts)
     if args.heals:
         heals(args.np, args.heals)
     if args.scales:

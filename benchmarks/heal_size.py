@@ -14,17 +14,31 @@ shorter than that can be missed.
 Bars (issue 49): 1 GB within 5 s of the kill, 4 GB within 15 s, 8 GB completes; memory at
 most 1.25x the state moved on the sending and on the receiving rank.
 
+With ``--link RATE`` (as root): across two namespace test hosts (tests/harness/netns_hosts.py)
+whose links ``tc`` shapes to RATE, one rank on each, the cluster elastic by default there;
+rank 1 (on the second host) is killed, its replacement spawned there, and rank 0's state
+crosses the shaped link. Printed: the copy's rate, as the heal's line says it, against the
+link's (bar: at least 0.8x at 1 Gbit/s).
+
     .venv/bin/python benchmarks/heal_size.py [--gb 0.25 1 4] [--repeats 1] [--np 2] [--dead 1]
+    .venv/bin/python benchmarks/heal_size.py --link 1gbit [--gb 1] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import json
 import os
+import re
+import shlex
 import signal
 import statistics
+import sys
 import threading
 import time
+from pathlib import Path
 
 import psutil
 
@@ -107,6 +121,75 @@ def one_heal(gb: float, np: int = 2, dead: int = 1) -> dict:
             "total": peaks.total / 2**30, "system": (peaks.system - in_use) / state}
 
 
+#: What the heal's line says of a large copy: "(1024.0 MB in 9.1 s, 112 MB/s)".
+COPY_LINE = re.compile(r"\(([\d.]+) MB in ([\d.]+) s, (\d+) MB/s\)")
+RESULT = "HEAL-LINK-RESULT "
+
+
+def heal_across(gb: float, hosts: str, mpi_args: str) -> dict:
+    """On a login host: one heal of rank 1 (on the second host), rank 0's ``gb`` crossing
+    the link; the copy's bytes and seconds as the heal's line says them."""
+    n = int(gb * 2**30 / 4)
+    said = io.StringIO()
+    with contextlib.redirect_stdout(sys.stderr), ipydist.Session(
+            hosts=hosts, mpi_args=mpi_args, gpus="none", timeout=300) as s:
+        s.run(SETUP + BIG.format(n=n))
+        killed = time.perf_counter()
+        s.signal(signal.SIGKILL, ranks=[1])  # through its nanny, on its own host
+        time.sleep(0.5)
+        with contextlib.redirect_stderr(said):
+            s.run(f"ok = bool(big[::4097].eq(3).all()) and big.numel() == {n}")
+        ended = time.perf_counter() - killed
+        ok = all(s.pull("ok"))
+    found = COPY_LINE.search(said.getvalue())
+    if not found:
+        raise SystemExit(f"no copy figures in what the heal said: {said.getvalue()!r}")
+    return {"mb": float(found[1]), "seconds": float(found[2]), "ended": ended, "ok": ok}
+
+
+def on_namespace_hosts(rate: str, gb: list[float], repeats: int) -> None:
+    """Build two shaped namespace hosts and a login host; heal there, ``repeats`` times per
+    size; print the copy's rate against the link's."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "harness"))
+    from netns_hosts import HostCluster, unavailable
+    from shaped_links import Link
+
+    if reason := unavailable():
+        raise SystemExit(f"namespace hosts: {reason}")
+    link = Link(rate)
+    with HostCluster(2, login=True, link=link) as cluster:
+        hosts = ",".join(f"{h.name}:1" for h in cluster.hosts)
+        mpi_args = shlex.join(["--prtemca", "plm_ssh_agent", cluster.rsh_agent])
+        rows = []
+        for size in gb:
+            runs = []
+            for _ in range(repeats):
+                done = cluster.run("login", [sys.executable, __file__, "--hosts", hosts,
+                                             f"--mpi-args={mpi_args}", "--gb", str(size)],
+                                   capture_output=True, timeout=1800)
+                out = done.stdout.decode(errors="replace")
+                if done.returncode or RESULT not in out:
+                    raise SystemExit(f"the heal across hosts failed:\n{out[-2000:]}"
+                                     f"{done.stderr.decode(errors='replace')[-3000:]}")
+                runs.append(json.loads(out.split(RESULT, 1)[1].splitlines()[0]))
+            rows.append((size, runs))
+        left = cluster.wait_no_processes(10)
+        if left:
+            raise SystemExit(f"left running on the hosts: {left}")
+        shaped = cluster.shaped_with or "unshaped veth"
+    wire = link.bits_per_second / 8
+    print(f"\n2 hosts x 1 rank, links shaped to {rate} ({shaped}); rank 1 killed, its "
+          f"replacement spawned on its host; median of {repeats}")
+    print(f"{'state':>8}{'copy':>9}{'MB/s':>8}{'of link':>9}{'kill->cell':>12}  copied")
+    for size, runs in rows:
+        seconds = statistics.median(r["seconds"] for r in runs)
+        moved = runs[0]["mb"] * 2**20 / seconds
+        print(f"{size:>6g}GB{seconds:>8.1f}s{moved / 2**20:>8.0f}{moved / wire:>8.2f}x"
+              f"{statistics.median(r['ended'] for r in runs):>11.1f}s  "
+              f"{'yes' if all(r['ok'] for r in runs) else 'NO'}")
+    print("bar: the copy at 0.8x the link's rate or more")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, nargs="+", default=[0.25, 1, 4])
@@ -114,7 +197,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--np", type=int, default=2)
     parser.add_argument("--dead", type=int, default=1,
                         help="ranks killed at once (1..DEAD), copied to in parallel")
+    parser.add_argument("--link", help="across two namespace hosts, links shaped to this "
+                        "rate (tc's: 1gbit)")
+    parser.add_argument("--hosts", help="heal across these hosts (on a login host; internal)")
+    parser.add_argument("--mpi-args", default="", help="with --hosts (internal)")
     args = parser.parse_args(argv)
+    if args.link:
+        on_namespace_hosts(args.link, args.gb, args.repeats)
+        return 0
+    if args.hosts:
+        print(RESULT + json.dumps(heal_across(args.gb[0], args.hosts, args.mpi_args)))
+        return 0
     rows = []
     for gb in args.gb:
         runs = [one_heal(gb, args.np, args.dead) for _ in range(args.repeats)]

@@ -99,47 +99,55 @@ def magics(shell):
 _parked: list = []
 
 
-def _reusable(s) -> bool:
-    """Whether the shared cluster can serve the next test: running, 4 ranks, not elastic, none
-    dead, and none still busy with a request a failed test left behind (a cell that timed out
-    and did not stop when released), which the next test's cells would queue behind: at a run
-    of make test, one such cell failed the 25 tests after it."""
-    return s is not None and s.running and s.size == NP and not s.elastic \
+#: The attribute that holds the options a shared cluster was started with: a test asks for
+#: one kind.
+_OPTION = "_suite_start_option"
+
+
+def _reusable(s, option: str | None = None) -> bool:
+    """Whether the shared cluster can serve the next test: running, 4 ranks, started with
+    ``option`` (None: any of the shared kinds), none dead, and none still busy with a request
+    a failed test left behind (a cell that timed out and did not stop when released), which
+    the next test's cells would queue behind: at a run of make test, one such cell failed the
+    25 tests after it."""
+    return s is not None and s.running and s.size == NP and hasattr(s, _OPTION) \
+        and (option is None or getattr(s, _OPTION) == option) \
         and not s.death_report() and not s.cluster.busy_ranks(list(range(s.size)))
 
 
 def _four_ranks(shell, magics, option: str = ""):
-    """A running 4-rank cluster in ``shell`` that is not elastic (one host's default), started
-    with ``option``, reused while it stays healthy: one a failed test left with a dead rank
-    is replaced, so that the failure is that test's alone (at CI once, a restart that failed
-    after a test killed a rank failed the 90 tests after it)."""
+    """A running 4-rank cluster in ``shell``, started with ``option``, reused while it stays
+    healthy: one a failed test left with a dead rank is replaced, so that the failure is that
+    test's alone (at CI once, a restart that failed after a test killed a rank failed the 90
+    tests after it)."""
     s = magics.session
-    if not _reusable(s):
+    if not _reusable(s, option):
         if s is not None and s.running:
             s.stop(quiet=True)
         parked = _parked.pop() if _parked else None
-        if _reusable(parked):
+        if _reusable(parked, option):
             magics.session = parked
         else:
             if parked is not None and parked.running:
                 parked.stop(quiet=True)
             result = shell.run_cell(f"%dist_start --np {NP}{option}")
             result.raise_error()
+            setattr(magics.session, _OPTION, option)
     return magics.session
 
 
 @pytest.fixture
 def cluster(shell, magics):
-    """A running 4-rank cluster in ``shell``, as ``%dist_start`` makes it on one host (started
-    once, reused while it stays healthy)."""
+    """A running 4-rank cluster in ``shell``, as ``%dist_start`` makes it on one host (elastic
+    with a hot spare, where the MPI has fault tolerance), started once, reused while it stays
+    healthy."""
     return _four_ranks(shell, magics)
 
 
 @pytest.fixture
 def plain_cluster(shell, magics):
-    """A running 4-rank cluster that is not elastic (``--no-elastic``, which one host's
-    default is too): a rank that dies ends the job, as plain mpiexec (and MPICH, and Slurm's
-    srun) do."""
+    """A running 4-rank cluster that is not elastic (``--no-elastic``): a rank that dies ends
+    the job, as plain mpiexec (and MPICH, and Slurm's srun) do."""
     return _four_ranks(shell, magics, " --no-elastic")
 
 

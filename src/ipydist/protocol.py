@@ -61,6 +61,9 @@ FORKSERVER_ENV = "IPYDIST_FORKSERVER"
 #: Given only to a fork server the notebook keeps between its clusters: the descriptor of the
 #: pipe whose closing (the notebook's process ended) ends the server.
 FORKSERVER_OWNER_ENV = "IPYDIST_FORKSERVER_OWNER"
+#: How many of mpiexec's processes are hot spares (``--spares N``): the last N of its world,
+#: which wait to take a dead rank's place (``ipydist.rank.healing.spares``).
+SPARES_ENV = "IPYDIST_SPARES"
 DEFAULT_PG_TIMEOUT = 600.0
 
 
@@ -91,6 +94,8 @@ class RankConfig:
     master_addr: str = ""
     #: Empty on one host; across hosts, see NOTEBOOK_ADDR_ENV.
     notebook_addr: str = ""
+    #: How many processes beyond the ranks mpiexec starts as hot spares (``--spares``).
+    spares: int = 0
 
     def to_env(self) -> dict[str, str]:
         env = {GPUS_ENV: self.gpus, BACKEND_ENV: self.backend, INIT_ENV: "1" if self.init else "0"}
@@ -104,6 +109,8 @@ class RankConfig:
             env[MASTER_ADDR_ENV] = self.master_addr
         if self.notebook_addr:
             env[NOTEBOOK_ADDR_ENV] = self.notebook_addr
+        if self.spares:
+            env[SPARES_ENV] = str(self.spares)
         return env
 
     @classmethod
@@ -118,6 +125,7 @@ class RankConfig:
             pg_timeout=float(env.get(PG_TIMEOUT_ENV) or DEFAULT_PG_TIMEOUT),
             master_addr=env.get(MASTER_ADDR_ENV, ""),
             notebook_addr=env.get(NOTEBOOK_ADDR_ENV, ""),
+            spares=int(env.get(SPARES_ENV) or 0),
         )
 
 
@@ -335,8 +343,12 @@ class HealReport:
     #: pickle (with their types), not copied.
     bytes: int = 0
     skipped: tuple[str, ...] = ()
+    #: State copy, on the rank copied from: the bytes of those that went from GPU to GPU.
+    on_device: int = 0
     #: State copy, on a new rank: why loading the variables failed.
     failed: str | None = None
+    #: Heal or resize: the pids of the hot spares still waiting (``--spares``).
+    spares: tuple[int, ...] = ()
 
 
 def on_rank(name: str, *args: Any) -> Any:

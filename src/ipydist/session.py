@@ -150,7 +150,7 @@ class Session:
         progress.close()
         self.metrics.new_cluster()  # its ranks number their metric batches from 0
         self.startup_seconds = time.perf_counter() - t0
-        display.show(start_table(cluster.ranks, self.startup_seconds))
+        display.show(start_table(cluster.ranks, self.startup_seconds, cluster.spare_pids))
         if display.in_kernel():  # the live view under it, collapsed: a click opens it
             cluster_view.show(self.monitor.open_view(collapsed=True))
         if cluster.startup is not None and (steps := cluster.startup.breakdown()):

@@ -102,6 +102,14 @@ def parse_np(value: str | int, option: str = "--np") -> int:
     return n
 
 
+def parse_count(value: str | int, option: str) -> int:
+    """A count that may be 0 (``--spares``): a whole number of at least 0."""
+    try:
+        return 0 if str(value).strip() in ("0", "+0") else parse_np(value, option)
+    except SpecError:
+        raise SpecError(f"{option} {value}: give a whole number of at least 0.") from None
+
+
 def parse_seconds(value: str | float, option: str, zero: bool = False) -> float:
     """A number of seconds above 0 (or exactly 0, meaning "off", when ``zero`` is allowed)."""
     try:
@@ -348,14 +356,22 @@ class StartOptions:
         parse=lambda value: parse_seconds(value, "--stall-warning", zero=True), metavar="S")
     elastic: bool | None = _option(
         help="the ranks outlive one that dies, which is replaced with rank 0's variables "
-        "(Open MPI's fault tolerance, ULFM; mpiexec only). Default: on across hosts; on one "
-        "host it opens MPI's TCP port on every interface, so it is asked for",
+        "(Open MPI's fault tolerance, ULFM; mpiexec only). Default: on where the MPI has it; "
+        "on one host with one hot spare and no TCP port, so one death heals; asked for there, "
+        "every death heals, as MPI's TCP transport (a port on every interface) lets it start "
+        "new ranks",
         parse=_maybe(bool), off="--no-elastic",
         off_help="a rank that dies ends the job, as plain mpiexec does: %%dist_restart then")
     min_np: int | None = _option(
         help="elastic: when a dead rank's replacement cannot be started, go on with the others "
         "if they are at least M (default: as many as started, so never fewer)",
         parse=_maybe(lambda value: parse_np(value, "--min-np")), metavar="M")
+    spares: int | None = _option(
+        help="elastic: N hot spares beside the ranks, processes with torch imported that take "
+        "a dead rank's place in about a second, without starting a new one (default: 1 on one "
+        "host, 0 across hosts); with --spares alone on one host, N deaths heal and no TCP port "
+        "opens",
+        parse=_maybe(lambda value: parse_count(value, "--spares")), metavar="N")
     init: bool = _option(
         True, help="do not create the torch.distributed process group: your code calls "
         "init_process_group itself", parse=bool, flag="--no-init")

@@ -19,9 +19,8 @@ import sys
 import threading
 import time
 
-import psutil
 import pytest
-from helpers import RANK_COMMAND, TRIALS, run_cell, wait_gone
+from helpers import RANK_COMMAND, TRIALS, cluster_tree, run_cell, wait_gone
 from suite_watch import LAUNCHERS
 
 from ipydist.errors import RankDied
@@ -74,26 +73,12 @@ gc.collect()
 _shared: dict = {}
 
 
-def _tree(session) -> dict[int, str]:
-    """pid -> command line of the cluster's controller, its mpiexec and everything under it
-    (every rank it started, replacements included): not the other clusters beside it."""
-    found = {}
-    for pid in session.cluster.pids():
-        try:
-            top = psutil.Process(pid)
-            for p in [top, *top.children(recursive=True)]:
-                found[p.pid] = " ".join(p.cmdline())
-        except psutil.Error:
-            continue
-    return found
-
-
 def _stop_shared() -> None:
     """Stop the shared cluster; then no process of it may be left."""
     session = _shared.pop("session", None)
     if session is None:
         return
-    tree = _tree(session)
+    tree = cluster_tree(session)
     session.stop(quiet=True)
     left = {pid: tree[pid] for pid in wait_gone(tree, 10)}
     assert not left, f"processes left after stopping: {left}"
@@ -125,7 +110,7 @@ def elastic(shell, magics, no_cluster):
             _stop_shared()
             session = None
     if session is None:
-        result = shell.run_cell(f"%dist_start --np {NP} --elastic")
+        result = shell.run_cell(f"%dist_start --np {NP} --elastic --spares 0")
         result.raise_error()
         session = _shared["session"] = magics.session
     session.run(SETUP)
@@ -136,7 +121,7 @@ def elastic(shell, magics, no_cluster):
     except Exception as e:
         print(f"the shared elastic cluster's heal failed: {e}", file=sys.__stderr__)
     ranks = {pid for r in session.ranks for pid in (r["pid"], r["launched_pid"])}
-    gone = {pid: cmd for pid, cmd in _tree(session).items()
+    gone = {pid: cmd for pid, cmd in cluster_tree(session).items()
             if RANK_COMMAND in cmd and pid not in ranks and not _launcher(cmd)}
     left = {pid: gone[pid] for pid in wait_gone(gone, 10)}
     assert not left, f"processes of ranks that died or left still run: {left}"
@@ -354,7 +339,7 @@ hvd.barrier()
 
 def test_when_no_replacement_can_start_the_others_go_on_down_to_min_np(shell, capsys, magics,
                                                                        no_cluster, tmp_path):
-    shell.run_cell(f"%dist_start --np {NP} --elastic --min-np 2").raise_error()
+    shell.run_cell(f"%dist_start --np {NP} --elastic --spares 0 --min-np 2").raise_error()
     session = magics.session
     try:
         session.run(SETUP)
@@ -390,7 +375,7 @@ after = (hvd.size(), hvd.rank(), kept, sampler.rank, sampler.num_replicas, befor
 
 def test_without_min_np_a_replacement_that_cannot_start_says_to_restart(shell, capsys, magics,
                                                                        no_cluster, tmp_path):
-    shell.run_cell("%dist_start --np 2 --elastic").raise_error()
+    shell.run_cell("%dist_start --np 2 --elastic --spares 0").raise_error()
     session = magics.session
     try:
         session.run("import torch, ipydist.torch as hvd")
@@ -412,8 +397,8 @@ def test_without_min_np_a_replacement_that_cannot_start_says_to_restart(shell, c
 def test_min_np_is_checked_before_anything_starts(shell, capsys, magics, no_cluster):
     result, _, _ = run_cell(shell, capsys, f"%dist_start --np {NP} --elastic --min-np 5")
     assert "--min-np 5: more than the 4 ranks to start" in str(result.error_in_exec)
-    result, _, _ = run_cell(shell, capsys, f"%dist_start --np {NP} --min-np 2")
-    assert "cannot go on without a rank unless it is elastic: add --elastic" in \
+    result, _, _ = run_cell(shell, capsys, f"%dist_start --np {NP} --no-elastic --min-np 2")
+    assert "cannot go on without a rank unless it is elastic: leave --no-elastic out" in \
         str(result.error_in_exec)
     assert magics.session is None or not magics.session.running
 
@@ -481,7 +466,7 @@ def test_a_rank_is_replaced_when_every_slot_was_taken(shell, capsys, magics, no_
     slot as taken: the replacement still starts (it was refused: "All nodes which are
     allocated for this job are already filled")."""
     cores = os.cpu_count() or 1
-    shell.run_cell(f"%dist_start --np {min(cores, 2)} --elastic").raise_error()
+    shell.run_cell(f"%dist_start --np {min(cores, 2)} --elastic --spares 0").raise_error()
     session = magics.session
     try:
         session.run("import torch, ipydist.torch as hvd\nx = 5")

@@ -47,7 +47,7 @@ def test_forked_ranks_draw_their_own_random_numbers_and_end_with_their_stubs(
         shell, capsys, magics, no_cluster):
     """A fresh cluster: the shared one's generators are whatever earlier tests seeded (the
     Hugging Face Trainer seeds every rank with 42, and CI once saw four equal draws)."""
-    shell.run_cell("%dist_start --np 3").raise_error()
+    shell.run_cell("%dist_start --np 3 --no-elastic").raise_error()  # a death ends the job
     session = magics.session
     try:
         # Forked from one process, each rank still seeds numpy's and Python's generators

@@ -262,3 +262,36 @@ ratio = peak(hvd.SyncBatchNorm(64).to(dev), big) / peak(torch.nn.BatchNorm2d(64)
 print("ok:", max(errors.values()) < 1e-3, auto_dtype, ratio <= 1.5, errors, round(ratio, 2))
 """)
     assert "[all ranks] ok: True True True" in as_merged(out, RANKS), out
+
+
+def test_a_heal_copies_cuda_state_from_gpu_to_gpu(no_cluster):
+    """Under NCCL a replacement gets rank 0's CUDA storages by NCCL's send, GPU to GPU (the
+    heal's line says how much went that way), onto its own device, views still views; a CPU
+    tensor beside them takes the host route."""
+    import contextlib
+    import io
+    import os
+    import signal
+
+    import ipydist
+    from ipydist.errors import RankDied
+
+    said = io.StringIO()
+    with ipydist.Session(np=RANKS, gpus="auto", backend="nccl", elastic=True) as s:
+        s.run("import torch, ipydist.torch as hvd\n"
+              "torch.manual_seed(0)\n"
+              "w = hvd.broadcast(torch.randn(3 << 20, device=hvd.device()), root_rank=0)\n"
+              "kept = {'head': w[:10]}\n"
+              "c = torch.arange(1000.)")
+        os.kill(s.ranks[1]["pid"], signal.SIGKILL)
+        with contextlib.suppress(RankDied), contextlib.redirect_stderr(said):
+            s.run("pass")
+        with contextlib.redirect_stderr(said):
+            s.healed()
+        s.run("seen = (str(w.device), str(hvd.device()), kept['head'].data_ptr() == w.data_ptr(),"
+              " w.cpu(), float(c.sum()))")
+        seen = s.pull("seen")
+    assert "12.0 MB of it from GPU to GPU" in said.getvalue(), said.getvalue()
+    assert [x[0] for x in seen] == [x[1] for x in seen], seen
+    assert all(x[2] for x in seen) and torch.equal(seen[0][3], seen[1][3])
+    assert {x[4] for x in seen} == {499500.0}

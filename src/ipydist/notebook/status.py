@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import html
 
+import psutil
+
 from ipydist.errors import wrap_message
 from ipydist.notebook.launch import deaths
 from ipydist.notebook.launch.deaths import Death
@@ -66,17 +68,37 @@ def cluster_status(cluster, restart: str, healing: str = "") -> StatusTable:
                         cluster.plan.command_name)
 
 
-def start_table(ranks: list[RankInfo], seconds: float) -> StatusTable:
+def start_table(ranks: list[RankInfo], seconds: float, spare_pids=()) -> StatusTable:
     """The table after a start. Its caption is short: in HTML a caption is as wide as the
     table, so a longer one wraps (the columns already say the backend and the ranks); ranks
-    that share GPUs get one line under it (:func:`sharing_note`)."""
+    that share GPUs get one line under it (:func:`sharing_note`), and hot spares one
+    (:func:`spares_note`)."""
     rows = [[i.rank, i.host, i.pid, i.device, i.backend, i.transport]
             for i in grouped_by_host(ranks)]
     hosts = len({i.host for i in ranks})
     where = f" on {hosts} hosts" if hosts > 1 else ""
     caption = f"{len(ranks)} ranks{where} ready in {seconds:.1f} s"
+    notes = [note for note in (sharing_note(ranks), spares_note(spare_pids)) if note]
     return StatusTable(["rank", "host", "pid", "device", "backend", "transport"], rows,
-                       caption, sharing_note(ranks))
+                       caption, " ".join(notes))
+
+
+def spares_note(pids) -> str:
+    """One line for the hot spares (``--spares``): how many wait, and the memory of their
+    own each holds (its pages not shared with the fork server it came from) where they run
+    on this host; empty when there are none."""
+    if not pids:
+        return ""
+    own = []
+    for pid in pids:
+        try:
+            own.append(psutil.Process(pid).memory_full_info().uss)
+        except (psutil.Error, OSError):  # on another host, or gone
+            pass
+    each = f", {max(own) / 2**20:.0f} MiB of its own each" if own else ""
+    count = len(pids)
+    return (f"{count} hot spare{'s' * (count > 1)} wait{'s' * (count == 1)} to take a dead "
+            f"rank's place (pid {', '.join(map(str, pids))}{each}).")
 
 
 #: What each way of sharing a GPU costs (``RankInfo.gpu_sharing``), in the start table's

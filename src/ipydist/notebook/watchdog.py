@@ -8,7 +8,7 @@ a pipe whose only write end is in the kernel: when the kernel dies, the read ret
 waiting it refreshes, once a second, the list of the cluster's processes (the descendants of
 the controller and of mpiexec), so ranks are found even if mpiexec went first.
 
-    python -m ipydist.notebook.watchdog FD PID [PID ...]
+    python -m ipydist.notebook.watchdog FD [--heal-folder=DIR ...] PID [PID ...]
 """
 
 from __future__ import annotations
@@ -17,19 +17,26 @@ import os
 import select
 import subprocess
 import sys
+from collections.abc import Sequence
 
 from ipydist.notebook.launch import processes
 
 REFRESH_SECONDS = 1.0
+#: The option that names a folder of heal files to sweep (``--heal-folder=DIR``).
+HEAL_FOLDER_OPTION = "--heal-folder="
 GRACE_SECONDS = 3.0
 
 
-def start(pids: list[int]) -> tuple[subprocess.Popen, int]:
+def start(pids: list[int], heal_folders: Sequence[str] = ()) -> tuple[subprocess.Popen, int]:
     """Start a watchdog for the process trees under ``pids``; return it and the pipe's write
-    end, which the caller keeps open for as long as the cluster should live."""
+    end, which the caller keeps open for as long as the cluster should live. Once it ended
+    them, it removes the files a heal's copy left in ``heal_folders`` (the copying rank
+    killed with the kernel: see ``processes.remove_heal_files``)."""
     read_end, write_end = os.pipe()
+    folders = [f"{HEAL_FOLDER_OPTION}{folder}" for folder in heal_folders]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ipydist.notebook.watchdog", str(read_end), *map(str, pids)],
+        [sys.executable, "-m", "ipydist.notebook.watchdog", str(read_end), *folders,
+         *map(str, pids)],
         pass_fds=(read_end,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL, start_new_session=True,
     )
@@ -40,7 +47,9 @@ def start(pids: list[int]) -> tuple[subprocess.Popen, int]:
 def main(argv: list[str]) -> int:
     import psutil
 
-    fd, roots = int(argv[0]), [int(p) for p in argv[1:]]
+    fd = int(argv[0])
+    folders = [a[len(HEAL_FOLDER_OPTION):] for a in argv[1:] if a.startswith(HEAL_FOLDER_OPTION)]
+    roots = [int(p) for p in argv[1:] if not p.startswith(HEAL_FOLDER_OPTION)]
     known: dict[int, psutil.Process] = {}
 
     def refresh() -> None:
@@ -54,6 +63,7 @@ def main(argv: list[str]) -> int:
             break  # EOF: the kernel closed the pipe or died
         refresh()
     processes.end([p for p in known.values() if p.is_running()], GRACE_SECONDS)
+    processes.remove_heal_files(folders)
     return 0
 
 

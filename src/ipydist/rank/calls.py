@@ -184,12 +184,19 @@ def _give_up(out: protocol.RecoveryReport, why: str) -> protocol.RecoveryReport:
 
 
 def heal(dead: list[int], replace: bool, hosts: list[str] | None = None,
-         env: Sequence[str] = ()) -> protocol.HealReport:
+         env: Sequence[str] = (), spawn: bool = True) -> protocol.HealReport:
     """``--elastic``, after ``dead`` died: the world again (see
     :mod:`ipydist.rank.healing.heal`)."""
     from ipydist.rank.healing import heal as healing
 
-    return healing.heal(dead, replace, hosts, env)
+    return healing.heal(dead, replace, hosts, env, spawn)
+
+
+def spares() -> tuple[int, ...]:
+    """The pids of the hot spares waiting (``--spares``), for the start table."""
+    from ipydist.rank.healing import spares as hot_spares
+
+    return hot_spares.spare_pids
 
 
 def elastic_reset(restore: bool) -> int:

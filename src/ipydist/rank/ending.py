@@ -111,4 +111,10 @@ def _flush_open_files() -> None:
 def _finalize_mpi() -> None:
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        from ipydist.rank.healing import spares
+        from ipydist.torch._core import topology
+
+        rt = topology.get()
+        if rt is not None:
+            spares.dismiss(rt.rank)  # they finalize with the ranks
         mpi.Finalize()

@@ -49,6 +49,8 @@ _MPICH_EXIT = re.compile(r"PID (\d+) RUNNING AT \S+\s*=?\s*EXIT CODE: (\d+)")
 #: "... child [...] exit code 3"). A replacement is in another job (``@2``), so the pid, not
 #: the rank, says whose end it is.
 CHILD_END_LOGGING = ("odls_base_verbose", "5")
+#: The words of a child's end in that logging, as bytes, for a look at raw output.
+CHILD_END_MARK = b"odls:waitpid_fired child"
 _CHILD_PID = re.compile(r"odls:wait_local_proc child process \[(\S+?)\] pid (\d+) terminated")
 _CHILD_END = re.compile(r"odls:waitpid_fired child(?: process)? \[(\S+?)\] "
                         r"(?:terminated with signal (.+?)|exit code (\d+))\s*$", re.MULTILINE)

@@ -42,6 +42,11 @@ class Launch:
     user_args: list[str]
     #: The ranks' environment (forwarded by name).
     rank_env: dict[str, str]
+    #: Hot spares started beside the ranks (``--spares``).
+    spares: int = 0
+    #: Whether an elastic cluster's heal may spawn a replacement (MPI's TCP transport then
+    #: runs on one host too).
+    can_spawn: bool = False
     #: The launcher's arguments before the user's.
     args: list[str] = field(default_factory=list)
     #: mpiexec's own environment, beside the ranks'.
@@ -104,7 +109,8 @@ OPENMPI_TUNING = {"OMPI_MCA_coll_libnbc_iallreduce_algorithm": "3"}
 #: Said at the start of a one-host cluster with ``--elastic``.
 ELASTIC_ONE_HOST_NOTE = (
     "--elastic on one host: MPI's TCP transport connects a replacement to the others, and "
-    "Open MPI binds its port on every interface (without --elastic the ranks listen on none).")
+    "Open MPI binds its port on every interface (without --elastic, or with --spares alone, "
+    "the ranks listen on none).")
 
 #: PRRTE's MCA parameter for the folder its session folder (``ompi.<pid>``) goes in.
 SESSION_BASE = "prte_tmpdir_base"
@@ -123,8 +129,9 @@ class OpenMPI(Launcher):
     """Open MPI's ``mpiexec`` (PRRTE's ``prterun``)."""
 
     title = "Open MPI"
-    listens = ("nothing on one host (shared memory; with --elastic, MPI's TCP on every "
-               "interface); across hosts PRRTE's daemons and MPI's TCP, on the hosts' network")
+    listens = ("nothing on one host (shared memory; with --elastic asked for, MPI's TCP on "
+               "every interface); across hosts PRRTE's daemons and MPI's TCP, on the hosts' "
+               "network")
 
     def arguments(self, launch: Launch) -> None:
         args, user_args, multi_host = launch.args, launch.user_args, launch.multi_host
@@ -132,14 +139,21 @@ class OpenMPI(Launcher):
         if launch.is_root:
             launch.env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
             launch.env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
-        if not multi_host and launch.np > launch.cores and "--oversubscribe" not in user_args:
+        if (not multi_host and launch.np + launch.spares > launch.cores
+                and "--oversubscribe" not in user_args):
             args.append("--oversubscribe")
-            launch.notes.append(
-                f"{launch.np} ranks on {launch.cores} cores: oversubscribing (ranks share "
-                "cores; torch threads per rank are set to 1).")
+            if launch.np > launch.cores:
+                launch.notes.append(
+                    f"{launch.np} ranks on {launch.cores} cores: oversubscribing (ranks share "
+                    "cores; torch threads per rank are set to 1).")
+            elif not mca_set(user_args, "mpi_yield_when_idle"):
+                # Only the spares go beyond the cores, and they wait asleep; but Open MPI,
+                # oversubscribed, makes every rank yield its core while it waits in MPI, which
+                # took a 4 KB allreduce from 3 to 15-21 us
+                args += ["--mca", "mpi_yield_when_idle", "0"]
         if launch.elastic:
-            args += elastic_args(multi_host, user_args)
-            if not multi_host:
+            args += elastic_args(multi_host, user_args, launch.can_spawn)
+            if not multi_host and launch.can_spawn:
                 launch.notes.append(ELASTIC_ONE_HOST_NOTE)
         elif not multi_host and not mca_set(user_args, "btl"):
             # One host: shared memory is all MPI needs. Without this, MPI_Init spends about a
@@ -185,16 +199,19 @@ class OpenMPI(Launcher):
         return {f"PRTE_MCA_{SESSION_BASE}": folder}
 
 
-def elastic_args(multi_host: bool, user_args: list[str]) -> list[str]:
+def elastic_args(multi_host: bool, user_args: list[str], can_spawn: bool = True) -> list[str]:
     """Open MPI's fault tolerance (ULFM): mpiexec keeps the job when a rank dies, the others
     learn of it in their MPI calls, and they can shrink their communicators and spawn a
-    replacement (``ipydist.rank.healing.heal``). On one host TCP must be beside shared memory (with
-    ``self,sm`` alone, fault tolerance finds the ranks unreachable and MPI_Init crashes), kept
-    to loopback."""
+    replacement (``ipydist.rank.healing.heal``). On one host a spawned replacement is another
+    MPI job, which shared memory cannot reach: TCP must be beside it (with ``self,sm`` alone,
+    fault tolerance finds the ranks unreachable and MPI_Init crashes), kept to loopback. Where
+    a heal takes only hot spares (``can_spawn`` false), shared memory is all MPI needs."""
     args = ["--with-ft", "ulfm"]
     if not any("odls_base_verbose" in a for a in user_args):
         args += ["--prtemca", *deaths.CHILD_END_LOGGING]
-    if not multi_host and not mca_set(user_args, "btl"):
+    if not multi_host and not can_spawn and not mca_set(user_args, "btl"):
+        args += ["--mca", "btl", "self,sm"]
+    elif not multi_host and not mca_set(user_args, "btl"):
         args += ["--mca", "btl", "self,sm,tcp"]
         if not mca_set(user_args, "btl_tcp_if_include"):
             args += ["--mca", "btl_tcp_if_include", "lo"]

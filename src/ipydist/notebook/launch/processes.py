@@ -15,7 +15,12 @@ import time
 
 import psutil
 
-from ipydist.protocol import RankInfo
+from ipydist.protocol import (
+    HEAL_FILE_PREFIX,
+    HEAL_SHARED_MEMORY,
+    HEAL_SHARED_MEMORY_VARIABLE,
+    RankInfo,
+)
 
 
 def alive(proc) -> bool:
@@ -113,6 +118,36 @@ def remove_shared_memory(segments: set[str], pids: list[int]) -> None:
     for path in segments | named:
         with contextlib.suppress(OSError):
             os.unlink(path)
+
+
+def heal_folders(env: dict[str, str]) -> list[str]:
+    """Where a heal's shared-memory files go: the default folder, and the one the ranks'
+    environment ``env`` names (``--env IPYDIST_HEAL_SHARED_MEMORY=DIR``)."""
+    folders = [HEAL_SHARED_MEMORY]
+    chosen = env.get(HEAL_SHARED_MEMORY_VARIABLE)
+    if chosen and chosen not in ("none", HEAL_SHARED_MEMORY):
+        folders.append(chosen)
+    return folders
+
+
+def remove_heal_files(folders: list[str], pids: list[int] | None = None) -> None:
+    """Remove the shared-memory files of heals (``protocol.HEAL_FILE_PREFIX``, then the pid of
+    the rank that wrote it) in ``folders`` that ranks ``pids`` wrote, or (None) this user's
+    whose writer no longer runs: a rank killed in the middle of a copy leaves its file, and
+    a file whose writer is gone can serve no copy."""
+    for folder in folders:
+        for path in glob.glob(os.path.join(folder, f"{HEAL_FILE_PREFIX}*")):
+            match = re.match(r"(\d+)-", os.path.basename(path)[len(HEAL_FILE_PREFIX):])
+            if not match:
+                continue
+            pid = int(match.group(1))
+            if pids is not None and pid not in pids:
+                continue
+            with contextlib.suppress(OSError):
+                if pids is None and (os.stat(path).st_uid != os.getuid()
+                                     or psutil.pid_exists(pid)):
+                    continue
+                os.unlink(path)
 
 
 def tree(pids: list[int]) -> list[psutil.Process]:

@@ -16,6 +16,7 @@ import re
 import time
 
 from ipydist import protocol
+from ipydist.notebook.launch import deaths
 from ipydist.notebook.launch.slurm import allocation_in
 from ipydist.specs import describe_ranks
 
@@ -25,6 +26,7 @@ UPDATE_SECONDS = 0.1
 _MARKER = protocol.PHASE_MARKER.encode()
 #: In salloc's output: "salloc: Pending job allocation 12", "salloc: Granted job allocation 12".
 _ALLOCATION = b"job allocation"
+_CHILD_END = deaths.CHILD_END_MARK
 
 
 #: Terminal escape sequences, and control characters other than a line break or a tab: no text
@@ -70,6 +72,11 @@ class StartWatch:
         #: The Slurm job that salloc asked for (None: no salloc), and whether it was granted.
         self.job: str | None = None
         self.granted = False
+        #: Whether mpiexec's daemons logged the end of a process they started (under
+        #: ``--elastic``, ``deaths.CHILD_END_LOGGING``): the job outlives it, so without this
+        #: a rank that died while starting (a crash inside MPI_Init) left the start waiting
+        #: for it to the end of ``--timeout``.
+        self.rank_ended = False
         self._offset = 0  # how much of mpiexec's output was read
         self._partial = b""  # the last line read, while its newline has not come
         self._looked = -math.inf
@@ -103,6 +110,8 @@ class StartWatch:
             for line in data.decode(errors="replace").splitlines():
                 if found := protocol.parse_phase(line):
                     self.reached(*found, now)
+        if _CHILD_END in data:
+            self.rank_ended = True
         if _ALLOCATION in data:
             job, granted = allocation_in(data.decode(errors="replace"))
             self.job = job or self.job

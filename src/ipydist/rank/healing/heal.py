@@ -24,18 +24,20 @@ import time
 from collections.abc import Sequence
 
 from ipydist.protocol import HealReport
+from ipydist.rank.healing import spares
 from ipydist.rank.start import replacement
 
 
 def heal(dead: list[int], replace: bool, hosts: list[str] | None = None,
-         env: Sequence[str] = ()) -> HealReport:
+         env: Sequence[str] = (), spawn: bool = True) -> HealReport:
     """On every survivor at once: make the world again without ``dead``, with a replacement
-    for each when ``replace`` (else the survivors renumbered from 0), started on ``hosts``
-    (where the dead ranks ran) when given, and this rank's runtime and process group in it.
-    When a replacement cannot be started (MPI's spawn fails, on every survivor alike), the
-    survivors go on as the world, renumbered from 0, their samplers, optimizers and process
-    sets following (``not_replaced`` says why; the notebook decides whether that will do).
-    Returns what the notebook reports."""
+    for each when ``replace`` (else the survivors renumbered from 0): a hot spare where one
+    waits (``--spares``), else a process spawned on ``hosts`` (where the dead ranks ran) when
+    given and ``spawn`` allows (MPI's TCP transport is there); and this rank's runtime and
+    process group in it. When a replacement cannot be had (no spare left and no spawn, or
+    MPI's spawn fails, on every survivor alike), the survivors go on as the world, renumbered
+    from 0, their samplers, optimizers and process sets following (``not_replaced`` says why;
+    the notebook decides whether that will do). Returns what the notebook reports."""
     from mpi4py import MPI
 
     from ipydist.torch._core import resync, topology
@@ -46,36 +48,52 @@ def heal(dead: list[int], replace: bool, hosts: list[str] | None = None,
     handles.abandon_all()
     rt = topology.get()
     assert rt is not None  # a rank's, made at its start
-    for comm in (rt.comm, rt.control_comm, rt.check_comm, rt.data_comm, rt.node_data,
-                 rt.cross_data):
-        if comm is None:
-            continue
-        try:
-            comm.Revoke()  # a survivor still waiting in one returns from it now
-        except MPI.Exception:
-            pass  # revoked already (by another survivor)
-    survivors = rt.comm.Shrink()
-    world, not_replaced = survivors, None
-    if replace and dead:
-        try:
-            where = dict(zip(dead, hosts)) if hosts else None
-            world = replacement.spawned_into(survivors, sorted(dead), rt.rank, where, env)
-        except MPI.Exception as e:
-            not_replaced = f"MPI could not start a replacement: {e.Get_error_string()}"
+    _revoke_all(rt, MPI)
+    where = dict(zip(dead, hosts)) if hosts else None
+    not_replaced = None
+    if spares.full is not None:  # the spares take part: they were waiting for the revoke
+        order = spares.Order(rt.size if replace else 0, spawn, where, env)
+        group = spares.regroup(spares.shrunk(), rt.rank, order)
+        world, not_replaced = group.world, group.not_replaced
+        renumber = not replace or not_replaced is not None
+    else:
+        world = survivors = rt.comm.Shrink()
+        if replace and dead and not spawn:
+            not_replaced = spares.used_up(0, len(dead))
+        elif replace and dead:
+            try:
+                world = replacement.spawned_into(survivors, sorted(dead), rt.rank, where, env)
+            except MPI.Exception as e:
+                not_replaced = f"MPI could not start a replacement: {e.Get_error_string()}"
+        renumber = world is survivors
     out = _rejoin(world, rt, started)
-    if world is survivors:
+    if renumber:
         from ipydist.rank.healing import state_copy
 
         followed = state_copy.renumbered(rt.rank, rt.size, sorted(dead))
         out = dataclasses.replace(out, rebound=followed.rebound, sets_removed=followed.sets_removed,
-                      not_replaced=not_replaced)
+                                  not_replaced=not_replaced)
     return out
+
+
+def _revoke_all(rt, mpi) -> None:
+    """Revoke every communicator this rank holds, and the spares' (so that no survivor waits
+    in one, and the spares wake)."""
+    for comm in (rt.comm, rt.control_comm, rt.check_comm, rt.data_comm, rt.node_data,
+                 rt.cross_data, spares.full):
+        if comm is None:
+            continue
+        try:
+            comm.Revoke()  # a survivor still waiting in one returns from it now
+        except mpi.Exception:
+            pass  # revoked already (by another survivor)
 
 
 def resize(size: int, env: Sequence[str] = ()) -> HealReport:
     """On every rank at once (``Session.scale``): a world of ``size`` ranks. Growing, the
-    ranks spawn the new ones (numbered from the old size up); shrinking, the ranks from
-    ``size`` up leave it, and end their process once they have replied."""
+    ranks take the spares first (``--spares``), then spawn the new ones (numbered from the
+    old size up); shrinking, the ranks from ``size`` up leave it, and end their process once
+    they have replied."""
     from mpi4py import MPI
 
     from ipydist.torch._core import process_group, topology
@@ -90,6 +108,10 @@ def resize(size: int, env: Sequence[str] = ()) -> HealReport:
             process_group.abandon()
             threading.Timer(LEAVE_AFTER_SECONDS, os._exit, (0,)).start()
             return HealReport(rank=rt.rank, left=True, seconds=time.monotonic() - started)
+    elif spares.full is not None:
+        spares.revoke()
+        group = spares.regroup(spares.shrunk(), rt.rank, spares.Order(size, True, None, env))
+        world = group.world
     else:
         world = replacement.spawned_into(rt.comm, list(range(rt.size, size)), rt.rank,
                                          None, env)
@@ -106,7 +128,8 @@ def _rejoin(world, rt, started: float) -> HealReport:
     bootstrap.join(world, survivor=rt)
     now = topology.get()
     assert now is not None  # join made it
-    return HealReport(rank=now.rank, seconds=time.monotonic() - started)
+    return HealReport(rank=now.rank, seconds=time.monotonic() - started,
+                      spares=spares.spare_pids)
 
 
 #: A rank that leaves the world ends its process this long after it replied.

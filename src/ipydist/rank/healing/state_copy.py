@@ -15,6 +15,7 @@ defaults (rank 0's copy would otherwise read rank 0's part of the data).
 
 from __future__ import annotations
 
+import contextlib
 import random
 import types
 from dataclasses import replace
@@ -32,29 +33,52 @@ def user_variables(shell) -> dict:
             if not name.startswith("_") and name not in _SHELL_NAMES and name not in hidden}
 
 
-def pack(variables: dict, storages: list | None = None) -> tuple[bytes, list[str]]:
+def pack(variables: dict, storages: list | None = None,
+         on_device: list | None = None) -> tuple[bytes, list[str]]:
     """(one pickle of every variable that pickles, the names of those that do not, with
     their types). Tries all at once first; only when that fails, one by one. ``storages``:
     a list that gets the tensors' bytes, each a buffer over the tensor's own memory, which
     the pickle then leaves out (``pickle.loads(..., buffers=)`` takes them back); None: the
-    pickle holds them."""
+    pickle holds them. ``on_device``: a list that gets the GPU's storages themselves, to
+    travel from GPU to GPU (:func:`loading_device_storages` gives them back); None: a GPU's
+    storage travels through host memory as the others do."""
     try:
-        return _dumps(variables, storages), []
+        return _dumps(variables, storages, on_device), []
     except Exception:
-        if storages:
-            storages.clear()
+        for found in (storages, on_device):
+            if found:
+                found.clear()
     kept, skipped = {}, []
     for name, value in variables.items():
         try:
-            _dumps(value, [])
+            _dumps(value, [], None if on_device is None else [])
         except Exception:
             skipped.append(f"{name} ({type(value).__name__})")
         else:
             kept[name] = value
-    return _dumps(kept, storages), skipped
+    return _dumps(kept, storages, on_device), skipped
 
 
-def _dumps(value, storages: list | None = None) -> bytes:
+#: While a replacement loads its variables: the GPU storages that came from GPU to GPU, by
+#: their index in the pickle's (see :func:`pack`).
+_device_storages: list = []
+
+
+@contextlib.contextmanager
+def loading_device_storages(storages: list):
+    """Give the pickle being loaded ``storages``, the GPU storages that travelled beside it."""
+    _device_storages[:] = storages
+    try:
+        yield
+    finally:
+        _device_storages.clear()
+
+
+def _device_storage(index: int):
+    return _device_storages[index]
+
+
+def _dumps(value, storages: list | None = None, on_device: list | None = None) -> bytes:
     import io
 
     import cloudpickle
@@ -74,7 +98,7 @@ def _dumps(value, storages: list | None = None) -> bytes:
         def reducer_override(self, obj):
             if isinstance(obj, torch.storage.TypedStorage):
                 untyped = obj._untyped_storage
-                one = self.storages.setdefault(untyped._cdata, _Storage(untyped))
+                one = self.storages.setdefault(untyped._cdata, _Storage(untyped, on_device))
                 return _typed_storage, (one, obj.dtype)
             return super().reducer_override(obj)
 
@@ -87,8 +111,8 @@ class _Storage:
     """One tensor storage in a state's pickle (see :func:`_dumps`): the same object for every
     tensor that views it, so that the pickle holds it once and its tensors share it again."""
 
-    def __init__(self, untyped) -> None:
-        self.untyped = untyped
+    def __init__(self, untyped, on_device: list | None = None) -> None:
+        self.untyped, self.on_device = untyped, on_device
 
     def __reduce__(self):
         import pickle
@@ -96,6 +120,9 @@ class _Storage:
         import torch
 
         on_gpu = self.untyped.device.type == "cuda"
+        if on_gpu and self.on_device is not None:  # it travels from GPU to GPU, beside
+            self.on_device.append(self.untyped)
+            return _device_storage, (len(self.on_device) - 1,)
         host = self.untyped.cpu() if on_gpu else self.untyped
         data = torch.empty(0, dtype=torch.uint8).set_(host).numpy()  # its bytes, not a copy
         return _untyped_storage, (pickle.PickleBuffer(data), on_gpu)
@@ -222,22 +249,26 @@ def copy_from(root: int, to: list[int], was_size: int | None = None) -> HealRepo
     out = HealReport()
     if rt.rank == root:
         storages: list = []
-        payload, skipped = pack(user_variables(shell), storages)
+        on_device: list | None = [] if state_transfer.gpu_to_gpu(rt) else None
+        payload, skipped = pack(user_variables(shell), storages, on_device)
         views = [memoryview(s).cast("B") for s in storages]
         sizes = [v.nbytes for v in views]
-        out = replace(out, bytes=len(payload) + sum(sizes), skipped=tuple(skipped))
+        device_sizes = [s.nbytes() for s in on_device or []]
+        out = replace(out, bytes=len(payload) + sum(sizes) + sum(device_sizes),
+                      skipped=tuple(skipped), on_device=sum(device_sizes))
         for rank in to:
-            comm.send((payload, sizes, random_states(), process_sets.registry()), dest=rank,
-                      tag=71)
-        state_transfer.send(comm, views, to)
+            comm.send((payload, sizes, device_sizes, random_states(),
+                       process_sets.registry()), dest=rank, tag=71)
+        state_transfer.send(comm, views, to, on_device or [])
     elif rt.rank in to:
         import cloudpickle
 
-        payload, sizes, states, known_sets = comm.recv(source=root, tag=71)
-        received = state_transfer.receive(comm, root, sizes)
+        payload, sizes, device_sizes, states, known_sets = comm.recv(source=root, tag=71)
+        received, on_device = state_transfer.receive(comm, root, sizes, device_sizes)
         process_sets.adopt(known_sets)  # before loading: a variable may name a set
         try:
-            variables = cloudpickle.loads(payload, buffers=received)
+            with loading_device_storages(on_device):
+                variables = cloudpickle.loads(payload, buffers=received)
             out = replace(out, rebound=tuple(rebind(variables, rt.rank, rt.size, root,
                                                     was_size or rt.size)))
             into_namespace(variables, shell.user_ns)

@@ -8,7 +8,9 @@ memory speed; several replacements on the host share it), and each replacement m
 copy-on-write, so its tensors live in those pages and the file is gone once every
 replacement has mapped it. Elsewhere, or where ``/dev/shm`` is missing or too small (a
 container's 64 MB), the bytes go over MPI in messages of :data:`CHUNK_BYTES`, to every
-replacement at once. Rank 0 says how far it is (``protocol.HEAL_PROGRESS_KEY``).
+replacement at once. Where the ranks' process group is NCCL's, a GPU's storages go from GPU to
+GPU by NCCL's send instead, never through host memory. Rank 0 says how far it is
+(``protocol.HEAL_PROGRESS_KEY``).
 """
 
 from __future__ import annotations
@@ -57,13 +59,22 @@ class _Progress:
             self.said = time.monotonic()
 
 
-def send(comm, views: list[memoryview], to: list[int]) -> None:
+def gpu_to_gpu(rt) -> bool:
+    """Whether a GPU's storages travel from GPU to GPU: where the ranks' process group is
+    NCCL's (gloo, which carries CUDA tensors where ranks share a GPU, has no send of them)."""
+    import torch.distributed as dist
+
+    return rt.backend == "nccl" and dist.is_initialized() and dist.get_backend() == "nccl"
+
+
+def send(comm, views: list[memoryview], to: list[int], on_device=()) -> None:
     """On rank 0: every tensor's bytes (``views``, over the tensors' memory) to the ranks
-    ``to``, each calling :func:`receive` at once."""
+    ``to``, each calling :func:`receive` at once; then the GPU storages ``on_device`` from
+    GPU to GPU (:func:`gpu_to_gpu`)."""
     host = socket.gethostname()
     local = [rank for rank in to if comm.recv(source=rank, tag=_HOST) == host]
     total = sum(v.nbytes for v in views)
-    progress = _Progress(total * len(to))
+    progress = _Progress((total + sum(s.nbytes() for s in on_device)) * len(to))
     shared = _write_shared(views, progress, len(local)) if local and total else None
     for rank in to:
         comm.send(shared if rank in local else None, dest=rank, tag=_ROUTE)
@@ -76,22 +87,60 @@ def send(comm, views: list[memoryview], to: list[int]) -> None:
     finally:
         if shared is not None:
             _remove(shared[0])
+    _send_on_device(list(on_device), to, progress)
 
 
-def receive(comm, root: int, sizes: list[int]) -> list:
+def receive(comm, root: int, sizes: list[int], device_sizes=()) -> tuple[list, list]:
     """On a replacement: the tensors' bytes from ``root``, one writable array per storage
-    (of ``sizes`` bytes), which the loaded tensors then use."""
+    (of ``sizes`` bytes), which the loaded tensors then use; and the GPU storages of
+    ``device_sizes`` bytes, on this rank's GPU."""
     comm.send(socket.gethostname(), dest=root, tag=_HOST)
     shared = comm.recv(source=root, tag=_ROUTE)
     if shared is None:
-        return _receive_over_mpi(comm, root, sizes)
-    try:
-        arrays = _map_shared(shared, sizes)
-    except (OSError, ValueError):  # say so, and take the bytes over MPI instead
-        comm.send(False, dest=root, tag=_MAPPED)
-        return _receive_over_mpi(comm, root, sizes)
-    comm.send(True, dest=root, tag=_MAPPED)  # the file may go now: the mapping keeps it
-    return arrays
+        arrays = _receive_over_mpi(comm, root, sizes)
+    else:
+        try:
+            arrays = _map_shared(shared, sizes)
+        except (OSError, ValueError):  # say so, and take the bytes over MPI instead
+            comm.send(False, dest=root, tag=_MAPPED)
+            arrays = _receive_over_mpi(comm, root, sizes)
+        else:
+            comm.send(True, dest=root, tag=_MAPPED)  # the file may go: the mapping keeps it
+    return arrays, _receive_on_device(root, list(device_sizes))
+
+
+def _send_on_device(storages: list, to: list[int], progress: _Progress) -> None:
+    """GPU storages to the ranks ``to``, by NCCL's send, from GPU to GPU in pieces of
+    :data:`CHUNK_BYTES` (what a pickle would have taken through host memory twice)."""
+    if not storages:
+        return
+    import torch
+    import torch.distributed as dist
+
+    for rank in to:
+        for untyped in storages:
+            data = torch.empty(0, dtype=torch.uint8, device=untyped.device).set_(untyped)
+            for start, end in _chunks(data.numel()):
+                dist.send(data[start:end], dst=rank)
+                progress.add(end - start)
+
+
+def _receive_on_device(root: int, sizes: list[int]) -> list:
+    """GPU storages of ``sizes`` bytes from ``root`` (:func:`_send_on_device`), on this
+    rank's own GPU."""
+    if not sizes:
+        return []
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    storages = []
+    for size in sizes:
+        data = torch.empty(size, dtype=torch.uint8, device=device)
+        for start, end in _chunks(size):
+            dist.recv(data[start:end], src=root)
+        storages.append(data.untyped_storage())
+    return storages
 
 
 def _offsets(sizes: list[int]) -> tuple[list[int], int]:

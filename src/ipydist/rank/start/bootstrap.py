@@ -18,7 +18,8 @@ import time
 
 from ipydist import protocol
 from ipydist.errors import LaunchError
-from ipydist.rank import channel, device, watcher
+from ipydist.rank import channel, device, ending, watcher
+from ipydist.rank.healing import spares
 from ipydist.rank.start import replacement
 from ipydist.specs import SpecError, parse_gpus
 
@@ -34,6 +35,12 @@ def bootstrap(env: dict[str, str] | None = None):
     replaces = replacement.take_replaced_ranks(sys.argv)  # a spawned rank: the one it takes
     later = replacement.take_later_ranks(sys.argv)
     comm = replacement.world(MPI, replaces, later) if replaces else MPI.COMM_WORLD
+    if config.spares and not replaces:
+        comm = spares.split_at_start(comm, config.spares)
+        if comm == MPI.COMM_NULL:  # a spare: it waits until a heal needs it
+            comm = spares.wait_for_turn()
+            if comm is None:  # the job ended first
+                ending.exit_now(0)
     return join(comm, config)
 
 
@@ -100,6 +107,11 @@ def join(comm, config: protocol.RankConfig | None = None, survivor=None):
     _fail_all([p for p, _, _ in gathered], rt.rank, rt.host, problem)
     rt.backend = device.agree_backend([w for _, w, _ in gathered], [k for _, _, k in gathered])
     topology.set_runtime(rt)
+    if comm != MPI.COMM_WORLD:
+        # mpi4py's world, as a cell sees it, is the ranks': with hot spares the job's world
+        # holds them too (a collective on it would wait for them for ever), and after a heal
+        # the job's holds the dead rank (a replacement's, only itself)
+        setattr(MPI, "COMM_WORLD", comm)  # noqa: B010 (a Final to mypy, a plain name here)
     if survivor is None:
         shims.install_reuse_shim()
         if rt.gpu_sharing:
