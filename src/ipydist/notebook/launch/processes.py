@@ -144,10 +144,17 @@ def remove_heal_files(folders: list[str], pids: list[int] | None = None) -> None
             if pids is not None and pid not in pids:
                 continue
             with contextlib.suppress(OSError):
-                if pids is None and (os.stat(path).st_uid != os.getuid()
-                                     or psutil.pid_exists(pid)):
+                if pids is None and (os.stat(path).st_uid != os.getuid() or _runs(pid)):
                     continue
                 os.unlink(path)
+
+
+def _runs(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead and not yet reaped by its parent, does not)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def tree(pids: list[int]) -> list[psutil.Process]:
