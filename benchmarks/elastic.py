@@ -1,12 +1,15 @@
 """What ``--elastic`` costs, and how fast it heals, with and without hot spares.
 
-1. Allreduce with Open MPI's fault tolerance (ULFM, ``--elastic``, with ``--spares`` as
-   given: with spares on one host MPI is shared memory only, without them TCP is beside it)
-   against a plain cluster, per size: the two kinds of cluster alternate (a cluster cannot
-   switch), each pass timing ``hvd.allreduce_`` (ipydist's transport, call check and waits)
-   and raw mpi4py ``Allreduce`` on every size; printed: medians over passes of elastic /
-   plain. The bar for ``--elastic`` to be on by default: at most 1.10x at 1 MB and above.
-2. Starts: a plain cluster against an elastic one with one hot spare, alternating; printed:
+1. Allreduce with Open MPI's fault tolerance (ULFM) against a plain cluster
+   (``--no-elastic``), per size. The elastic one is as one host's default makes it, with
+   ``--spares`` as given (MPI shared memory only), or with ``--spares 0`` as ``--elastic
+   --spares 0`` makes it (TCP beside shared memory, for spawns). The two kinds of cluster
+   alternate (a cluster cannot switch), each left alone for 3 s after its start, then each
+   pass times ``hvd.allreduce_`` (ipydist's transport, call check and waits) and raw mpi4py
+   ``Allreduce`` on every size; printed: medians over passes of elastic / plain. The bar for
+   elastic to be on by default: at most 1.10x at 1 MB and above.
+2. Starts: a plain cluster against one host's default (elastic, one hot spare), alternating;
+   printed:
    the medians of the seconds to a ready cluster, and the memory of its own a spare holds.
 3. Heals with a spare against heals by a spawn, alternating, each on a fresh cluster with a
    model and its DistributedOptimizer: a rank is SIGKILLed while the others run allreduces;
@@ -55,16 +58,26 @@ step()
 
 
 def allreduce_pass(np: int, elastic: bool, rounds: int, spares: int = 0) -> dict:
+    """One cluster's medians: plain (``--no-elastic``), or elastic as one host's default
+    makes it with ``spares`` (shared memory only), or with none (``--elastic --spares 0``:
+    MPI's TCP transport beside shared memory, for spawns)."""
     times: dict = {}
-    with ipydist.Session(np=np, gpus="none", elastic=elastic,
-                         spares=spares if elastic else None) as s:
+    options = (dict(elastic=False) if not elastic else dict(spares=spares) if spares
+               else dict(elastic=True, spares=0))
+    with ipydist.Session(np=np, gpus="none", **options) as s:
         s.run(RANK_CODE, output="rank0")
+        time.sleep(SETTLE_SECONDS)
         for r in range(rounds):
             for size in SIZES:
                 for variant in VARIANTS[r % 2:] + VARIANTS[:r % 2]:
                     s.run(f"sec = time_allreduce({variant!r}, {size})", output="rank0")
                     times.setdefault((size, variant), []).append(s.pull("sec", rank=0))
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+#: Seconds a new cluster is left alone before it is timed, for either kind: what a start
+#: leaves running in the background ends (a hot spare's warm-up import, at idle priority).
+SETTLE_SECONDS = 3.0
 
 
 def cost(np: int, passes: int, spares: int) -> bool:
@@ -74,7 +87,8 @@ def cost(np: int, passes: int, spares: int) -> bool:
             for k, v in allreduce_pass(np, elastic, 2, spares).items():
                 per.setdefault((elastic, *k), []).append(v)
     med = {k: statistics.median(v) for k, v in per.items()}
-    print(f"\nnp={np}, CPU float32, one host, elastic with --spares {spares}; median of "
+    kind = f"--spares {spares} (the default's kind)" if spares else "--elastic --spares 0"
+    print(f"\nnp={np}, CPU float32, one host, elastic with {kind}; median of "
           f"{passes} passes of each kind (alternating), ms per call (slowest rank)")
     print(f"{'size':>7} {'ipydist plain':>14} {'elastic':>9} {'ratio':>7}   "
           f"{'raw mpi plain':>14} {'elastic':>9} {'ratio':>7}")
@@ -100,20 +114,21 @@ def starts(np: int, count: int) -> None:
     for i in range(count):
         for spare in ([True, False] if i % 2 == 0 else [False, True]):
             t0 = time.perf_counter()
-            with ipydist.Session(np=np, gpus="none", elastic=spare or None,
-                                 spares=1 if spare else None) as s:
+            options = {} if spare else {"elastic": False}  # one host's default, or plain
+            with ipydist.Session(np=np, gpus="none", **options) as s:
                 took[spare].append(time.perf_counter() - t0)
                 if spare:
                     own.append(psutil.Process(s.cluster.spare_pids[0]).memory_full_info().uss)
     plain, spare = statistics.median(took[False]), statistics.median(took[True])
-    print(f"\n{count} starts of each (alternating), np={np}: plain {plain:.2f} s, elastic with "
-          f"1 hot spare {spare:.2f} s ({spare / plain:.2f}x); a spare holds "
+    print(f"\n{count} starts of each (alternating), np={np}: plain (--no-elastic) {plain:.2f} s, "
+          f"the default (elastic, 1 hot spare) {spare:.2f} s ({spare / plain:.2f}x); a spare holds "
           f"{statistics.median(own) / 2**20:.0f} MiB of its own (median)")
 
 
 def one_heal(np: int, spares: int) -> tuple[float, float]:
     """On a fresh cluster: (kill to the end of the cell, kill to the end of the next)."""
-    with ipydist.Session(np=np, gpus="none", elastic=True, spares=spares) as s:
+    options = {"spares": spares} if spares else {"elastic": True, "spares": 0}
+    with ipydist.Session(np=np, gpus="none", **options) as s:
         s.run(MODEL, output="rank0")
         return kill_and_heal(s, 1)
 
@@ -145,7 +160,7 @@ def heals(np: int, count: int) -> None:
     for i in range(count):
         for spares in ([1, 0] if i % 2 == 0 else [0, 1]):
             runs[spares].append(one_heal(np, spares))
-    for spares, name in ((1, "a hot spare (--spares 1)"), (0, "a spawn (--spares 0)")):
+    for spares, name in ((1, "a hot spare (the default)"), (0, "a spawn (--elastic --spares 0)")):
         ended, healed = zip(*runs[spares])
         print(f"\n{count} heals by {name}, np={np}, each on a fresh cluster: cell ended "
               f"{statistics.median(ended):.2f} s after the kill (max {max(ended):.2f}), healed "

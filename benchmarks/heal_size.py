@@ -15,10 +15,10 @@ Bars (issue 49): 1 GB within 5 s of the kill, 4 GB within 15 s, 8 GB completes; 
 most 1.25x the state moved on the sending and on the receiving rank.
 
 With ``--link RATE`` (as root): across two namespace test hosts (tests/harness/netns_hosts.py)
-whose links ``tc`` shapes to RATE, one rank on each, the cluster elastic by default there;
-rank 1 (on the second host) is killed, its replacement spawned there, and rank 0's state
-crosses the shaped link. Printed: the copy's rate, as the heal's line says it, against the
-link's (bar: at least 0.8x at 1 Gbit/s).
+whose links ``tc`` shapes to RATE, rank 0 on the first and ranks 1 and 2 on the second, the
+cluster elastic by default there; rank 1 is killed, its replacement spawned on its host, and
+rank 0's state crosses the shaped link. Printed: the copy's rate, as the heal's line says it,
+against the link's (bar: at least 0.8x at 1 Gbit/s).
 
     .venv/bin/python benchmarks/heal_size.py [--gb 0.25 1 4] [--repeats 1] [--np 2] [--dead 1]
     .venv/bin/python benchmarks/heal_size.py --link 1gbit [--gb 1] [--repeats 3]
@@ -158,7 +158,10 @@ def on_namespace_hosts(rate: str, gb: list[float], repeats: int) -> None:
         raise SystemExit(f"namespace hosts: {reason}")
     link = Link(rate)
     with HostCluster(2, login=True, link=link) as cluster:
-        hosts = ",".join(f"{h.name}:1" for h in cluster.hosts)
+        # rank 0 alone on the first host, ranks 1 and 2 on the second: rank 1's replacement
+        # is spawned where it ran, and rank 0's state crosses the link to it
+        first, second = cluster.hosts
+        hosts = f"{first.name}:1,{second.name}:2"
         mpi_args = shlex.join(["--prtemca", "plm_ssh_agent", cluster.rsh_agent])
         rows = []
         for size in gb:
@@ -178,7 +181,7 @@ def on_namespace_hosts(rate: str, gb: list[float], repeats: int) -> None:
             raise SystemExit(f"left running on the hosts: {left}")
         shaped = cluster.shaped_with or "unshaped veth"
     wire = link.bits_per_second / 8
-    print(f"\n2 hosts x 1 rank, links shaped to {rate} ({shaped}); rank 1 killed, its "
+    print(f"\n2 hosts (1 rank + 2 ranks), links shaped to {rate} ({shaped}); rank 1 killed, its "
           f"replacement spawned on its host; median of {repeats}")
     print(f"{'state':>8}{'copy':>9}{'MB/s':>8}{'of link':>9}{'kill->cell':>12}  copied")
     for size, runs in rows:
