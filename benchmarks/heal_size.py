@@ -94,10 +94,12 @@ class Peaks:
         self._thread.join()
 
 
-def one_heal(gb: float, np: int = 2, dead: int = 1) -> dict:
+def one_heal(gb: float, np: int = 2, dead: int = 1, spares: int = 1) -> dict:
     n = int(gb * 2**30 / 4)
     state = n * 4
-    with ipydist.Session(np=np, elastic=True) as s:
+    # the replacements: hot spares (as one host's default), else spawns (--elastic --spares 0)
+    options = {"spares": spares} if spares else {"elastic": True, "spares": 0}
+    with ipydist.Session(np=np, **options) as s:
         s.run(SETUP)
         sender = s.ranks[0]["pid"]
         # a rank without the state: what the replacement holds before the copy, about
@@ -200,11 +202,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--np", type=int, default=2)
     parser.add_argument("--dead", type=int, default=1,
                         help="ranks killed at once (1..DEAD), copied to in parallel")
+    parser.add_argument("--spares", type=int, default=None,
+                        help="hot spares (default: as many as ranks killed); 0: spawns")
     parser.add_argument("--link", help="across two namespace hosts, links shaped to this "
                         "rate (tc's: 1gbit)")
     parser.add_argument("--hosts", help="heal across these hosts (on a login host; internal)")
     parser.add_argument("--mpi-args", default="", help="with --hosts (internal)")
     args = parser.parse_args(argv)
+    args.spares = args.dead if args.spares is None else args.spares
     if args.link:
         on_namespace_hosts(args.link, args.gb, args.repeats)
         return 0
@@ -213,13 +218,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows = []
     for gb in args.gb:
-        runs = [one_heal(gb, args.np, args.dead) for _ in range(args.repeats)]
+        runs = [one_heal(gb, args.np, args.dead, args.spares) for _ in range(args.repeats)]
         seconds = statistics.median(r["seconds"] for r in runs)
         rows.append((gb, seconds, runs[0]["state"] / seconds / 2**20,
                      max(r["sender"] for r in runs), max(r["receiver"] for r in runs),
                      max(r["total"] for r in runs), max(r["system"] for r in runs),
                      all(r["ok"] for r in runs)))
-    print(f"\nnp={args.np}, {args.dead} killed, one host; median of {args.repeats}; memory: a "
+    by = f"{args.spares} hot spare(s)" if args.spares else "spawns"
+    print(f"\nnp={args.np}, {args.dead} killed, replaced by {by}, one host; median of "
+          f"{args.repeats}; memory: a "
           "rank's peak during the heal, less a rank without the state, / the state")
     print(f"{'state':>8}{'kill->cell':>12}{'MB/s':>8}{'sender':>9}{'replacement':>13}"
           f"{'all GiB':>9}{'machine':>9}  copied")
