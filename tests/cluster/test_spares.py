@@ -95,6 +95,8 @@ def test_spares_take_dead_ranks_places_then_say_they_are_used_up(shell, capsys, 
         ranks = {r["pid"] for r in session.ranks}
         assert not _listening_beyond_loopback(ranks | set(spares))
         assert "tcp" not in " ".join(session.cluster.plan.args)
+        result, out, _ = run_cell(shell, capsys, "%dist_status")
+        assert "2 hot spares wait to take a dead rank's place" in out, out
         run_cell(shell, capsys, SETUP)[0].raise_error()
         # two ranks die at once: both spares take their places, their numbers kept
         _kill_in_allreduce(shell, capsys, session, [1, 2])

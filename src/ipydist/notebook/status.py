@@ -64,8 +64,10 @@ def cluster_status(cluster, restart: str, healing: str = "") -> StatusTable:
         death = deaths.find_death(output, cluster.first_dead or dead)
         report = deaths.describe_death(output, dead, restart, cluster.plan.command_name,
                                        first=cluster.first_dead)
-    return status_table(grouped_by_host(cluster.ranks), states, memory, death, report,
-                        cluster.plan.command_name)
+    table = status_table(grouped_by_host(cluster.ranks), states, memory, death, report,
+                         cluster.plan.command_name)
+    table.note = table.note or spares_note(cluster.spare_pids)
+    return table
 
 
 def start_table(ranks: list[RankInfo], seconds: float, spare_pids=()) -> StatusTable:
