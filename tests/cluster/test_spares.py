@@ -154,6 +154,15 @@ def test_a_grow_takes_a_spare_and_an_idle_spare_ends_cleanly_with_the_job(shell,
         result, _, err = run_cell(shell, capsys, "%dist_scale --np 5")
         assert "1 hot spare left" in str(result.error_in_exec), (result.error_in_exec, err)
         assert "scale to at most 4" in str(result.error_in_exec)
+        # a spare that died unseen: the grow says so, and the ranks go on as they were
+        os.kill(spares[1], signal.SIGKILL)
+        assert wait_gone([spares[1]], 5) == []
+        result, _, err = run_cell(shell, capsys, "%dist_scale --np 4")
+        message = str(result.error_in_exec)
+        assert "3 ranks -> 4: no spare is left" in message, (message, err)
+        assert "goes on with its 3 ranks" in message and session.cluster.spare_pids == ()
+        run_cell(shell, capsys, CHECK)[0].raise_error()
+        assert [now[:3] for now in session.pull("now")] == [(3, r, 3) for r in range(3)]
     finally:
         _stop(session)
         magics.session = None

@@ -283,9 +283,13 @@ def scale(cluster, size: int) -> str:
                 "with more --spares or with --elastic.")
         known = set(cluster.client.ids)
         request = cluster.view(list(range(was))).apply_async(protocol.on_rank, "resize", size,
-                                                             rank_env(cluster))
-        cluster.spare_pids = take_new_ranks(cluster, request, known, size - was,
-                                            deadline)[0].spares
+                                                             rank_env(cluster),
+                                                             cluster.plan.can_spawn)
+        grown = take_new_ranks(cluster, request, known, size - was, deadline)[0]
+        cluster.spare_pids = grown.spares
+        if grown.not_replaced:  # a spare counted here had died: the ranks stayed as they were
+            raise ClusterError(f"{was} ranks -> {size}: {grown.not_replaced}; the cluster goes "
+                               f"on with its {was} ranks, each with its state.")
         added = list(range(was, size))
         by = _by_spares(spares, len(cluster.spare_pids), size - was)
         what = f"{describe_ranks(added)} started{by}, {copy_state(cluster, 0, added, was)}"

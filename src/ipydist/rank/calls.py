@@ -206,12 +206,12 @@ def elastic_reset(restore: bool) -> int:
     return elastic.after_heal(restore)
 
 
-def resize(size: int, env: Sequence[str] = ()) -> protocol.HealReport:
+def resize(size: int, env: Sequence[str] = (), spawn: bool = True) -> protocol.HealReport:
     """``Session.scale``: a world of ``size`` ranks (see
     :func:`ipydist.rank.healing.heal.resize`)."""
     from ipydist.rank.healing import heal as healing
 
-    return healing.resize(size, env)
+    return healing.resize(size, env, spawn)
 
 
 def copy_state(root: int, to: list[int], was_size: int | None = None) -> protocol.HealReport:

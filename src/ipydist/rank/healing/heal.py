@@ -89,11 +89,11 @@ def _revoke_all(rt, mpi) -> None:
             pass  # revoked already (by another survivor)
 
 
-def resize(size: int, env: Sequence[str] = ()) -> HealReport:
+def resize(size: int, env: Sequence[str] = (), spawn: bool = True) -> HealReport:
     """On every rank at once (``Session.scale``): a world of ``size`` ranks. Growing, the
     ranks take the spares first (``--spares``), then spawn the new ones (numbered from the
-    old size up); shrinking, the ranks from ``size`` up leave it, and end their process once
-    they have replied."""
+    old size up) where ``spawn`` allows; shrinking, the ranks from ``size`` up leave it, and
+    end their process once they have replied."""
     from mpi4py import MPI
 
     from ipydist.torch._core import process_group, topology
@@ -110,7 +110,10 @@ def resize(size: int, env: Sequence[str] = ()) -> HealReport:
             return HealReport(rank=rt.rank, left=True, seconds=time.monotonic() - started)
     elif spares.full is not None:
         spares.revoke()
-        group = spares.regroup(spares.shrunk(), rt.rank, spares.Order(size, True, None, env))
+        group = spares.regroup(spares.shrunk(), rt.rank, spares.Order(size, spawn, None, env))
+        if group.not_replaced:  # a spare the notebook counted died: the world stays as it was
+            return dataclasses.replace(_rejoin(group.world, rt, started),
+                                       not_replaced=group.not_replaced)
         world = group.world
     else:
         world = replacement.spawned_into(rt.comm, list(range(rt.size, size)), rt.rank,

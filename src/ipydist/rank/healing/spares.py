@@ -74,8 +74,6 @@ class Regrouped:
 
     #: The new world (None on a spare that stays one).
     world: object
-    #: This process's number in it (None on a spare that stays one).
-    number: int | None
     #: Why the missing numbers were not given out (no spare and no spawn for some): the
     #: world is then the ranks left, to be renumbered.
     not_replaced: str | None = None
@@ -120,10 +118,11 @@ def regroup(shrunk, number: int | None, order: Order | None) -> Regrouped:
         grown = replacement.spawned_into(world, unfilled, number, order.hosts, order.env)
         world.Free()
         world = grown
-    return Regrouped(world if world != MPI.COMM_NULL else None, number, not_replaced)
+    return Regrouped(world if world != MPI.COMM_NULL else None, not_replaced)
 
 
 def used_up(spares: int, missing: int) -> str:
+    """Why ``missing`` ranks were not replaced with only ``spares`` spares, and no spawn."""
     have = "no spare is left" if not spares else f"only {spares} spare(s) for {missing} ranks"
     return (f"{have}, and on one host the ranks' MPI starts no new process unless --elastic is "
             "asked for (it opens MPI's TCP port): start with more --spares, or with --elastic")
