@@ -16,6 +16,9 @@ import json
 import time
 
 from ipyparallel.engine.app import IPEngine
+from traitlets import default
+
+from ipydist.rank.start import bootstrap
 
 #: How often a rank looks again at a connection file the controller is still writing.
 WHOLE_FILE_POLL_SECONDS = 0.02
@@ -26,6 +29,21 @@ class RankEngine(IPEngine):
     connection file only once the controller has written all of it."""
 
     _stop_asked = False
+
+    @default("id")
+    def _id_default(self):
+        """A rank started with the job asks for its rank as its engine id (the notebook checks
+        that they match). A rank that joined later (a spawned replacement, a hot spare) asks
+        for none, and the controller gives it one never used: the id of its number may be
+        the engine of the rank it replaces, or of one that left, which the notebook counts as
+        known until the controller drops it, so a new engine under that id went unseen and
+        a grow waited out its 60 s (1 of 2 new ranks registered)."""
+        if bootstrap.joined_late:
+            return None
+        from ipydist.torch._core import topology
+
+        rt = topology.get()
+        return rt.rank if rt is not None else None
 
     def load_connection_file(self):
         """ipyparallel's engine waits for the file to exist, then reads it, and the controller

@@ -34,14 +34,22 @@ def bootstrap(env: dict[str, str] | None = None):
 
     replaces = replacement.take_replaced_ranks(sys.argv)  # a spawned rank: the one it takes
     later = replacement.take_later_ranks(sys.argv)
+    global joined_late
+    joined_late = bool(replaces)
     comm = replacement.world(MPI, replaces, later) if replaces else MPI.COMM_WORLD
     if config.spares and not replaces:
         comm = spares.split_at_start(comm, config.spares)
         if comm == MPI.COMM_NULL:  # a spare: it waits until a heal needs it
+            joined_late = True
             comm = spares.wait_for_turn()
             if comm is None:  # the job ended first
                 ending.exit_now(0)
     return join(comm, config)
+
+
+#: Whether this rank joined the world after the job's start (a spawned replacement, a hot
+#: spare that took a rank's place), as its engine needs to know (``rank.engine``).
+joined_late = False
 
 
 def join(comm, config: protocol.RankConfig | None = None, survivor=None):
