@@ -23,6 +23,8 @@ from lab_server import (
 NOTEBOOK = "cluster-view.ipynb"
 CELLS = [
     "%load_ext ipydist\n%dist_start --np 4",
+    # a chart on the page: its stylesheet once laid out the view's rows as flex boxes
+    "%%everyrank\nimport ipydist.torch as hvd\nhvd.log(step=1, total=2, loss=0.5)",
     "%dist_status --live",
     "%%everyrank\nimport time, torch, ipydist.torch as hvd\nif hvd.rank() == 3:\n"
     "    time.sleep(120)\ntorch.distributed.all_reduce(torch.ones(1))",
@@ -37,8 +39,8 @@ def cell(index: int) -> str:
     return f"document.querySelectorAll('.jp-NotebookPanel .jp-Notebook .jp-CodeCell')[{index}]"
 
 
-#: The states of the live view's rows (cell 1's output).
-STATES = f"""() => [...({cell(1)})?.querySelectorAll('.ipydist-cluster-table tbody tr') ?? []]
+#: The states of the live view's rows (cell 2's output).
+STATES = f"""() => [...({cell(2)})?.querySelectorAll('.ipydist-cluster-table tbody tr') ?? []]
     .map((tr) => tr.cells[[...tr.parentNode.parentNode.tHead.rows[0].cells]
         .findIndex((th) => th.textContent === 'state')].textContent)"""
 
@@ -55,13 +57,18 @@ def test_the_live_view_shows_the_ranks_and_interrupts_a_cell(tmp_path):
                     && s.slice(0, 3).every((t) => /^waiting in all_reduce for [1-9]/.test(t));
             }}""",
             timeout=180_000)
+        # the columns line up: each header cell starts where its column's cells do
+        lefts = page.evaluate(f"""() => [...({cell(2)}).querySelectorAll(
+            '.ipydist-cluster-table tr')].map((tr) => [...tr.cells].map(
+                (c) => Math.round(c.getBoundingClientRect().left)))""")
+        assert len(lefts) == 5 and all(row == lefts[0] for row in lefts), lefts
         start_view = page.evaluate(
             f"() => ({cell(0)}).querySelector('.ipydist-cluster-caption')?.textContent ?? ''")
         assert start_view.startswith("▸ 4 ranks"), start_view  # collapsed under the start
-        view = page.locator(".jp-NotebookPanel .jp-Notebook .jp-CodeCell").nth(1)
+        view = page.locator(".jp-NotebookPanel .jp-Notebook .jp-CodeCell").nth(2)
         docs_screenshot(view, "cluster-view.png", "cluster-view.png")
         view.locator("button", has_text="Interrupt").click()
-        output = f"() => ({cell(2)}).querySelector('.jp-OutputArea')?.innerText ?? ''"
+        output = f"() => ({cell(3)}).querySelector('.jp-OutputArea')?.innerText ?? ''"
         page.wait_for_function(f"() => /Interrupted/.test(({output})())", timeout=60_000)
         page.wait_for_function(f"() => ({STATES})().every(s => s === 'idle')", timeout=30_000)
         assert "Interrupted ranks 0-3" in page.evaluate(output), page.evaluate(output)

@@ -80,7 +80,9 @@ export function drawCluster(el, state, act, toggle) {
   const body = table.createTBody();
   for (const r of state.rows) {
     const tr = body.insertRow();
-    tr.className = `ipydist-rank ipydist-rank-${r.kind}`;
+    // not "ipydist-rank": the metrics chart's stylesheet lays out its rank strip's rows
+    // by that class (display: flex), which broke this table's columns on a page with both
+    tr.className = `ipydist-cluster-row ipydist-cluster-row-${r.kind}`;
     tr.dataset.rank = r.rank;
     for (const [key] of used) tr.insertCell().textContent = String(r[key] ?? "");
   }
