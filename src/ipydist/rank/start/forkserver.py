@@ -58,6 +58,14 @@ stub_pid: int | None = None
 PRELOAD = ("tqdm.autonotebook", "torch", "torch.distributed", "torch.nn.parallel", "numpy",
            "mpi4py", "ipyparallel.engine.app", "ipykernel.ipkernel", "IPython",
            "ipykernel.debugger", "stack_data")
+#: What a kept server (one per notebook, for all its clusters: see the module's doc) imports
+#: beside :data:`PRELOAD`: what a rank's first training step imports. ``torch.optim``'s
+#: ``Optimizer.zero_grad`` imports ``torch._dynamo`` on its first call (1.0-1.3 CPU-seconds),
+#: which every rank of every cluster paid in its first training cell, and a hot spare at
+#: idle priority while it waits. Paid once here, by the notebook's first start only; a
+#: server of one cluster's own (other hosts, MPICH) leaves it to the ranks, its start being
+#: on every start's path.
+PRELOAD_KEPT = ("torch._dynamo",)
 #: A server that no stub asked within this ends (a stub that started it and then died).
 IDLE_SECONDS = 60.0
 #: A rank whose stub is gone ends by itself at once (:func:`watch_stub`); one still there after
@@ -87,7 +95,7 @@ def serve(key: str, owner: int | None = None) -> dict | None:
     except OSError:  # another stub's server is already there
         return None
     listener.listen(128)
-    for name in PRELOAD:
+    for name in PRELOAD + (PRELOAD_KEPT if owner is not None else ()):
         try:
             __import__(name)
         except Exception:  # the rank imports it (and reports why it fails) itself
