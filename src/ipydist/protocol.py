@@ -208,6 +208,10 @@ HEAL_FILE_PREFIX = "ipydist-heal-"
 #: Where that file goes: ``--env IPYDIST_HEAL_SHARED_MEMORY=DIR`` (``none``: over MPI).
 HEAL_SHARED_MEMORY = "/dev/shm"
 HEAL_SHARED_MEMORY_VARIABLE = "IPYDIST_HEAL_SHARED_MEMORY"
+#: Why a heal or a grow on one host starts no new rank once its hot spares are used up, as
+#: both sides say it (the ranks' heal, the notebook's check before a grow).
+NO_SPAWN_ON_ONE_HOST = ("on one host the ranks' MPI starts no new process unless --elastic is "
+                        "asked for (it opens MPI's TCP port)")
 
 #: The message types of the notebook's questions on an engine's control channel, which a
 #: rank answers while its cell runs (see ``ipydist.rank.introspection.control``), and of the

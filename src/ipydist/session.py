@@ -222,9 +222,7 @@ class Session:
         if cluster is None:
             return
         was = cluster.size
-        here = [info.pid for info in cluster.ranks if processes.is_here(info)]
         cluster.stop(quiet)
-        healing.remove_files_of(here, cluster.plan.env)
         if was and not quiet:
             print(f"Stopped {was} ranks.")
 

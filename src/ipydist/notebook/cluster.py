@@ -435,7 +435,7 @@ class Cluster:
 
     def stop(self, quiet: bool = False) -> None:
         """Stop engines, mpiexec and the controller, and make sure none of them is left, nor
-        their shared memory."""
+        their shared memory (MPI's, and a heal's copy's)."""
         pids = processes.with_descendants(self.pids())
         segments = self._shared_memory | processes.shared_memory(pids)
         self._let_ranks_end()
@@ -452,6 +452,8 @@ class Cluster:
                     print(f"ipydist: stopping the cluster: {e}", file=sys.stderr)
         processes.reap(pids)
         processes.remove_shared_memory(segments, pids)
+        # and a heal's file, which a rank killed in the middle of the copy left
+        processes.remove_heal_files(processes.heal_folders(self.plan.env), pids)
         self.plan.launcher.give_back(self.slurm_job)
         if self._watchdog is not None:
             proc, pipe = self._watchdog

@@ -256,13 +256,6 @@ def copy_state(cluster, root: int, to: list[int], was_size: int,
     return text
 
 
-def remove_files_of(pids: list[int], env: dict[str, str]) -> None:
-    """Remove the shared-memory files of a heal's copy that ranks ``pids`` (of this host)
-    left: rank 0 removes its own when the copy ends, but a rank killed in the middle of one
-    cannot (``env``: the ranks' environment, which may name the folder)."""
-    processes.remove_heal_files(processes.heal_folders(env), pids)
-
-
 def scale(cluster, size: int) -> str:
     """Grow or shrink ``cluster`` to ``size`` ranks, keeping every rank's state: new ranks
     get rank 0's (as a replacement does), ranks from ``size`` up leave. Says what it did."""
@@ -278,9 +271,8 @@ def scale(cluster, size: int) -> str:
         if size - was > spares and not cluster.plan.can_spawn:
             raise ClusterError(
                 f"{was} ranks -> {size}: {spares or 'no'} hot spare{'s' * (spares != 1)} left, "
-                "and on one host the ranks' MPI starts no new process unless --elastic is asked "
-                f"for (it opens MPI's TCP port); scale to at most {was + spares}, or restart "
-                "with more --spares or with --elastic.")
+                f"and {protocol.NO_SPAWN_ON_ONE_HOST}; scale to at most {was + spares}, or "
+                "restart with more --spares or with --elastic.")
         known = set(cluster.client.ids)
         request = cluster.view(list(range(was))).apply_async(protocol.on_rank, "resize", size,
                                                              rank_env(cluster),

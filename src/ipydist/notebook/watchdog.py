@@ -13,7 +13,6 @@ the controller and of mpiexec), so ranks are found even if mpiexec went first.
 
 from __future__ import annotations
 
-import glob
 import os
 import select
 import subprocess
@@ -22,7 +21,6 @@ import time
 from collections.abc import Sequence
 
 from ipydist.notebook.launch import processes
-from ipydist.protocol import HEAL_FILE_PREFIX
 
 REFRESH_SECONDS = 1.0
 #: The option that names a folder of heal files to sweep (``--heal-folder=DIR``).
@@ -68,11 +66,7 @@ def main(argv: list[str]) -> int:
     processes.end([p for p in known.values() if p.is_running()], GRACE_SECONDS)
     # a forked rank ends with its stub, a moment after it: its file goes once it has
     deadline = time.monotonic() + GRACE_SECONDS
-    while True:
-        processes.remove_heal_files(folders)
-        if time.monotonic() > deadline or not any(
-                glob.glob(os.path.join(f, f"{HEAL_FILE_PREFIX}*")) for f in folders):
-            break
+    while processes.remove_heal_files(folders) and time.monotonic() < deadline:
         time.sleep(0.1)
     return 0
 

@@ -130,11 +130,13 @@ def heal_folders(env: dict[str, str]) -> list[str]:
     return folders
 
 
-def remove_heal_files(folders: list[str], pids: list[int] | None = None) -> None:
+def remove_heal_files(folders: list[str], pids: list[int] | None = None) -> int:
     """Remove the shared-memory files of heals (``protocol.HEAL_FILE_PREFIX``, then the pid of
     the rank that wrote it) in ``folders`` that ranks ``pids`` wrote, or (None) this user's
     whose writer no longer runs: a rank killed in the middle of a copy leaves its file, and
-    a file whose writer is gone can serve no copy."""
+    a file whose writer is gone can serve no copy. Returns how many of this user's it left
+    to a writer still running (None only)."""
+    left = 0
     for folder in folders:
         for path in glob.glob(os.path.join(folder, f"{HEAL_FILE_PREFIX}*")):
             match = re.match(r"(\d+)-", os.path.basename(path)[len(HEAL_FILE_PREFIX):])
@@ -144,9 +146,13 @@ def remove_heal_files(folders: list[str], pids: list[int] | None = None) -> None
             if pids is not None and pid not in pids:
                 continue
             with contextlib.suppress(OSError):
-                if pids is None and (os.stat(path).st_uid != os.getuid() or _runs(pid)):
+                if pids is None and os.stat(path).st_uid != os.getuid():
+                    continue
+                if pids is None and _runs(pid):
+                    left += 1
                     continue
                 os.unlink(path)
+    return left
 
 
 def _runs(pid: int) -> bool:

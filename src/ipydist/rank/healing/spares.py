@@ -25,6 +25,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ipydist.protocol import NO_SPAWN_ON_ONE_HOST
+from ipydist.rank.start import forkserver
+
 #: The communicator of the ranks and the spares (None: no spare left, or none started).
 full = None
 #: The positions of the spares in :data:`full`.
@@ -124,8 +127,8 @@ def regroup(shrunk, number: int | None, order: Order | None) -> Regrouped:
 def used_up(spares: int, missing: int) -> str:
     """Why ``missing`` ranks were not replaced with only ``spares`` spares, and no spawn."""
     have = "no spare is left" if not spares else f"only {spares} spare(s) for {missing} ranks"
-    return (f"{have}, and on one host the ranks' MPI starts no new process unless --elastic is "
-            "asked for (it opens MPI's TCP port): start with more --spares, or with --elastic")
+    return (f"{have}, and {NO_SPAWN_ON_ONE_HOST}: start with more --spares, or with "
+            "--elastic")
 
 
 def revoke() -> None:
@@ -162,12 +165,11 @@ def wait_for_turn():
             return group.world
 
 
-#: What a spare imports while it waits, beyond what the fork server gave it: what a rank's
-#: first training step imports. ``torch.optim.Optimizer.zero_grad`` is wrapped to keep
-#: TorchDynamo out, which imports ``torch._dynamo`` on its first call: 1.0-1.3 s, which the
-#: ranks paid in their first cell, and a replacement paid in the first step after the heal,
-#: while every other rank waited for it in the step's allreduce.
-WARM_UP = ("torch._dynamo",)
+#: What a spare imports while it waits, where its fork server did not (one of a cluster's own,
+#: on another host): what a rank's first training step imports (see the kept server's
+#: ``PRELOAD_KEPT``), which a replacement paid in the first step after the heal, while every
+#: other rank waited for it in the step's allreduce.
+WARM_UP = forkserver.PRELOAD_KEPT
 def _warm_up() -> None:
     """In a thread of its own, on a spare, only when a core has nothing else to run (Linux's
     SCHED_IDLE, which it sets per thread: the spare's main thread keeps its own), so that it
