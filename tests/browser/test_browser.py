@@ -98,6 +98,8 @@ READ_NOTEBOOK = """(index) => {
     return {
         ncells: cells.length,
         prompts: cells.filter((c) => c.classList.contains('jp-CodeCell')).map(prompt),
+        outputs: cells.filter((c) => c.classList.contains('jp-CodeCell')).map(
+            (c) => c.querySelector('.jp-OutputArea')?.textContent ?? ''),
         prompt: cell ? prompt(cell) : '',
         output: cell?.querySelector('.jp-OutputArea')?.textContent ?? '',
         points: widget ? widget.getAttribute('data-points') : null,
@@ -205,8 +207,10 @@ def test_quickstart_live_chart_in_jupyterlab(lab, page, console):
 
     # The notebook itself: every cell ran (a failing cell stops Run All), training converged.
     assert end["ncells"] == len(json.loads(QUICKSTART.read_text())["cells"]), end
-    assert all(ran(p) for p in end["prompts"]), (
-        f"not every cell ran: {end['prompts']}\n{console[-20:]}")
+    stopped = [out for p, out in zip(end["prompts"], end["outputs"]) if ran(p)][-1:]
+    assert all(ran(p) for p in end["prompts"]), (  # the last cell that ran says why
+        f"not every cell ran: {end['prompts']}\nthe last that ran printed: {stopped}\n"
+        f"{console[-20:]}\n{lab.log_tail()}")
     match = re.search(r"final test accuracy:\s*(\d+(?:\.\d+)?)", end["output"])
     assert match, f"no 'final test accuracy' in the training cell:\n{end['output'][-2000:]}"
     assert float(match.group(1)) >= MIN_ACCURACY, match.group(0)
