@@ -9,6 +9,7 @@ import { INotebookTracker } from "@jupyterlab/notebook";
 import { Widget } from "@lumino/widgets";
 
 import { drawCluster } from "../src/ipydist/notebook/live/cluster.js";
+import { CatchUp } from "./catch_up.js";
 
 const TARGET = "ipydist.cluster";
 const NO_IPYDIST = {
@@ -132,4 +133,15 @@ const plugin = {
   },
 };
 
-export default plugin;
+// Cells that ran while no page was there, caught up in each notebook that opens (catch_up.js).
+const catchUp = {
+  id: "ipydist:catch-up",
+  description: "Shows the output of cells that ran while no page had the notebook open.",
+  autoStart: true,
+  requires: [INotebookTracker],
+  activate: (app, tracker) => {
+    tracker.widgetAdded.connect((sender, panel) => new CatchUp(panel));
+  },
+};
+
+export default [plugin, catchUp];

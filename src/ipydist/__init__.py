@@ -59,8 +59,10 @@ def metrics(ranks: bool = False):
 
 def load_ipython_extension(ipython) -> None:
     """``%load_ext ipydist``: register the magics, answer completion and help for code that
-    runs on the ranks from rank 0, and let JupyterLab's ipydist panel follow the cluster."""
+    runs on the ranks from rank 0, let JupyterLab's ipydist panel follow the cluster, and keep
+    the last cells' output for a page that opens the notebook again."""
     from ipydist.magics import DistMagics
+    from ipydist.notebook import reopen
     from ipydist.notebook.introspection import completion
     from ipydist.notebook.live import cluster_panel
 
@@ -68,6 +70,7 @@ def load_ipython_extension(ipython) -> None:
     magics = ipython.magics_manager.registry["DistMagics"]
     completion.install(ipython, magics)
     cluster_panel.register(ipython, magics)  # once per kernel, however often it is loaded
+    reopen.install(ipython)  # the same
 
 
 def _jupyter_labextension_paths() -> list[dict]:

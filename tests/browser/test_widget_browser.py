@@ -223,6 +223,35 @@ def test_live_points_append_and_redraw(page):
     assert root.locator("svg[data-chart=loss] circle.ipydist-marker").count() == 3
 
 
+def test_a_page_that_opens_mid_cell_asks_for_the_points_and_skips_those_it_has(page):
+    """The widget of a page that opened while the cell runs has the state (stats, the plan)
+    but none of the points sent before: it asks for them ("points"), draws them, and of an
+    append that crosses the reply keeps only the steps past the last it has."""
+    state = _state(n=0, done=False, series={}, charts=chart_layout(["loss"]),
+                   stats={"points": 5, "step": 4})
+    root = mount(page, state)
+    assert page.evaluate("() => window.model.sent") == [{"type": "points"}]
+    page.evaluate("""() => {
+        window.model.emit('msg:custom', {type: 'points', count: 5,
+            series: {loss: [[0, 1, 2, 3, 4], [5, 4, 3, 2, 1], [0, 1, 2, 3, 4]]}, rank_series: {}});
+        window.model.emit('msg:custom', {type: 'append', start: 3, count: 5,
+            series: {loss: [[3, 4], [2, 1], [3, 4]]}, rank_series: {}});
+        window.model.emit('msg:custom', {type: 'append', start: 3, count: 7,
+            series: {loss: [[3, 4, 5, 6], [2, 1, 0.5, 0.25], [3, 4, 5, 6]]}, rank_series: {}});
+    }""")
+    page.wait_for_function("() => document.querySelector('.ipydist-metrics').dataset.points"
+                           " === '7'")
+    assert root.locator("svg[data-chart=loss] circle.ipydist-marker").count() == 7
+
+
+def test_the_page_that_saw_the_cell_start_asks_for_nothing(page):
+    mount(page, _state(n=0, done=False, series={}, charts=chart_layout([]),
+                       stats={"points": 0}))
+    assert page.evaluate("() => window.model.sent") == []
+    mount(page, _state())  # a finished cell: its final curves are in the state
+    assert page.evaluate("() => window.model.sent") == []
+
+
 def test_png_and_csv_export(page, tmp_path):
     root = mount(page, _state())
     with page.expect_download() as png:

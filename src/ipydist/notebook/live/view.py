@@ -25,6 +25,7 @@ from ipydist.notebook.live.layout import EPOCH, chart_layout, epoch_starts
 from ipydist.notebook.live.static import SMOOTHING, fallback_bundle, summary_line
 from ipydist.notebook.live.summary import summarize
 from ipydist.notebook.output.display import in_kernel
+from ipydist.notebook.reopen import busy_shell
 
 if TYPE_CHECKING:
     from IPython.display import DisplayHandle
@@ -75,7 +76,7 @@ class LiveView:
         ranks = self._rank_series(self._rank_sent, APPEND_MAX_POINTS)
         if stop > self._sent or ranks:
             self.widget.append(self.points, self._series(self._sent, stop, APPEND_MAX_POINTS),
-                               ranks)
+                               ranks, start=self._sent - self.start)
             self._sent = stop
             self._rank_sent = self.history.rank_lengths()
         self.widget.stats = summarize(self.history, self.start, self.world_size)
@@ -125,6 +126,7 @@ class LiveView:
 
         key = uuid.uuid4().hex[:12]
         self.widget = MetricsWidget(key=key, settings=dict(self.history.view_settings))
+        busy_shell.any_thread(self.widget)  # its requests are answered while the cell runs
         self.widget.observe(self._settings_changed, "settings")
         self.widget.on_msg(self._message)
         display(self.widget)
@@ -140,8 +142,17 @@ class LiveView:
         self.history.view_settings = dict(change["new"])
 
     def _message(self, widget, content, buffers) -> None:
-        if isinstance(content, dict) and content.get("type") == "csv":
+        """The page asks (in a subshell's thread while the cell runs, where the kernel has
+        them): for the CSV, or, a page that opened while the cell ran, for every point so far
+        (it then follows the appends)."""
+        kind = content.get("type") if isinstance(content, dict) else None
+        if kind == "csv":
             widget.send({"type": "csv", "text": self.csv()})
+        elif kind == "points":
+            stop = len(self.history)  # the main thread appends meanwhile: up to here
+            widget.send({"type": "points", "count": stop - self.start,
+                         "series": self._series(self.start, stop, FINAL_MAX_POINTS),
+                         "rank_series": self._rank_series(self._rank_start, FINAL_MAX_POINTS)})
 
     def _smoothing(self) -> float:
         """The reader's smoothing (the widget's default where none was chosen)."""

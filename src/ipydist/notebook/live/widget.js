@@ -59,7 +59,14 @@ function fromRankTrait(rankSeries) {
   return out;
 }
 
-function extend(target, [x, y, t]) {
+// Adds points to a curve; with `overlap`, only those past its last step (an append that
+// crossed the points a reopened page was caught up with: see "points" below).
+function extend(target, [x, y, t], overlap = false) {
+  if (overlap && target.x.length) {
+    const last = target.x[target.x.length - 1];
+    const keep = x.map((step, i) => (step > last ? i : -1)).filter((i) => i >= 0);
+    [x, y, t] = [keep.map((i) => x[i]), keep.map((i) => y[i]), keep.map((i) => (t || x)[i])];
+  }
   target.x.push(...x);
   target.y.push(...y);
   target.t.push(...(t || x));
@@ -399,6 +406,7 @@ function render({ model, el: host }) {
   }
 
   let csvWaiting = null;
+  let caughtUp = 0; // the points count a "points" reply brought
   function onMessage(msg) {
     if (!msg) return;
     if (msg.type === "csv" && csvWaiting) {
@@ -407,13 +415,23 @@ function render({ model, el: host }) {
       download("metrics.csv", new Blob([msg.text], { type: "text/csv" }));
       return;
     }
-    if (msg.type !== "append") return;
+    if (msg.type === "points") { // every point so far, for a page that opened mid-cell
+      if (model.get("done")) return; // the final curves came first
+      data.series = fromTrait(msg.series);
+      data.rankSeries = fromRankTrait(msg.rank_series);
+      count_ = Math.max(count_, msg.count);
+      caughtUp = msg.count;
+      schedule();
+      return;
+    }
+    if (msg.type !== "append" || msg.count <= caughtUp) return;
+    const overlap = (msg.start || 0) < caughtUp;
     for (const [name, s] of Object.entries(msg.series || {})) {
-      extend((data.series[name] ??= { x: [], y: [], t: [] }), s);
+      extend((data.series[name] ??= { x: [], y: [], t: [] }), s, overlap);
     }
     for (const [name, ranks] of Object.entries(msg.rank_series || {})) {
       for (const [rank, s] of Object.entries(ranks)) {
-        extend(((data.rankSeries[name] ??= {})[rank] ??= { x: [], y: [], t: [] }), s);
+        extend(((data.rankSeries[name] ??= {})[rank] ??= { x: [], y: [], t: [] }), s, overlap);
       }
     }
     count_ = msg.count;
@@ -455,6 +473,11 @@ function render({ model, el: host }) {
     }, 2000);
   });
   draw();
+  // A page that opened while the cell runs (the notebook reopened, a second page) has the
+  // widget's state but none of the points sent before: it asks the kernel for them.
+  if (!model.get("done") && count_ > 0 && !Object.keys(data.series).length) {
+    model.send({ type: "points" });
+  }
   return () => {
     model.off("msg:custom", onMessage);
     model.off("change:series", onSeries);

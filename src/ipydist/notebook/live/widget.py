@@ -56,7 +56,9 @@ class MetricsWidget(anywidget.AnyWidget):
     def __repr__(self) -> str:  # the text/plain of the widget's output, e.g. on GitHub
         return "ipydist live metrics"
 
-    def append(self, count: int, series: dict, rank_series: dict | None = None) -> None:
-        """Send new points; ``count`` is how many this cell has logged in all."""
-        self.send({"type": "append", "count": count, "series": series,
+    def append(self, count: int, series: dict, rank_series: dict | None = None,
+               start: int = 0) -> None:
+        """Send new points: those after the cell's first ``start``, up to ``count``, how many
+        it has logged in all (a page that caught up to a later count skips or trims them)."""
+        self.send({"type": "append", "start": start, "count": count, "series": series,
                    "rank_series": rank_series or {}})

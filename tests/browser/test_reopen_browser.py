@@ -1,0 +1,145 @@
+"""Close the laptop mid-training and come back: in a plain JupyterLab, the page leaves while a
+``%%everyrank`` cell prints a line and logs a point each second, and a new page opens the
+notebook (never saved) while the cell still runs.
+
+What the new page must show (issue 50's bars): within 5 s, the lines printed while no page was
+there, in order, and the cell running (``[*]``); the chart, whose point count then grows live;
+the status bar's "Busy"; the side panel connected while the cell runs; once the cell ends,
+every line, "done", the execution count, the cell Run All queued after it, the cell before it
+(``%dist_start``'s table), and a saved file that holds every line and a non-empty static
+chart.
+
+Needs ``/usr/bin/chromium`` and the labextension built into the venv (``make test`` does both).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+from lab_server import (
+    KERNEL_IDLE,
+    NEEDS_CHROMIUM,
+    browser_page,
+    notebook_of,
+    open_notebook,
+    run_all_cells,
+    serve,
+)
+
+NOTEBOOK = "reopen.ipynb"
+STEPS = 30
+CELLS = [
+    "%load_ext ipydist\n%dist_start --np 2",
+    "%%everyrank\nimport time\nimport ipydist.torch as hvd\n"
+    f"for i in range({STEPS}):\n"
+    "    if hvd.rank() == 0:\n"
+    "        print(f'line {i}', flush=True)\n"
+    f"    hvd.log(step=i, total={STEPS}, loss=1.0 / (i + 1))\n"
+    "    time.sleep(1)\n"
+    "if hvd.rank() == 0:\n"
+    "    print('done')",
+    "print('the next cell')",  # queued by Run All: the page that came back follows it too
+]
+PANEL = "#ipydist-cluster-panel"
+
+#: A cell as the page shows it (the training cell unless told): prompt, output text, the
+#: chart's point count.
+READ = """(index = 1) => {
+    const cell = document.querySelectorAll('.jp-NotebookPanel .jp-CodeCell')[index];
+    const widget = cell?.querySelector('.ipydist-metrics');
+    return {
+        prompt: (cell?.querySelector('.jp-InputPrompt')?.textContent ?? '').trim(),
+        text: cell?.querySelector('.jp-OutputArea')?.innerText ?? '',
+        points: widget ? Number(widget.dataset.points) : null,
+    };
+}"""
+
+pytestmark = NEEDS_CHROMIUM
+
+
+def _lines(text: str) -> list[int]:
+    return [int(n) for n in re.findall(r"^(?:\[rank 0\] )?line (\d+)$", text, re.M)]
+
+
+def _wait(page, what, timeout: float, describe: str, cell: int = 1):
+    deadline = time.monotonic() + timeout
+    while True:
+        now = page.evaluate(READ, cell)
+        if what(now):
+            return now
+        if time.monotonic() > deadline:
+            pytest.fail(f"{describe} within {timeout:.0f} s; the cell shows {now}")
+        page.wait_for_timeout(200)
+
+
+def _save(page, path) -> dict:
+    """Save with Ctrl+S; the file as written."""
+    before = path.stat().st_mtime_ns
+    page.locator(".jp-NotebookPanel").first.click(position={"x": 5, "y": 5})
+    page.keyboard.press("Control+s")
+    deadline = time.monotonic() + 20
+    while path.stat().st_mtime_ns == before:
+        if time.monotonic() > deadline:
+            pytest.fail("Ctrl+S did not save the notebook within 20 s")
+        page.wait_for_timeout(200)
+    page.wait_for_timeout(500)  # (written whole: the server writes a temporary file first)
+    return json.loads(path.read_text())
+
+
+@pytest.mark.timeout(300)
+def test_a_page_that_comes_back_mid_cell_catches_up_and_follows_live(tmp_path):
+    console: list[str] = []
+    with serve(tmp_path, {NOTEBOOK: notebook_of(CELLS)}) as lab, \
+            browser_page(console, "browser-reopen", []) as page:
+        open_notebook(page, lab, NOTEBOOK, console)
+        run_all_cells(page)
+        before = _wait(page, lambda r: len(_lines(r["text"])) >= 3 and r["points"], 180,
+                       "the training cell did not print 3 lines and show its chart")
+        page.goto("about:blank")  # the laptop closes: the page and its websocket are gone
+        away = time.monotonic()
+        time.sleep(10)
+        console.clear()
+        page.goto(lab.url(f"/lab/tree/{NOTEBOOK}"))
+        page.wait_for_selector(".jp-NotebookPanel .jp-Notebook .jp-Cell")
+        reopened = time.monotonic()
+        back = _wait(page, lambda r: r["prompt"].startswith("[*]")
+                     and max(_lines(r["text"]), default=0) >= _lines(before["text"])[-1] + 8,
+                     15, "the reopened page did not show the lines printed while away")
+        caught_up = time.monotonic() - reopened
+        lines = _lines(back["text"])
+        assert lines == list(range(len(lines))), f"lines out of order or missing: {lines}"
+        # the chart comes back (its state from the kernel, its points asked for), and grows
+        chart = _wait(page, lambda r: r["points"] and r["points"] >= 10, 15,
+                      "the reopened page's chart did not show the points logged so far")
+        _wait(page, lambda r: r["points"] > chart["points"] + 2, 15,
+              "the reopened page's chart did not grow live")
+        # the status bar says the kernel is busy, not "Unknown"
+        status = page.evaluate("""() => [...document.querySelectorAll('.jp-StatusBar-TextItem')]
+            .map((e) => e.textContent.trim()).join(' / ')""")
+        assert "Busy" in status, f"the status bar reads {status!r} while the cell runs"
+        # the side panel connects while the cell runs
+        page.locator(".jp-SideBar.jp-mod-right .lm-TabBar-tab", has_text="ipydist").click()
+        page.wait_for_function(f"""() => [...document.querySelectorAll(
+            '{PANEL} .ipydist-cluster-table tbody tr')].some(
+            (tr) => tr.cells[3].textContent.startsWith('running cell'))""", timeout=15_000)
+        end = _wait(page, lambda r: re.fullmatch(r"\[\d+\]:?", r["prompt"]) is not None, 120,
+                    "the cell did not end")
+        assert _lines(end["text"]) == list(range(STEPS)), end["text"]
+        assert "done" in end["text"]
+        _wait(page, lambda r: r["prompt"] == "[3]:" and "the next cell" in r["text"], 30,
+              "the cell queued after the training cell was not shown", cell=2)
+        start = page.evaluate(READ, 0)
+        assert start["prompt"] == "[1]:" and "2 ranks ready" in start["text"], start
+        page.wait_for_function(KERNEL_IDLE)
+        saved = _save(page, lab.root / NOTEBOOK)
+    outputs = saved["cells"][1]["outputs"]
+    text = "".join("".join(o.get("text", "")) for o in outputs if o["output_type"] == "stream")
+    assert _lines(text) == list(range(STEPS)) and "done" in text, text
+    static = [o for o in outputs if "ipydist-fallback" in "".join(
+        o.get("data", {}).get("text/html", ""))]
+    assert static and "<svg" in "".join(static[0]["data"]["text/html"]), (
+        f"the saved file has no static chart: {[o.get('data', {}).keys() for o in outputs]}")
+    print(f"away {reopened - away:.1f} s; caught up {caught_up:.1f} s after the page opened")
