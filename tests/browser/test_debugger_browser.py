@@ -1,6 +1,6 @@
 """``breakpoint()`` in an ``%%everyrank`` cell in JupyterLab, in a real browser: the pdb prompt of
 the rank appears in the cell's stdin box, takes ``p x``, shows the rank's value, and ``c`` lets
-the cell finish. The screenshot of the prompt is the one the docs show
+the cell finish; meanwhile the side panel shows the rank as stopped at a breakpoint. The screenshot of the prompt is the one the docs show
 (``IPYDIST_UPDATE_SCREENSHOT=1`` copies it to docs/debugging.png).
 
 Needs ``/usr/bin/chromium`` (``scripts/ensure-chromium.sh``, which ``make test`` runs).
@@ -48,6 +48,16 @@ def test_the_rank_prompt_appears_in_the_stdin_box_and_takes_commands(tmp_path):
         prompt = page.locator(".jp-Stdin-prompt").last.text_content()
         assert prompt.strip() == "(Pdb rank 1)", prompt
         assert re.search(r"> cell \d+, line 4, in <module>\(\)", page.evaluate(OUTPUT))
+        # the side panel says where each rank is: rank 1 at its prompt, rank 0 still in the
+        # cell (while the notebook's main thread waits for the person at the prompt)
+        tab = page.locator(".jp-SideBar.jp-mod-right .lm-TabBar-tab", has_text="ipydist")
+        tab.click()
+        states = ("() => Object.fromEntries([...document.querySelectorAll("
+                  "'#ipydist-cluster-panel .ipydist-cluster-table tbody tr')]"
+                  ".map((tr) => [tr.cells[0].textContent, tr.cells[3].textContent]))")
+        page.wait_for_function(f"() => ({states})()['1'] === 'stopped at a breakpoint'",
+                               timeout=30_000)
+        tab.click()  # closed again, for the screenshot below
         box.fill("p x")
         box.press("Enter")
         page.wait_for_function(f"() => ({OUTPUT})().includes('101')", timeout=60_000)

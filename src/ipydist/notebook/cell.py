@@ -73,7 +73,7 @@ class CellRun:
         self.started = started
         self.deadline = None if not timeout else started + float(timeout)
         self.timeout = timeout
-        self.collector = IOPubCollector(targets)
+        self.collector = IOPubCollector(targets, direct={"vitals": session.monitor.accept})
         number = _cell_number(session)
         # where breakpoint() stops: on debug_ranks (all by default), if a person can type
         stopping = (targets if debug_ranks is None else debug_ranks) if (
@@ -333,8 +333,6 @@ class CellRun:
                     self.ended.setdefault(ev.rank, time.monotonic())
             elif ev.kind == "metrics":
                 self.session.metrics.accept(ev.rank, ev.content)
-            elif ev.kind == "vitals":
-                self.session.monitor.accept(ev.rank, ev.content)
             elif ev.kind == "debug":
                 self.breakpoints.accept(ev.rank, ev.content)
             elif ev.kind == "display_data" and ev.rank in self.shown:

@@ -39,6 +39,22 @@ class Event:
     content: Any
 
 
+class _Events(queue.SimpleQueue):
+    """The queue, but events of the kinds in ``direct`` go to their function at once, in the
+    thread that received them: the rank's vitals reach the cluster view while the notebook's
+    main thread waits for a person at a breakpoint's prompt, when nothing reads the queue."""
+
+    def __init__(self, direct: dict[str, Callable[[int, Any], None]]) -> None:
+        super().__init__()
+        self.direct = direct
+
+    def put(self, item: Event, block: bool = True, timeout: float | None = None) -> None:
+        if (to := self.direct.get(item.kind)) is not None:
+            to(item.rank, item.content)
+        else:
+            super().put(item, block, timeout)
+
+
 class IOPubCollector:
     """Collects one cell's IOPub output from every rank into a thread-safe queue.
 
@@ -54,8 +70,9 @@ class IOPubCollector:
     repeat by its number.)
     """
 
-    def __init__(self, ranks: list[int]):
-        self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+    def __init__(self, ranks: list[int],
+                 direct: dict[str, Callable[[int, Any], None]] | None = None):
+        self.events: _Events = _Events(direct or {})
         self._lock = threading.Lock()
         self._started: set[int] = set()
         self._ranks = ranks
