@@ -227,6 +227,10 @@ def test_training_chart_has_a_static_copy_for_nbconvert_and_github(executed):
     assert page.count("stroke-dasharray") == 2 * 19, "on each chart, where epochs 1-19 began"
     assert static["image/svg+xml"].startswith("<svg"), "an image for renderers that drop HTML"
     assert static["text/plain"].startswith("[metrics] last: epoch 19 · loss ")
+    # the widget's own text form (an untrusted page, a plain-text viewer): its final values
+    text = outputs[i].data["text/plain"]
+    assert text.startswith("ipydist live metrics: last: epoch 19 · loss ") and (
+        "200 of 200 steps" in text), text
     html, _ = HTMLExporter().from_notebook_node(executed[0])
     assert "ipydist-fallback" in html and "<polyline" in html, "the curve is in nbconvert's HTML"
     assert "model not found" not in html

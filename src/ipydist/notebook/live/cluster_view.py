@@ -92,8 +92,14 @@ class ClusterView(anywidget.AnyWidget):
     collapsed = traitlets.Bool(False).tag(sync=True)
     kernel_id = traitlets.Unicode("").tag(sync=True)
 
-    def __repr__(self) -> str:  # the text/plain of the widget's output
-        return "ipydist live cluster view"
+    def __repr__(self) -> str:
+        """The text/plain of the widget's output (a plain-text viewer, an untrusted page):
+        what the view said when it was shown."""
+        if not self.caption:
+            return "ipydist live cluster view"
+        ranks = "; ".join(f"rank {r.get('rank')} {r.get('host', '')} {r.get('state', '')}"
+                          for r in self.rows)
+        return f"ipydist live cluster view: {self.caption}" + (f" ({ranks})" if ranks else "")
 
 
 class ClusterMonitor:

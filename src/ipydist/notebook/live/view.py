@@ -49,6 +49,7 @@ class LiveView:
         self._rank_start = history.rank_lengths()
         self._rank_sent = dict(self._rank_start)
         self.widget: MetricsWidget | None = None  # from the first update that shows points
+        self._shown: DisplayHandle | None = None  # where the widget is
         self._static: DisplayHandle | None = None  # where the static copy goes
         self._last_update = -math.inf
         self._names: list[str] = []
@@ -98,8 +99,9 @@ class LiveView:
         self.widget.rank_series = self._rank_series(self._rank_start, FINAL_MAX_POINTS)
         self.widget.stats = stats
         self.widget.done = True
-        if self._static is None:  # display() without an IPython shell returns no handle
-            return
+        if self._static is None or self._shown is None:  # display() without an IPython
+            return  # shell returns no handle
+        self._shown.update(self.widget)  # its text form now says the final values
         epochs = epoch_starts(*series[EPOCH][:2]) if EPOCH in series else []
         self._static.update(
             fallback_bundle(self.widget.key, {n: s[:2] for n, s in series.items()},
@@ -129,7 +131,7 @@ class LiveView:
         busy_shell.any_thread(self.widget)  # its requests are answered while the cell runs
         self.widget.observe(self._settings_changed, "settings")
         self.widget.on_msg(self._message)
-        display(self.widget)
+        self._shown = display(self.widget, display_id=True)
         # A placeholder right below the widget, filled with the static copy at the end.
         self._static = display(
             {"text/html": f'<div class="ipydist-fallback ipydist-fallback-{key}"></div>',

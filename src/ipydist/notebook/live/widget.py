@@ -24,6 +24,8 @@ import pathlib
 import anywidget
 import traitlets
 
+from ipydist.notebook.live.static import summary_line
+
 _HERE = pathlib.Path(__file__).parent
 #: The front end's files, in the order they are joined; only the last one exports.
 FRONT_END = ("numbers.js", "chart.js", "widget.js")
@@ -53,8 +55,12 @@ class MetricsWidget(anywidget.AnyWidget):
     settings = traitlets.Dict().tag(sync=True)
     done = traitlets.Bool(False).tag(sync=True)
 
-    def __repr__(self) -> str:  # the text/plain of the widget's output, e.g. on GitHub
-        return "ipydist live metrics"
+    def __repr__(self) -> str:
+        """The text/plain of the widget's output (a plain-text viewer, an untrusted page):
+        the last values and how far the run got, as the header reads (updated when the cell
+        ends: :meth:`LiveView.finish`)."""
+        line = summary_line(self.stats) if self.stats else ""
+        return f"ipydist live metrics: {line}" if line else "ipydist live metrics"
 
     def append(self, count: int, series: dict, rank_series: dict | None = None,
                start: int = 0) -> None:
