@@ -1,7 +1,8 @@
 """``breakpoint()`` in an ``%%everyrank`` cell in JupyterLab, in a real browser: the pdb prompt of
 the rank appears in the cell's stdin box, takes ``p x``, shows the rank's value, and ``c`` lets
-the cell finish; meanwhile the side panel shows the rank as stopped at a breakpoint. The screenshot of the prompt is the one the docs show
-(``IPYDIST_UPDATE_SCREENSHOT=1`` copies it to docs/debugging.png).
+the cell finish; meanwhile the side panel shows the rank as stopped at a breakpoint. The
+screenshot of the prompt is the one the docs show (``IPYDIST_UPDATE_SCREENSHOT=1`` copies it
+to docs/debugging.png).
 
 Needs ``/usr/bin/chromium`` (``scripts/ensure-chromium.sh``, which ``make test`` runs).
 """
