@@ -10,6 +10,7 @@ import { Widget } from "@lumino/widgets";
 
 import { drawCluster } from "../src/ipydist/notebook/live/cluster.js";
 import { CatchUp } from "./catch_up.js";
+import { noteRestarts } from "./restart_note.js";
 
 const TARGET = "ipydist.cluster";
 const NO_IPYDIST = {
@@ -133,15 +134,20 @@ const plugin = {
   },
 };
 
-// Cells that ran while no page was there, caught up in each notebook that opens (catch_up.js).
-const catchUp = {
-  id: "ipydist:catch-up",
-  description: "Shows the output of cells that ran while no page had the notebook open.",
+// In each notebook that opens: cells that ran while no page was there, caught up
+// (catch_up.js), and a word in an %%everyrank cell that a kernel restart ends (restart_note.js).
+const cells = {
+  id: "ipydist:cells",
+  description: "Shows the output of cells that ran while no page had the notebook open, and " +
+    "what a kernel restart did to a cell's ranks.",
   autoStart: true,
   requires: [INotebookTracker],
   activate: (app, tracker) => {
-    tracker.widgetAdded.connect((sender, panel) => new CatchUp(panel));
+    tracker.widgetAdded.connect((sender, panel) => {
+      new CatchUp(panel);
+      noteRestarts(panel);
+    });
   },
 };
 
-export default [plugin, catchUp];
+export default [plugin, cells];

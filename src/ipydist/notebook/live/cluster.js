@@ -90,10 +90,16 @@ export function drawCluster(el, state, act, toggle) {
   return note;
 }
 
+// What the view says once its kernel restarted or died (its comm then closes): the view no
+// longer updates, and the ranks ended with the kernel (a cluster's watchdog stops it then).
+export const KERNEL_GONE = "the kernel restarted or stopped: its ranks were stopped with it";
+
 function render({ model, el }) {
   const names = ["rows", "caption", "busy", "stopped", "collapsed"];
+  let gone = false;
   const draw = () => {
     const state = Object.fromEntries(names.map((n) => [n, model.get(n)]));
+    if (gone) Object.assign(state, { caption: KERNEL_GONE, stopped: true, rows: [] });
     const note = drawCluster(el, state, async (action) => {
       if (action === "interrupt") {
         const ok = await interruptKernel(model.get("kernel_id"));
@@ -106,7 +112,19 @@ function render({ model, el }) {
     }, () => { model.set("collapsed", !model.get("collapsed")); model.save_changes(); });
   };
   for (const n of names) model.on(`change:${n}`, draw);
+  // ipywidgets closes every model's comm when the kernel restarts (comm_live turns false)
+  const closed = () => {
+    const kernel = model.widget_manager?.kernel;
+    if (kernel && !["restarting", "autorestarting", "dead"].includes(kernel.status)) return;
+    gone = true;
+    draw();
+  };
+  model.on("comm_live_update", closed);
   draw();
+  return () => {
+    for (const n of names) model.off(`change:${n}`, draw);
+    model.off("comm_live_update", closed);
+  };
 }
 
 export default { render };
