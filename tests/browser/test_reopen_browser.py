@@ -35,8 +35,7 @@ CELLS = [
     "%load_ext ipydist\n%dist_start --np 2",
     "%%everyrank\nimport time\nimport ipydist.torch as hvd\n"
     f"for i in range({STEPS}):\n"
-    "    if hvd.rank() == 0:\n"
-    "        print(f'line {i}', flush=True)\n"
+    "    print(f'line {i}', flush=True)\n"
     f"    hvd.log(step=i, total={STEPS}, loss=1.0 / (i + 1))\n"
     "    time.sleep(1)\n"
     "if hvd.rank() == 0:\n"
@@ -61,7 +60,9 @@ pytestmark = NEEDS_CHROMIUM
 
 
 def _lines(text: str) -> list[int]:
-    return [int(n) for n in re.findall(r"^(?:\[rank 0\] )?line (\d+)$", text, re.M)]
+    """The line numbers shown (each once: merged, or rank 0's copy where the ranks' came
+    apart)."""
+    return [int(n) for n in re.findall(r"^\[(?:all ranks|rank 0)\] line (\d+)$", text, re.M)]
 
 
 def _wait(page, what, timeout: float, describe: str, cell: int = 1):
@@ -138,6 +139,10 @@ def test_a_page_that_comes_back_mid_cell_catches_up_and_follows_live(tmp_path):
     outputs = saved["cells"][1]["outputs"]
     text = "".join("".join(o.get("text", "")) for o in outputs if o["output_type"] == "stream")
     assert _lines(text) == list(range(STEPS)) and "done" in text, text
+    kinds = ["chart" if "application/vnd.jupyter.widget-view+json" in o.get("data", {})
+             else "line 0" if "line 0\n" in "".join(o.get("text", "")) else ""
+             for o in outputs]
+    assert kinds.index("chart") < kinds.index("line 0"), f"the chart above the lines: {kinds}"
     static = [o for o in outputs if "ipydist-fallback" in "".join(
         o.get("data", {}).get("text/html", ""))]
     assert static and "<svg" in "".join(static[0]["data"]["text/html"]), (

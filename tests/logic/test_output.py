@@ -4,6 +4,7 @@ from ipydist.notebook.output.lines import (
     ALL,
     HOLD_SECONDS,
     MAX_HOLD_SECONDS,
+    FirstLines,
     LineMerger,
     Redraw,
     hold_for_load,
@@ -139,3 +140,21 @@ def test_a_blank_redraw_between_states_shows_nothing():
     assert out == [" 10%|#    | 1/10\r", "message\n"]
     assert out[1].last  # the message ends the bar's line; the redraw after it starts anew
     assert m.flush() == [("rank 0", "stderr", " 10%|#    | 1/10\n")]
+
+
+def test_a_cells_first_lines_wait_for_its_chart_at_most_a_while():
+    """FirstLines: the first output waits for the chart (so the chart sits above it), for at
+    most its seconds; then, or once released, nothing is held."""
+    first = FirstLines(seconds=0.5)
+    assert first.take(["a"], charted=False, now=10.0) == []
+    assert first.take(["b"], charted=False, now=10.2) == []
+    assert first.take(["c"], charted=True, now=10.3) == ["a", "b", "c"], "the chart opened"
+    assert first.take(["d"], charted=False, now=10.4) == ["d"], "over: nothing held"
+    timed = FirstLines(seconds=0.5)
+    assert timed.take([], charted=False, now=0.0) == [], "no line yet: the clock waits too"
+    assert timed.take(["a"], charted=False, now=5.0) == []
+    assert timed.take([], charted=False, now=5.6) == ["a"], "no point came in time"
+    flushed = FirstLines(seconds=0.5)
+    flushed.take(["a"], charted=False, now=0.0)
+    assert flushed.take(["b"], charted=False, now=0.1, hold=False) == ["a", "b"], (
+        "a flush (the cell's end, a breakpoint) releases it")

@@ -30,7 +30,7 @@ from ipydist.notebook.introspection import debugging
 from ipydist.notebook.live.view import LiveView
 from ipydist.notebook.output import display, rich
 from ipydist.notebook.output.iopub import IOPubCollector
-from ipydist.notebook.output.lines import LineMerger, Redraw, hold_for_load
+from ipydist.notebook.output.lines import FirstLines, LineMerger, Redraw, hold_for_load
 from ipydist.notebook.stall import StallWatch
 from ipydist.notebook.stop_button import StopButton
 from ipydist.protocol import CELL_NUMBER_KEY, DEBUG_RANKS_KEY
@@ -89,6 +89,7 @@ class CellRun:
                                                            os.cpu_count() or 1))
         self.displays = rich.DisplayBook(self.shown)
         self.bars = display.Bars()
+        self.first_lines = FirstLines()
         self.live = LiveView(session.metrics, session.size, cell=number)
         self.result = RunResult(targets)
         self.stalls = StallWatch(targets, session.options.stall_warning, session.words.timeout)
@@ -338,15 +339,17 @@ class CellRun:
             elif ev.kind == "display_data" and ev.rank in self.shown:
                 if item := self.displays.take(ev.rank, ev.content):
                     self.merger.put(ev.rank, item)  # after what the rank printed before it
-        self._emit(self.merger.ready())
-        self.live.update()
+        self.live.update()  # the chart first: it opens above the lines that came with it
+        self._emit(self.merger.ready(), hold=True)
         return len(events)
 
-    def _emit(self, released) -> None:
+    def _emit(self, released, hold: bool = False) -> None:
         """Show what the merger released: printed lines with their tags, and displays (see
         :mod:`ipydist.notebook.output.rich`: each bundle once, tagged unless it is the first
-        rank's)."""
-        for tag, stream, item in released:
+        rank's). The cell's first output may wait for its chart (``hold``: FirstLines)."""
+        charted = self.live.widget is not None or not self.live.widgets
+        for tag, stream, item in self.first_lines.take(list(released), charted,
+                                                       time.monotonic(), hold):
             if isinstance(item, Redraw) and self.bars.show(tag, stream, item):
                 continue
             if isinstance(item, str):

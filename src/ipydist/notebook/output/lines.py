@@ -56,6 +56,38 @@ def hold_for_load(load: float, cpus: int) -> float:
     return min(MAX_HOLD_SECONDS, HOLD_SECONDS * max(1.0, load / max(1, cpus)))
 
 
+#: How long a cell's first output waits for its first metric point (see :class:`FirstLines`).
+FIRST_POINT_SECONDS = 0.5
+
+
+class FirstLines:
+    """Holds a cell's first output, at most :data:`FIRST_POINT_SECONDS`, until its first metric
+    point, so that the live chart, which opens with that point, sits above the lines: a
+    training loop prints and logs in the same step, the printed line travels first, and the
+    chart opened between the first line and the rest. Once released (the chart open, the time
+    up, or a flush), it holds nothing again."""
+
+    def __init__(self, seconds: float = FIRST_POINT_SECONDS) -> None:
+        self.seconds = seconds
+        self.over = False
+        self._held: list = []
+        self._since: float | None = None
+
+    def take(self, released: list, charted: bool, now: float, hold: bool = True) -> list:
+        """What to show now of ``released`` (and of what was held before it)."""
+        if self.over:
+            return released
+        waited = self._since is not None and now - self._since >= self.seconds
+        if charted or not hold or waited:
+            self.over = True
+            out, self._held = self._held + released, []
+            return out
+        if released and self._since is None:
+            self._since = now
+        self._held.extend(released)
+        return []
+
+
 class LineMerger:
     """Buffers each rank's stream text and hands out tagged lines when they are ready.
 
