@@ -79,7 +79,11 @@ class BusyShell:
         if not busy and not kept:
             return False
         idents, frames = session.feed_identities(msg, copy=False)
-        header = session.deserialize(frames, content=False, copy=False)["header"]
+        if len(frames) < 5:
+            return False  # ipykernel says what is wrong with it
+        # the header alone, its signature unchecked: enough to choose; what is answered here
+        # is deserialized (and checked) below, what is sent on is checked where it goes
+        header = session.unpack(_frame_bytes(frames[1]))
         kind = header.get("msg_type")
         if kind == "comm_msg" and busy:
             return self._to_subshell(msg, frames, header.get("subshell_id"))
@@ -109,8 +113,7 @@ class BusyShell:
         kernel = self.kernel
         # unpacked here, not deserialized: that would note its signature as seen, and the
         # subshell, deserializing it again, would drop it as a replay
-        packed = frames[4]
-        content = kernel.session.unpack(bytes(getattr(packed, "bytes", packed)))
+        content = kernel.session.unpack(_frame_bytes(frames[4]))
         data = content.get("data")
         comm = getattr(kernel, "comm_manager", None)
         comm = comm.get_comm(content.get("comm_id")) if comm is not None else None
@@ -129,6 +132,10 @@ class BusyShell:
         socket.send_multipart(msg, copy=False)
         self.answered += 1
         return True
+
+
+def _frame_bytes(frame) -> bytes:
+    return bytes(getattr(frame, "bytes", frame))
 
 
 def any_thread(widget) -> None:
