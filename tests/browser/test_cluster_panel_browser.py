@@ -9,6 +9,8 @@ venv (``make test`` does both: its ``.labextension`` step).
 
 from __future__ import annotations
 
+import re
+
 from lab_server import (
     NEEDS_CHROMIUM,
     browser_page,
@@ -46,6 +48,20 @@ def test_the_side_panel_follows_the_notebooks_cluster(tmp_path):
             f"() => ({STATES})().length === 4 && "
             f"({STATES})().every((s) => s.startsWith('running cell'))", timeout=180_000)
         assert page.evaluate(f"() => ({caption})().textContent").startswith("4 ranks")
+        # in the sidebar's default width, every number shows: no column cut off ("292 Mi…"
+        # once), the host and pid left to each row's tooltip
+        table = page.evaluate(f"""() => {{
+            const t = document.querySelector('{PANEL} .ipydist-cluster-table');
+            const shown = (c) => getComputedStyle(c).display !== 'none';
+            return {{head: [...t.tHead.rows[0].cells].filter(shown).map((c) => c.textContent),
+                     cut: [...t.querySelectorAll('td, th')].filter(
+                        (c) => shown(c) && c.scrollWidth > c.clientWidth + 1)
+                        .map((c) => c.textContent),
+                     wide: t.scrollWidth > t.parentNode.clientWidth + 1,
+                     tip: t.tBodies[0].rows[0].title}}; }}""")
+        assert table["head"] == ["rank", "state", "CPU", "memory"], table
+        assert not table["cut"] and not table["wide"], table
+        assert re.fullmatch(r"rank 0 on \S+, pid \d+", table["tip"]), table
         page.locator(f"{PANEL} button", has_text="Interrupt").click()
         page.wait_for_function(f"() => ({STATES})().every((s) => s === 'idle')",
                                timeout=60_000)

@@ -72,9 +72,10 @@ export function drawCluster(el, state, act, toggle) {
   const table = document.createElement("table");
   table.className = "ipydist-cluster-table";
   const header = table.createTHead().insertRow();
-  for (const [, title] of used) {
+  for (const [key, title] of used) {
     const th = document.createElement("th");
     th.textContent = title;
+    th.className = `ipydist-cluster-${key}`;
     header.append(th);
   }
   const body = table.createTBody();
@@ -84,7 +85,12 @@ export function drawCluster(el, state, act, toggle) {
     // by that class (display: flex), which broke this table's columns on a page with both
     tr.className = `ipydist-cluster-row ipydist-cluster-row-${r.kind}`;
     tr.dataset.rank = r.rank;
-    for (const [key] of used) tr.insertCell().textContent = String(r[key] ?? "");
+    tr.title = `rank ${r.rank}` + (r.host ? ` on ${r.host}` : "") + (r.pid ? `, pid ${r.pid}` : "");
+    for (const [key] of used) {
+      const td = tr.insertCell();
+      td.textContent = String(r[key] ?? "");
+      td.className = `ipydist-cluster-${key}`;
+    }
   }
   el.append(table);
   return note;
