@@ -137,6 +137,7 @@ export class CatchUp {
   }
 
   route(msg) {
+    if (!this.kernel) return; // (restarted meanwhile)
     const parent = msg.parent_header || {};
     // A cell another page (or a queued Run All of the page that left) starts: ask again.
     if (msg.header.msg_type === "execute_input" && parent.session !== this.kernel.clientId &&
@@ -162,6 +163,8 @@ export class CatchUp {
       const model = this.cellModel(kept.cell_id);
       if (!model) continue;
       this.handled.add(kept.msg_id);
+      // a cell that ended and was saved with that run's number shows that run already
+      if (kept.done && model.executionCount === kept.execution_count) continue;
       kept.recent.forEach((id) => this.skip.add(id));
       // trusted as the output of a cell the page ran (JupyterLab trusts what its kernel
       // sends live): the widgets render, not their text

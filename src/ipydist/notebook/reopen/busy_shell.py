@@ -106,7 +106,6 @@ class BusyShell:
         self.answered += 1
         return True
 
-
     def _to_subshell(self, msg, frames, subshell_id: str | None) -> bool:
         """Send a comm message to the subshell the page chose (or ipydist's), where it may go
         there (see the module docstring); False to leave it to ipykernel."""

@@ -186,7 +186,8 @@ class OutputKeeper:
                         and msg["content"].get("execution_state") == "idle"
                         and msg["parent_header"].get("msg_id") != running.get("msg_id")):
                     self._send(stream, "status", {"execution_state": "busy"},
-                               {"header": running}, *args, **kwargs)
+                               {"header": running},
+                               ident=args[0] if args else kwargs.get("ident"))
             return msg
 
     def _keep(self, msg: dict) -> None:
@@ -236,9 +237,9 @@ class OutputKeeper:
                     if msg_id not in known]
 
     def open(self, comm, msg) -> None:
-        """A page opened :data:`TARGET`: the kept cells but those it says it ``known``s, in
-        one message (sent under the lock, so that IOPub carries it after every output it
-        includes)."""
+        """A page opened :data:`TARGET`: the kept cells, but those it says it has already
+        (``known``), in one message (sent under the lock, so that IOPub carries it after every
+        output it includes)."""
         data = (msg.get("content") or {}).get("data") or {}
         known = frozenset(data.get("known") or ()) if isinstance(data, dict) else frozenset()
         with self._lock:
