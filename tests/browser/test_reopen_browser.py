@@ -7,7 +7,8 @@ there, in order, and the cell running (``[*]``); the chart, whose point count th
 the status bar's "Busy"; the side panel connected while the cell runs; once the cell ends,
 every line, "done", the execution count, the cell Run All queued after it, the cell before it
 (``%dist_start``'s table), and a saved file that holds every line and a non-empty static
-chart.
+chart. Then the page leaves again while the last cell runs and comes back after it ended: that
+cell shows its lines and number, and is saved with its static chart.
 
 Needs ``/usr/bin/chromium`` and the labextension built into the venv (``make test`` does both).
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import urllib.request
 
 import pytest
 from lab_server import (
@@ -41,6 +43,13 @@ CELLS = [
     "if hvd.rank() == 0:\n"
     "    print('done')",
     "print('the next cell')",  # queued by Run All: the page that came back follows it too
+    # ends while no page is there (the page leaves again as it starts)
+    "%%everyrank\nimport time\nimport ipydist.torch as hvd\ntime.sleep(3)\n"
+    "for i in range(4):\n"
+    "    hvd.log(step=i, total=4, loss=0.5 - i / 10)\n"
+    "    if hvd.rank() == 0:\n"
+    "        print(f'short {i}', flush=True)\n"
+    "    time.sleep(0.5)",
 ]
 PANEL = "#ipydist-cluster-panel"
 
@@ -74,6 +83,20 @@ def _wait(page, what, timeout: float, describe: str, cell: int = 1):
         if time.monotonic() > deadline:
             pytest.fail(f"{describe} within {timeout:.0f} s; the cell shows {now}")
         page.wait_for_timeout(200)
+
+
+def _wait_idle(lab, timeout: float = 60) -> None:
+    """Until the server says the kernel is idle (it reads the kernel's status as pages do)."""
+    deadline = time.monotonic() + timeout
+    request = urllib.request.Request(f"http://127.0.0.1:{lab.port}/api/kernels",
+                                     headers={"Authorization": f"token {lab.token}"})
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            kernels = json.loads(response.read())
+        if kernels and all(k["execution_state"] == "idle" for k in kernels):
+            return
+        time.sleep(0.25)
+    pytest.fail(f"the kernel was not idle within {timeout:.0f} s: {kernels}")
 
 
 def _save(page, path) -> dict:
@@ -134,6 +157,15 @@ def test_a_page_that_comes_back_mid_cell_catches_up_and_follows_live(tmp_path):
               "the cell queued after the training cell was not shown", cell=2)
         start = page.evaluate(READ, 0)
         assert start["prompt"] == "[1]:" and "2 ranks ready" in start["text"], start
+        # the page leaves again while the last cell runs, and comes back after it ended
+        assert page.evaluate(READ, 3)["prompt"].startswith("[*]")
+        page.goto("about:blank")
+        _wait_idle(lab)
+        page.goto(lab.url(f"/lab/tree/{NOTEBOOK}"))
+        page.wait_for_selector(".jp-NotebookPanel .jp-Notebook .jp-Cell")
+        last = _wait(page, lambda r: r["prompt"] == "[4]:" and "short 3" in r["text"], 30,
+                     "the cell that ended while no page was there was not shown", cell=3)
+        assert re.findall(r"short (\d)", last["text"]) == ["0", "1", "2", "3"], last
         page.wait_for_function(KERNEL_IDLE)
         saved = _save(page, lab.root / NOTEBOOK)
     outputs = saved["cells"][1]["outputs"]
@@ -147,4 +179,9 @@ def test_a_page_that_comes_back_mid_cell_catches_up_and_follows_live(tmp_path):
         o.get("data", {}).get("text/html", ""))]
     assert static and "<svg" in "".join(static[0]["data"]["text/html"]), (
         f"the saved file has no static chart: {[o.get('data', {}).keys() for o in outputs]}")
+    last = saved["cells"][3]
+    static = [o for o in last["outputs"] if "ipydist-fallback" in "".join(
+        o.get("data", {}).get("text/html", ""))]
+    assert last["execution_count"] == 4 and static and "<svg" in "".join(
+        static[0]["data"]["text/html"]), f"the last cell as saved: {last}"
     print(f"away {reopened - away:.1f} s; caught up {caught_up:.1f} s after the page opened")
