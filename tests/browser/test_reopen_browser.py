@@ -32,9 +32,11 @@ from lab_server import (
 )
 
 NOTEBOOK = "reopen.ipynb"
-STEPS = 30
+STEPS = 36
 CELLS = [
     "%load_ext ipydist\n%dist_start --np 2",
+    # every rank prints the same line: merged, it is shown as soon as both copies came, so
+    # the first one comes before the first point, as in a training loop
     "%%everyrank\nimport time\nimport ipydist.torch as hvd\n"
     f"for i in range({STEPS}):\n"
     "    print(f'line {i}', flush=True)\n"
@@ -70,7 +72,7 @@ pytestmark = NEEDS_CHROMIUM
 
 def _lines(text: str) -> list[int]:
     """The line numbers shown (each once: merged, or rank 0's copy where the ranks' came
-    apart)."""
+    apart, as on a loaded machine)."""
     return [int(n) for n in re.findall(r"^\[(?:all ranks|rank 0)\] line (\d+)$", text, re.M)]
 
 
@@ -124,7 +126,7 @@ def test_a_page_that_comes_back_mid_cell_catches_up_and_follows_live(tmp_path):
                        "the training cell did not print 3 lines and show its chart")
         page.goto("about:blank")  # the laptop closes: the page and its websocket are gone
         away = time.monotonic()
-        time.sleep(10)
+        time.sleep(8)
         console.clear()
         page.goto(lab.url(f"/lab/tree/{NOTEBOOK}"))
         page.wait_for_selector(".jp-NotebookPanel .jp-Notebook .jp-Cell")
@@ -136,9 +138,9 @@ def test_a_page_that_comes_back_mid_cell_catches_up_and_follows_live(tmp_path):
         lines = _lines(back["text"])
         assert lines == list(range(len(lines))), f"lines out of order or missing: {lines}"
         # the chart comes back (its state from the kernel, its points asked for), and grows
-        chart = _wait(page, lambda r: r["points"] and r["points"] >= 10, 15,
+        chart = _wait(page, lambda r: r["points"] and r["points"] >= 5, 15,
                       "the reopened page's chart did not show the points logged so far")
-        _wait(page, lambda r: r["points"] > chart["points"] + 2, 15,
+        _wait(page, lambda r: r["points"] > chart["points"] + 1, 15,
               "the reopened page's chart did not grow live")
         # the status bar says the kernel is busy, not "Unknown"
         status = page.evaluate("""() => [...document.querySelectorAll('.jp-StatusBar-TextItem')]
