@@ -119,13 +119,14 @@ class KeptCell:
             self.outputs.pop(0)
 
     def as_message(self) -> dict:
+        display_ids: dict[str, list[int]] = {}  # display id -> the indices of its outputs
+        for i, (display_id, _) in enumerate(self.outputs):
+            if display_id is not None:
+                display_ids.setdefault(display_id, []).append(i)
         return {"msg_id": self.msg_id, "session": self.session, "cell_id": self.cell_id,
                 "execution_count": self.execution_count, "done": self.done,
                 "outputs": [output for _, output in self.outputs],
-                "display_ids": {display_id: [i for i, (d, _) in enumerate(self.outputs)
-                                             if d == display_id]
-                                for display_id, _ in self.outputs if display_id is not None},
-                "recent": list(self.recent)}
+                "display_ids": display_ids, "recent": list(self.recent)}
 
 
 def _chars(output: dict) -> int:
