@@ -147,13 +147,14 @@ class Session:
                     raise
                 print(deaths.CRASHED_IN_MPI_INIT_NOTE)
                 t0 = time.perf_counter()
-        progress.close()
+        steps = cluster.startup.breakdown() if cluster.startup is not None else ""
+        steps_shown = progress.close(steps)
         self.metrics.new_cluster()  # its ranks number their metric batches from 0
         self.startup_seconds = time.perf_counter() - t0
         display.show(start_table(cluster.ranks, self.startup_seconds, cluster.spare_pids))
         if display.in_kernel():  # the live view under it, collapsed: a click opens it
             cluster_view.show(self.monitor.open_view(collapsed=True))
-        if cluster.startup is not None and (steps := cluster.startup.breakdown()):
+        if steps and not steps_shown:
             print(steps)  # below the table: a caption would wrap
         if cluster.plan.route is not None:
             hosts = len({info.host for info in cluster.ranks})

@@ -222,7 +222,8 @@ def test_training_chart_has_a_static_copy_for_nbconvert_and_github(executed):
     outputs, i, state = _metrics_outputs(executed[0])
     static = outputs[i + 1].data
     page = static["text/html"]
-    assert f'class="ipydist-fallback ipydist-fallback-{state["key"]}"' in page
+    key = state["key"]
+    assert f'class="ipydist-fallback ipydist-fallback-{key} ipydist-after-{key}"' in page
     assert page.count("<svg") == 2 and "200 of 200 steps" in page
     assert page.count("stroke-dasharray") == 2 * 19, "on each chart, where epochs 1-19 began"
     assert static["image/svg+xml"].startswith("<svg"), "an image for renderers that drop HTML"

@@ -25,6 +25,8 @@ ORDER = ["launching mpiexec", "mpiexec launched", "torch imported", "process gro
 class Lines:
     """Stands for ``display.Progress``: keeps every text it is given."""
 
+    in_place = False  # as in a terminal: a line when a step begins or ends
+
     def __init__(self):
         self.texts: list[str] = []
 
@@ -204,8 +206,9 @@ def test_dist_start_in_a_notebook_redraws_one_line_then_shows_the_table():
     km, kc = start_new_kernel(kernel_name="python3")
     messages = []
     try:
+        # as nbclient asks (no stdin), a front end that applies a display's updates
         reply = kc.execute_interactive("%load_ext ipydist\n%dist_start --np 2", timeout=120,
-                                       output_hook=messages.append)
+                                       output_hook=messages.append, allow_stdin=False)
         assert reply["content"]["status"] == "ok", messages
         kc.execute_interactive("%dist_stop", timeout=60)
     finally:

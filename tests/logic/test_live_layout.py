@@ -157,12 +157,16 @@ def test_static_bundle_has_html_a_standalone_svg_and_text():
     series = {"loss": ([0, 1, 2], [1.0, 0.5, 0.25]), "<acc>": ([2], [0.9])}
     bundle = fallback_bundle("abc123", series, stats)
     page = bundle["text/html"]
-    assert 'class="ipydist-fallback ipydist-fallback-abc123"' in page
+    assert 'class="ipydist-fallback ipydist-fallback-abc123 ipydist-after-abc123"' in page
     assert page.count("<svg") == 2
     assert "&lt;acc&gt;" in page and "<acc>" not in page, "names are escaped"
     assert "straggler" in page
-    assert ":has(+ .jp-OutputArea-child .ipydist-fallback-abc123)" in page, (
+    assert ":has(+ .jp-OutputArea-child .ipydist-after-abc123)" in page, (
         "the copy hides its own widget's 'model not found' box, and only that one")
+    at_end = fallback_bundle("abc123", series, stats, below_widget=False)["text/html"]
+    assert 'class="ipydist-fallback ipydist-fallback-abc123"' in at_end, (
+        "a copy shown at the cell's end, not in the placeholder, is not taken for it: the "
+        "output before it is a line, not the widget")
     image = ET.fromstring(bundle["image/svg+xml"])
     assert len(image.findall("{http://www.w3.org/2000/svg}g")) == 2, "both charts in one image"
     assert bundle["text/plain"] == (

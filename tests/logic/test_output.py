@@ -158,3 +158,17 @@ def test_a_cells_first_lines_wait_for_its_chart_at_most_a_while():
     flushed.take(["a"], charted=False, now=0.0)
     assert flushed.take(["b"], charted=False, now=0.1, hold=False) == ["a", "b"], (
         "a flush (the cell's end, a breakpoint) releases it")
+
+
+def test_display_updates_are_trusted_to_the_front_ends_that_apply_them():
+    from ipydist.notebook.output.display import applies_updates
+
+    def request(metadata: dict, allow_stdin: bool) -> dict:
+        return {"metadata": metadata, "content": {"code": "1", "allow_stdin": allow_stdin}}
+
+    # JupyterLab, Notebook 7 and VS Code name the cell
+    assert applies_updates(request({"cellId": "a1", "recordTiming": False}, True))
+    assert applies_updates(request({}, False)), "nbclient (nbconvert, papermill): no stdin"
+    assert not applies_updates(request({}, True)), (
+        "jupyter-server-nbmodel's server-side execution (or a console) drops the updates")
+    assert applies_updates({}), "no request: nothing to ask"

@@ -27,7 +27,6 @@ from ipydist import protocol
 from ipydist.errors import ClusterError, RankTimeout
 from ipydist.notebook import ipp, watchdog
 from ipydist.notebook.launch import kept_forkserver, mpiexec, processes, slurm, startup
-from ipydist.notebook.output import display
 from ipydist.specs import describe_ranks, parse_ranks
 
 #: Controller heartbeat: a rank is declared gone after HEARTBEAT_MS * HEARTBEAT_MISSES ms.
@@ -113,7 +112,7 @@ class Cluster:
         self.startup = startup.StartWatch(
             self.np, f"Starting {self.np} ranks with {self.plan.title}",
             init=protocol.RankConfig.from_env(self.plan.env).init, started=started,
-            live=display.in_kernel(), launcher=self.plan.command_name)
+            live=progress.in_place, launcher=self.plan.command_name)
         self.startup.show(progress, None, [], force=True)
         self._launch()
         self.startup.launched()
@@ -394,8 +393,12 @@ class Cluster:
         deadline = time.monotonic() + wait_for_exit
         while processes.alive(launcher.process) and time.monotonic() < deadline:
             time.sleep(0.05)
+        if not processes.alive(launcher.process) and not launcher.stop_data:
+            # ipyparallel reads (and deletes) the output file when its loop hears of the exit,
+            # which may wait for this very cell to end: read it first where it is still there
+            if text := processes.read_text(launcher.output_file):
+                return startup.as_shown(text)
         if not processes.alive(launcher.process):
-            # ipyparallel reads (and deletes) the output file when it notices the exit.
             deadline = time.monotonic() + 2
             while not launcher.stop_data and time.monotonic() < deadline:
                 time.sleep(0.02)

@@ -37,10 +37,13 @@ FINAL_TICK_GAP = 40
 
 
 def fallback_bundle(key: str, series: dict[str, tuple[list, list]], stats: dict,
-                    charts: dict | None = None, smoothing: float = SMOOTHING) -> dict:
+                    charts: dict | None = None, smoothing: float = SMOOTHING,
+                    below_widget: bool = True) -> dict:
     """The display bundle of the static copy: HTML for notebooks and nbconvert, a standalone
     SVG for renderers that drop HTML, and the summary as text. ``charts``: the widget's chart
-    plan (``layout.chart_layout``); ``smoothing``: the reader's, as the widget drew it."""
+    plan (``layout.chart_layout``); ``smoothing``: the reader's, as the widget drew it;
+    ``below_widget``: it fills the placeholder right below the widget (False: it is a new
+    output at the cell's end, where display updates are not applied)."""
     charts = charts or charts_layout.chart_layout(list(series))
     epochs = stats.get("epochs") or []
     xs = [x for steps, values in series.values() for x, y in zip(steps, values)
@@ -50,7 +53,7 @@ def fallback_bundle(key: str, series: dict[str, tuple[list, list]], stats: dict,
              for chart in charts.get("charts", [])]
     summary = summary_line(stats)
     return {
-        "text/html": _html(key, summary, [svg for svg, _ in drawn], stats),
+        "text/html": _html(key, summary, [svg for svg, _ in drawn], stats, below_widget),
         "image/svg+xml": _stacked_svg(summary, drawn),
         "text/plain": f"[metrics] {summary}",
     }
@@ -269,17 +272,27 @@ def _stacked_svg(summary: str, drawn: list[tuple[str, int]]) -> str:
     return _svg("".join(body), height=y)
 
 
-def _html(key: str, summary: str, svgs: list[str], stats: dict) -> str:
+def placeholder_html(key: str) -> str:
+    """The empty output displayed right below the widget, which the static copy fills (or,
+    where display updates are not applied, only marks where the widget is)."""
+    key = html.escape(key)
+    return f'<div class="ipydist-fallback ipydist-fallback-{key} ipydist-after-{key}"></div>'
+
+
+def _html(key: str, summary: str, svgs: list[str], stats: dict, below_widget: bool) -> str:
     key = html.escape(key)
     # In JupyterLab and Notebook 7, an output whose widget has no model (widget state not
-    # saved) shows an error box. The widget's output is always the one right before this
-    # copy (both are displayed at once), so this copy hides it unless the widget rendered.
+    # saved) shows an error box. The widget's output is always the one right before the
+    # placeholder (both are displayed at once), so this copy hides it unless the widget
+    # rendered; the widget, where it renders, hides every element of class
+    # ipydist-fallback-<key>, this copy included.
     hide_error = (
-        f".jp-OutputArea-child:has(+ .jp-OutputArea-child .ipydist-fallback-{key})"
+        f".jp-OutputArea-child:has(+ .jp-OutputArea-child .ipydist-after-{key})"
         ":not(:has(.ipydist-metrics)){display: none}"
     )
+    after = f" ipydist-after-{key}" if below_widget else ""
     return (
-        f'<div class="ipydist-fallback ipydist-fallback-{key}" '
+        f'<div class="ipydist-fallback ipydist-fallback-{key}{after}" '
         'style="font-family: system-ui, sans-serif; font-size: 12px">'
         f"<style>{hide_error}</style>"
         f"<div>{html.escape(summary)}</div>{''.join(svgs)}{_ranks_table(stats)}</div>"

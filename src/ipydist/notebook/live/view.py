@@ -22,9 +22,14 @@ from typing import TYPE_CHECKING
 
 from ipydist.notebook.live.history import Columns, MetricHistory, downsample_indices
 from ipydist.notebook.live.layout import EPOCH, chart_layout, epoch_starts
-from ipydist.notebook.live.static import SMOOTHING, fallback_bundle, summary_line
+from ipydist.notebook.live.static import (
+    SMOOTHING,
+    fallback_bundle,
+    placeholder_html,
+    summary_line,
+)
 from ipydist.notebook.live.summary import summarize
-from ipydist.notebook.output.display import in_kernel
+from ipydist.notebook.output.display import in_kernel, updates_shown
 from ipydist.notebook.reopen import busy_shell
 
 if TYPE_CHECKING:
@@ -45,6 +50,9 @@ class LiveView:
         self.world_size = world_size
         self.interval = interval
         self.widgets = in_kernel() if widgets is None else widgets
+        # where the front end drops a display's updates (server-side execution), the static
+        # copy and the final text form are a new output at the end instead
+        self._updates = not self.widgets or updates_shown()
         self.start = self._sent = history.begin_cell(cell)
         self._rank_start = history.rank_lengths()
         self._rank_sent = dict(self._rank_start)
@@ -101,14 +109,17 @@ class LiveView:
         self.widget.done = True
         if self._static is None or self._shown is None:  # display() without an IPython
             return  # shell returns no handle
-        self._shown.update(self.widget)  # its text form now says the final values
         epochs = epoch_starts(*series[EPOCH][:2]) if EPOCH in series else []
-        self._static.update(
-            fallback_bundle(self.widget.key, {n: s[:2] for n, s in series.items()},
-                            {**stats, "epochs": epochs}, self.widget.charts,
-                            smoothing=self._smoothing()),
-            raw=True,
-        )
+        static = fallback_bundle(self.widget.key, {n: s[:2] for n, s in series.items()},
+                                 {**stats, "epochs": epochs}, self.widget.charts,
+                                 smoothing=self._smoothing(), below_widget=self._updates)
+        if self._updates:
+            self._shown.update(self.widget)  # its text form now says the final values
+            self._static.update(static, raw=True)
+        else:  # the copy, with the widget's final text form, below the cell's lines
+            from IPython.display import display
+
+            display({**static, "text/plain": repr(self.widget)}, raw=True)
 
     def csv(self) -> str:
         """This cell's points as CSV (every point, not the downsampled curves)."""
@@ -134,8 +145,7 @@ class LiveView:
         self._shown = display(self.widget, display_id=True)
         # A placeholder right below the widget, filled with the static copy at the end.
         self._static = display(
-            {"text/html": f'<div class="ipydist-fallback ipydist-fallback-{key}"></div>',
-             "text/plain": ""},
+            {"text/html": placeholder_html(key), "text/plain": ""},
             raw=True, display_id=True,
         )
 

@@ -58,6 +58,44 @@ def in_kernel() -> bool:
     return getattr(get_ipython(), "kernel", None) is not None
 
 
+def running_request() -> dict:
+    """The request of the cell the kernel runs (its header, content and metadata, as the
+    front end sent it); empty outside a kernel or between requests."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return {}
+    kernel = getattr(get_ipython(), "kernel", None)
+    if kernel is None:
+        return {}
+    try:
+        return kernel.get_parent("shell") or {}
+    except TypeError:  # an older ipykernel, without channels
+        return kernel.get_parent() or {}
+
+
+def updates_shown() -> bool:
+    """Whether the front end that runs the cell applies a display's updates
+    (``update_display_data``), so that a line can change in place and a placeholder be
+    filled at the end.
+
+    JupyterLab, Notebook 7 and VS Code name the cell in their request (``cellId``) and apply
+    them; nbclient (nbconvert, papermill) allows no stdin and applies them. A request with
+    neither comes from jupyter-server-nbmodel's server-side execution, which writes only new
+    outputs into the document (it drops updates), or from a console, which prints each output
+    once: there the final state is shown as a new output instead.
+    """
+    return applies_updates(running_request())
+
+
+def applies_updates(request: dict) -> bool:
+    """:func:`updates_shown` for this execute request (True for none: no front end to ask)."""
+    if not request:
+        return True
+    named = "cellId" in (request.get("metadata") or {})
+    return named or not (request.get("content") or {}).get("allow_stdin", True)
+
+
 def show(obj) -> None:
     """Display ``obj`` richly in IPython, or print it elsewhere."""
     try:
@@ -105,18 +143,27 @@ def retag(handle, text: str | None) -> None:
 
 
 class Progress:
-    """One status line that updates in place in a notebook and prints once per change elsewhere."""
+    """One status line that updates in place in a notebook and prints once per change elsewhere.
+
+    Where the front end does not apply a display's updates (:func:`updates_shown`), each
+    change is printed as a line, as in a terminal (``in_place`` is False: the caller then
+    prints only when a step begins or ends), and :meth:`close` ends them with its ``final``
+    line. (A line rewritten after ``\\r`` would read better, but jupyter-server-nbmodel 0.2.9
+    fails the cell when it rewrites a stream that holds a non-ASCII character.)
+    """
 
     def __init__(self):
         self._handle = None
         self._last = None
         self._kernel = in_kernel()
+        #: The line changes in place (a notebook that applies a display's updates).
+        self.in_place = self._kernel and updates_shown()
 
     def update(self, text: str) -> None:
         if text == self._last:
             return
         self._last = text
-        if self._kernel:
+        if self.in_place:
             from IPython.display import display
 
             bundle = {"text/plain": text}
@@ -125,13 +172,19 @@ class Progress:
             else:
                 self._handle.update(bundle, raw=True)
         else:
-            print(text, file=sys.stderr, flush=True)
+            print(text, file=sys.stdout if self._kernel else sys.stderr, flush=True)
 
-    def close(self) -> None:
-        """Remove the line in a notebook (the final table replaces it)."""
+    def close(self, final: str = "") -> bool:
+        """Remove the line in a notebook (the final table replaces it); where the lines were
+        printed, end them with ``final``. Whether ``final`` was shown."""
         if self._handle is not None:
             self._handle.update({"text/plain": ""}, raw=True)
             self._handle = None
+        elif self._kernel and not self.in_place and final and self._last is not None:
+            print(final, flush=True)
+            self._last = None
+            return True
+        return False
 
 
 class Bars:
@@ -143,11 +196,13 @@ class Bars:
     made where the bar's first state comes in the rank's output and updated with each later
     state (only the newest of those that arrived together); its last state ends it, and the
     next bar of the rank is a new line. Outside a notebook :meth:`show` returns False and the
-    caller prints the state as it is.
+    caller prints the state as it is. Where the front end does not apply a display's updates
+    (:func:`updates_shown`), only a bar's last state is shown: a first state would stay.
     """
 
     def __init__(self):
         self._kernel = in_kernel()
+        self._last_only = self._kernel and not updates_shown()
         self._handles: dict[tuple[str, str], DisplayHandle] = {}  # (tag, stream) -> its display
         self._pending: dict[tuple[str, str], str] = {}
 
@@ -158,6 +213,12 @@ class Bars:
             return False
         last = state.last
         key, text = (tag, stream), f"[{tag}] {state.rstrip()}"
+        if self._last_only:
+            if last:
+                from IPython.display import display
+
+                display({"text/plain": text}, raw=True)
+            return True
         handle = self._handles.pop(key, None)
         if handle is None:  # a new bar: here, in order with the rank's other output
             from IPython.display import display
