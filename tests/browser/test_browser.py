@@ -22,8 +22,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -385,8 +383,7 @@ def test_points_survive_restarts_and_a_reopened_notebook_shows_its_charts(lab, p
     nb = nbformat.read(path, as_version=4)
     nb.metadata.pop("widgets")
     nbformat.write(nb, path)
-    subprocess.run([sys.executable, "-m", "jupyter", "trust", str(path)], check=True,
-                   capture_output=True, env=dict(os.environ, **lab.env))
+    lab.trust(path)
     bare = _reopen(page, lab)
     assert not bare["errors"], f"error boxes in a notebook reopened without widget state: {bare}"
     assert not bare["widgets"]

@@ -1,6 +1,7 @@
 """``breakpoint()`` in an ``%%everyrank`` cell in JupyterLab, in a real browser: the pdb prompt of
 the rank appears in the cell's stdin box, takes ``p x``, shows the rank's value, and ``c`` lets
-the cell finish; meanwhile the side panel shows the rank as stopped at a breakpoint. The
+the cell finish; meanwhile the side panel shows the rank as stopped at a breakpoint. The same
+under server-side execution (the ``durable`` extra), where the server asks the page for input. The
 screenshot of the prompt is the one the docs show (``IPYDIST_UPDATE_SCREENSHOT=1`` copies it
 to docs/debugging.png).
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from lab_server import (
     NEEDS_CHROMIUM,
     browser_page,
@@ -33,18 +35,23 @@ pytestmark = NEEDS_CHROMIUM
 
 
 
+#: The prompt waiting now (not one answered, which server-side execution's page leaves in view
+#: for half a second before it asks for the next).
+WAITING = ".jp-OutputArea-child:not(.jp-OutputArea-stdin-hiding) .jp-Stdin-input:visible"
 #: The text of the breakpoint cell's output area.
 OUTPUT = """() => document.querySelectorAll('.jp-NotebookPanel .jp-Notebook .jp-CodeCell')[1]
     ?.querySelector('.jp-OutputArea')?.innerText ?? ''"""
 
 
-def test_the_rank_prompt_appears_in_the_stdin_box_and_takes_commands(tmp_path):
+@pytest.mark.parametrize("durable", [False, True], ids=["plain", "server-side-execution"])
+def test_the_rank_prompt_appears_in_the_stdin_box_and_takes_commands(tmp_path, durable):
     console: list[str] = []
-    with serve(tmp_path, {NOTEBOOK: notebook_of(CELLS)}) as lab, \
-            browser_page(console, "browser-debugger", []) as page:
+    with serve(tmp_path, {NOTEBOOK: notebook_of(CELLS)}, durable=durable,
+               trusted=(NOTEBOOK,)) as lab, \
+            browser_page(console, f"browser-debugger-{durable}", []) as page:
         open_notebook(page, lab, NOTEBOOK, console)
         run_all_cells(page)
-        box = page.locator(".jp-Stdin-input:visible").last  # the prompt waiting now
+        box = page.locator(WAITING).last
         box.wait_for(timeout=120_000)
         prompt = page.locator(".jp-Stdin-prompt").last.text_content()
         assert prompt.strip() == "(Pdb rank 1)", prompt
@@ -62,11 +69,12 @@ def test_the_rank_prompt_appears_in_the_stdin_box_and_takes_commands(tmp_path):
         box.fill("p x")
         box.press("Enter")
         page.wait_for_function(f"() => ({OUTPUT})().includes('101')", timeout=60_000)
-        box = page.locator(".jp-Stdin-input:visible").last
+        box = page.locator(WAITING).last
         box.wait_for(timeout=60_000)
         box.scroll_into_view_if_needed()
-        docs_screenshot(page.locator(".jp-NotebookPanel .jp-Notebook .jp-CodeCell").nth(1),
-                        "debugger-prompt.png", "debugging.png")
+        if not durable:
+            docs_screenshot(page.locator(".jp-NotebookPanel .jp-Notebook .jp-CodeCell").nth(1),
+                            "debugger-prompt.png", "debugging.png")
         box.fill("c")
         box.press("Enter")
         page.wait_for_function(f"() => /x is 101/.test(({OUTPUT})())", timeout=60_000)

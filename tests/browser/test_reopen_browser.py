@@ -24,11 +24,17 @@ import pytest
 from lab_server import (
     KERNEL_IDLE,
     NEEDS_CHROMIUM,
+    READ_CELL,
     browser_page,
+    leave_and_come_back,
     notebook_of,
     open_notebook,
+    printed_lines,
+    ran,
     run_all_cells,
     serve,
+    training_cell,
+    wait_for_cell,
 )
 
 NOTEBOOK = "reopen.ipynb"
@@ -37,13 +43,7 @@ CELLS = [
     "%load_ext ipydist\n%dist_start --np 2",
     # every rank prints the same line: merged, it is shown as soon as both copies came, so
     # the first one comes before the first point, as in a training loop
-    "%%everyrank\nimport time\nimport ipydist.torch as hvd\n"
-    f"for i in range({STEPS}):\n"
-    "    print(f'line {i}', flush=True)\n"
-    f"    hvd.log(step=i, total={STEPS}, loss=1.0 / (i + 1))\n"
-    "    time.sleep(1)\n"
-    "if hvd.rank() == 0:\n"
-    "    print('done')",
+    training_cell(STEPS),
     "print('the next cell')",  # queued by Run All: the page that came back follows it too
     # ends while no page is there (the page leaves again as it starts)
     "%%everyrank\nimport time\nimport ipydist.torch as hvd\ntime.sleep(3)\n"
@@ -55,36 +55,7 @@ CELLS = [
 ]
 PANEL = "#ipydist-cluster-panel"
 
-#: A cell as the page shows it (the training cell unless told): prompt, output text, the
-#: chart's point count.
-READ = """(index = 1) => {
-    const cell = document.querySelectorAll('.jp-NotebookPanel .jp-CodeCell')[index];
-    const widget = cell?.querySelector('.ipydist-metrics');
-    return {
-        prompt: (cell?.querySelector('.jp-InputPrompt')?.textContent ?? '').trim(),
-        text: cell?.querySelector('.jp-OutputArea')?.innerText ?? '',
-        points: widget ? Number(widget.dataset.points) : null,
-    };
-}"""
-
 pytestmark = NEEDS_CHROMIUM
-
-
-def _lines(text: str) -> list[int]:
-    """The line numbers shown (each once: merged, or rank 0's copy where the ranks' came
-    apart, as on a loaded machine)."""
-    return [int(n) for n in re.findall(r"^\[(?:all ranks|rank 0)\] line (\d+)$", text, re.M)]
-
-
-def _wait(page, what, timeout: float, describe: str, cell: int = 1):
-    deadline = time.monotonic() + timeout
-    while True:
-        now = page.evaluate(READ, cell)
-        if what(now):
-            return now
-        if time.monotonic() > deadline:
-            pytest.fail(f"{describe} within {timeout:.0f} s; the cell shows {now}")
-        page.wait_for_timeout(200)
 
 
 def _wait_idle(lab, timeout: float = 60) -> None:
@@ -122,26 +93,7 @@ def test_a_page_that_comes_back_mid_cell_catches_up_and_follows_live(tmp_path):
             browser_page(console, "browser-reopen", []) as page:
         open_notebook(page, lab, NOTEBOOK, console)
         run_all_cells(page)
-        before = _wait(page, lambda r: len(_lines(r["text"])) >= 3 and r["points"], 180,
-                       "the training cell did not print 3 lines and show its chart")
-        page.goto("about:blank")  # the laptop closes: the page and its websocket are gone
-        away = time.monotonic()
-        time.sleep(8)
-        console.clear()
-        page.goto(lab.url(f"/lab/tree/{NOTEBOOK}"))
-        page.wait_for_selector(".jp-NotebookPanel .jp-Notebook .jp-Cell")
-        reopened = time.monotonic()
-        back = _wait(page, lambda r: r["prompt"].startswith("[*]")
-                     and max(_lines(r["text"]), default=0) >= _lines(before["text"])[-1] + 8,
-                     15, "the reopened page did not show the lines printed while away")
-        caught_up = time.monotonic() - reopened
-        lines = _lines(back["text"])
-        assert lines == list(range(len(lines))), f"lines out of order or missing: {lines}"
-        # the chart comes back (its state from the kernel, its points asked for), and grows
-        chart = _wait(page, lambda r: r["points"] and r["points"] >= 5, 15,
-                      "the reopened page's chart did not show the points logged so far")
-        _wait(page, lambda r: r["points"] > chart["points"] + 1, 15,
-              "the reopened page's chart did not grow live")
+        _, away, caught_up = leave_and_come_back(page, lab, NOTEBOOK, console)
         # the status bar says the kernel is busy, not "Unknown"
         status = page.evaluate("""() => [...document.querySelectorAll('.jp-StatusBar-TextItem')]
             .map((e) => e.textContent.trim()).join(' / ')""")
@@ -151,28 +103,27 @@ def test_a_page_that_comes_back_mid_cell_catches_up_and_follows_live(tmp_path):
         page.wait_for_function(f"""() => [...document.querySelectorAll(
             '{PANEL} .ipydist-cluster-table tbody tr')].some(
             (tr) => tr.cells[3].textContent.startsWith('running cell'))""", timeout=15_000)
-        end = _wait(page, lambda r: re.fullmatch(r"\[\d+\]:?", r["prompt"]) is not None, 120,
-                    "the cell did not end")
-        assert _lines(end["text"]) == list(range(STEPS)), end["text"]
+        end = wait_for_cell(page, lambda r: ran(r["prompt"]), 120, "the cell did not end")
+        assert printed_lines(end["text"]) == list(range(STEPS)), end["text"]
         assert "done" in end["text"]
-        _wait(page, lambda r: r["prompt"] == "[3]:" and "the next cell" in r["text"], 30,
-              "the cell queued after the training cell was not shown", cell=2)
-        start = page.evaluate(READ, 0)
+        wait_for_cell(page, lambda r: r["prompt"] == "[3]:" and "the next cell" in r["text"], 30,
+                      "the cell queued after the training cell was not shown", cell=2)
+        start = page.evaluate(READ_CELL, 0)
         assert start["prompt"] == "[1]:" and "2 ranks ready" in start["text"], start
         # the page leaves again while the last cell runs, and comes back after it ended
-        assert page.evaluate(READ, 3)["prompt"].startswith("[*]")
+        assert page.evaluate(READ_CELL, 3)["prompt"].startswith("[*]")
         page.goto("about:blank")
         _wait_idle(lab)
         page.goto(lab.url(f"/lab/tree/{NOTEBOOK}"))
         page.wait_for_selector(".jp-NotebookPanel .jp-Notebook .jp-Cell")
-        last = _wait(page, lambda r: r["prompt"] == "[4]:" and "short 3" in r["text"], 30,
-                     "the cell that ended while no page was there was not shown", cell=3)
+        last = wait_for_cell(page, lambda r: r["prompt"] == "[4]:" and "short 3" in r["text"], 30,
+                             "the cell that ended while no page was there was not shown", cell=3)
         assert re.findall(r"short (\d)", last["text"]) == ["0", "1", "2", "3"], last
         page.wait_for_function(KERNEL_IDLE)
         saved = _save(page, lab.root / NOTEBOOK)
     outputs = saved["cells"][1]["outputs"]
     text = "".join("".join(o.get("text", "")) for o in outputs if o["output_type"] == "stream")
-    assert _lines(text) == list(range(STEPS)) and "done" in text, text
+    assert printed_lines(text) == list(range(STEPS)) and "done" in text, text
     kinds = ["chart" if "application/vnd.jupyter.widget-view+json" in o.get("data", {})
              else "line 0" if "line 0\n" in "".join(o.get("text", "")) else ""
              for o in outputs]
@@ -186,4 +137,4 @@ def test_a_page_that_comes_back_mid_cell_catches_up_and_follows_live(tmp_path):
         o.get("data", {}).get("text/html", ""))]
     assert last["execution_count"] == 4 and static and "<svg" in "".join(
         static[0]["data"]["text/html"]), f"the last cell as saved: {last}"
-    print(f"away {reopened - away:.1f} s; caught up {caught_up:.1f} s after the page opened")
+    print(f"away {away:.1f} s; caught up {caught_up:.1f} s after the page opened")

@@ -47,6 +47,13 @@ class Lab:
     root: Path
     env: dict
 
+    def trust(self, path: Path) -> None:
+        """Sign the notebook at ``path`` as the person's own, as ``jupyter trust`` does, in
+        this server's signature store (the test's, never the user's)."""
+        import nbformat
+
+        notary(self.root).sign(nbformat.read(path, as_version=4))
+
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}?token={self.token}"
 
@@ -66,6 +73,14 @@ class Lab:
         except psutil.Error:
             pass
         return found
+
+
+def notary(root: Path):
+    """The notebook signatures of the server serving ``root``: beside it, not the user's."""
+    from nbformat.sign import NotebookNotary
+
+    return NotebookNotary(db_file=str(root.parent / "nbsignatures.db"),
+                          secret_file=str(root.parent / "notebook_secret"))
 
 
 def cmdline(p: psutil.Process) -> str:
@@ -147,11 +162,37 @@ def stop_lab(lab: Lab) -> None:
             continue
 
 
+#: The server extensions and labextensions of server-side execution (the ``durable`` extra),
+#: installed in the test venv and switched on only for the servers that test it.
+DURABLE_SERVER_EXTENSIONS = ["jupyter_server_nbmodel", "jupyter_server_ydoc",
+                             "jupyter_server_fileid"]
+DURABLE_LABEXTENSIONS = ["@datalayer/jupyter-server-nbmodel", "@jupyter/collaboration-extension",
+                         "@jupyter/docprovider-extension"]
+
+
+def write_server_config(config_dir: Path, durable: bool) -> None:
+    """The per-test Jupyter config: server-side execution (jupyter-server-nbmodel with
+    jupyter-collaboration) off unless ``durable``, as a person who did not install the extra
+    has it. (Disabled labextensions also drop the core plugins they would replace.)"""
+    if durable:
+        return
+    config_dir.mkdir(parents=True, exist_ok=True)
+    (config_dir / "jupyter_server_config.json").write_text(json.dumps(
+        {"ServerApp": {"jpserver_extensions": dict.fromkeys(DURABLE_SERVER_EXTENSIONS, False)}}))
+    (config_dir / "labconfig").mkdir(exist_ok=True)
+    (config_dir / "labconfig" / "page_config.json").write_text(json.dumps(
+        {"disabledExtensions": dict.fromkeys(DURABLE_LABEXTENSIONS, True)}))
+
+
 @contextlib.contextmanager
-def serve(tmp_path: Path, notebooks: dict):
+def serve(tmp_path: Path, notebooks: dict, durable: bool = False, trusted: tuple = ()):
     """JupyterLab serving ``notebooks`` (file name -> a notebook's path, copied without its
     outputs, or an nbformat notebook); on leaving, stopped with everything it started, and an
-    AssertionError if anything had to be killed."""
+    AssertionError if anything had to be killed.
+
+    ``durable``: with server-side execution (jupyter-server-nbmodel, jupyter-collaboration);
+    ``trusted``: the names of the notebooks signed as the person's own (the server's
+    signature store is the test's, never the user's)."""
     import nbformat
 
     root = tmp_path / "root"
@@ -162,11 +203,15 @@ def serve(tmp_path: Path, notebooks: dict):
         else:
             nbformat.write(notebook, root / name)
     write_lab_settings(tmp_path / "settings")
+    write_server_config(tmp_path / "config", durable)
     env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
                JUPYTER_CONFIG_DIR=str(tmp_path / "config"), PYTHONUNBUFFERED="1")
     env[MARK_VAR] = mark = new_mark()
     port, token = free_port(), secrets.token_hex(16)
     log = tmp_path / "jupyter-lab.log"
+    signatures = notary(root)
+    for name in trusted:
+        signatures.sign(nbformat.read(root / name, as_version=4))
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root",
@@ -175,7 +220,9 @@ def serve(tmp_path: Path, notebooks: dict):
              "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
              "--LabApp.extension_manager=readonly",
              f"--LabApp.user_settings_dir={tmp_path / 'settings'}",
-             f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}"],
+             f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}",
+             f"--NotebookNotary.db_file={signatures.db_file}",
+             f"--NotebookNotary.secret_file={signatures.secret_file}"],
             cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True,
         )
@@ -294,10 +341,13 @@ NOTEBOOK7_KERNEL_IDLE = """() => document.querySelector('.jp-Notebook-ExecutionI
     ?.getAttribute('data-status') === 'idle'"""
 
 
-def open_notebook(page, lab: Lab, name: str, console: list[str], notebook7: bool = False):
+def open_notebook(page, lab: Lab, name: str, console: list[str], notebook7: bool = False,
+                  workspace: str = ""):
     """Open the notebook in JupyterLab (or Notebook 7) and wait until its kernel has started
-    and is idle; ``console`` is the page's (see :func:`browser_page`)."""
-    page.goto(lab.url(f"/notebooks/{name}" if notebook7 else f"/lab/tree/{name}"))
+    and is idle; ``console`` is the page's (see :func:`browser_page`). ``workspace``: a
+    JupyterLab workspace of that name, where the notebooks another page opened are not."""
+    where = f"/lab/workspaces/{workspace}" if workspace else "/lab"
+    page.goto(lab.url(f"/notebooks/{name}" if notebook7 else f"{where}/tree/{name}"))
     page.wait_for_selector(".jp-NotebookPanel .jp-Notebook .jp-Cell")
     deadline = time.monotonic() + 60
     while not any("Starting WebSocket" in m for m in console):
@@ -316,6 +366,82 @@ def run_all_cells(page) -> None:
             .some((p) => /\\[(\\*|\\d+)\\]/.test(p.textContent))""",
         timeout=15_000,
     )
+
+
+#: A code cell as the page shows it (``index`` among the notebook's code cells): prompt,
+#: output text, and the point count of its metrics chart (null where none rendered).
+READ_CELL = """(index) => {
+    const cell = document.querySelectorAll('.jp-NotebookPanel .jp-CodeCell')[index];
+    const widget = cell?.querySelector('.ipydist-metrics');
+    return {
+        prompt: (cell?.querySelector('.jp-InputPrompt')?.textContent ?? '').trim(),
+        text: cell?.querySelector('.jp-OutputArea')?.innerText ?? '',
+        points: widget ? Number(widget.dataset.points) : null,
+    };
+}"""
+
+
+def wait_for_cell(page, what, timeout: float, describe: str, cell: int = 1) -> dict:
+    """Until ``what`` (of :data:`READ_CELL`'s reading) holds for the code cell ``cell``; fail
+    saying ``describe`` and what the cell shows after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = page.evaluate(READ_CELL, cell)
+        if what(now):
+            return now
+        if time.monotonic() > deadline:
+            pytest.fail(f"{describe} within {timeout:.0f} s; the cell shows {now}")
+        page.wait_for_timeout(200)
+
+
+def training_cell(steps: int) -> str:
+    """An ``%%everyrank`` cell that prints ``line N`` and logs a point each second, for
+    ``steps`` seconds, then rank 0 prints "done"."""
+    return ("%%everyrank\nimport time\nimport ipydist.torch as hvd\n"
+            f"for i in range({steps}):\n"
+            "    print(f'line {i}', flush=True)\n"
+            f"    hvd.log(step=i, total={steps}, loss=1.0 / (i + 1))\n"
+            "    time.sleep(1)\n"
+            "if hvd.rank() == 0:\n"
+            "    print('done')")
+
+
+def printed_lines(text: str) -> list[int]:
+    """The numbers of the ``line N`` lines a training cell's ranks printed, as shown (each
+    once: merged, or rank 0's copy where the ranks' came apart, as on a loaded machine)."""
+    return [int(n) for n in re.findall(r"^\[(?:all ranks|rank 0)\] line (\d+)$", text, re.M)]
+
+
+def leave_and_come_back(page, lab: Lab, name: str, console: list[str] | None = None,
+                        away: float = 8) -> tuple[dict, float, float]:
+    """The laptop closes while the notebook's training cell (code cell 1, printing ``line N``
+    and logging a point each second) runs: the page leaves for ``away`` seconds, and a new one
+    opens the notebook. Checks what that page must show: within 15 s the lines printed
+    meanwhile, in order, with ``[*]``; the chart with the points so far, then growing.
+    ``console``: cleared while no page is there. Returns the cell as first caught up, the
+    seconds away and the seconds from the page opening to the lines caught up."""
+    before = wait_for_cell(page, lambda r: len(printed_lines(r["text"])) >= 3 and r["points"],
+                           180, "the training cell did not print 3 lines and show its chart")
+    page.goto("about:blank")  # the page and its websocket are gone
+    left = time.monotonic()
+    time.sleep(away)
+    if console is not None:
+        console.clear()
+    page.goto(lab.url(f"/lab/tree/{name}"))
+    page.wait_for_selector(".jp-NotebookPanel .jp-Notebook .jp-Cell")
+    reopened = time.monotonic()
+    back = wait_for_cell(
+        page, lambda r: r["prompt"].startswith("[*]")
+        and max(printed_lines(r["text"]), default=0) >= printed_lines(before["text"])[-1] + 8,
+        15, "the reopened page did not show the lines printed while away")
+    caught_up = time.monotonic() - reopened
+    lines = printed_lines(back["text"])
+    assert lines == list(range(len(lines))), f"lines out of order or missing: {lines}"
+    chart = wait_for_cell(page, lambda r: r["points"] and r["points"] >= 5, 15,
+                          "the reopened page's chart did not show the points logged so far")
+    wait_for_cell(page, lambda r: r["points"] > chart["points"] + 1, 15,
+                  "the reopened page's chart did not grow live")
+    return back, reopened - left, caught_up
 
 
 def ran(prompt: str) -> bool:
