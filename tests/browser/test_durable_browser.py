@@ -99,6 +99,9 @@ def test_server_side_execution_survives_a_closed_page_and_saves_a_complete_noteb
         assert copy_hidden, "the static copy shows beside the chart that rendered"
         start = page.evaluate(READ_CELL, 0)
         assert "2 ranks ready" in start["text"], start
+        assert page.evaluate("""() => !!document.querySelectorAll(
+            '.jp-NotebookPanel .jp-CodeCell')[0].querySelector('.ipydist-cluster')"""), (
+            "the live cluster view under %dist_start did not render")
         # the stop button stops the cell the server runs, on every rank
         wait_for_cell(page, lambda r: "waiting" in r["text"], 30,
                       "the last cell did not start", cell=2)
