@@ -28,8 +28,9 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'ipydist' has no attribute {name!r}")
 
 
-def metrics(ranks: bool = False):
-    """Every point rank 0 logged with ``hvd.log()`` in this notebook, in order, across restarts.
+def metrics(ranks: bool = False, session=None):
+    """Every point rank 0 logged with ``hvd.log()`` in this notebook, in order, across restarts:
+    in the cluster the magics started, or in ``session`` (a :class:`Session` made in Python).
 
     A pandas DataFrame when pandas is installed (columns ``step``, ``time`` -- a UTC
     datetime --, ``cluster`` -- 1 for the session's first cluster, 2 after a restart, ... --,
@@ -43,9 +44,10 @@ def metrics(ranks: bool = False):
 
     from ipydist.notebook.live.history import MetricHistory
 
-    shell = get_ipython()
-    magics = shell.magics_manager.registry.get("DistMagics") if shell is not None else None
-    session = getattr(magics, "session", None)
+    if session is None:
+        shell = get_ipython()
+        magics = shell.magics_manager.registry.get("DistMagics") if shell is not None else None
+        session = getattr(magics, "session", None)
     history = session.metrics if session is not None else MetricHistory()
     try:
         import pandas  # noqa: F401

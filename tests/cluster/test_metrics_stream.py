@@ -41,6 +41,8 @@ for i in range(1000):
     rows = rows.to_dict("records") if hasattr(rows, "to_dict") else rows
     assert len(rows) == len(cluster.metrics)
     assert rows[-1]["step"] == 999 and rows[-1]["loss"] == 1.0 / 1000
+    own = ipydist.Session(np=NP)  # one made in Python (never started): its own history
+    assert len(ipydist.metrics(session=own)) == 0 and len(ipydist.metrics()) == len(rows)
 
 
 def test_log_without_step_counts_on_and_mean_reduces_over_ranks(shell, capsys, cluster):

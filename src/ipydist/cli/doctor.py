@@ -47,7 +47,9 @@ def check_torch() -> Check:
     try:
         import torch
     except Exception as e:
-        return Check(FAIL, "torch", f"cannot be imported ({e})", "pip install torch")
+        return Check(FAIL, "torch", f"cannot be imported ({e})",
+                     "pip install torch (in a checkout of ipydist: pip install -c "
+                     "constraints.txt torch, the version its tests ran with)")
     cuda = torch.version.cuda
     if cuda is None:
         return Check(OK, "torch", f"{torch.__version__} (CPU build: ranks use gloo)")

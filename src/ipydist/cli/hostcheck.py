@@ -1,11 +1,12 @@
 """``ipydist doctor --hosts ...``: what each other host needs before ranks can run there.
 
 Each host is asked over ssh, the way mpiexec will reach it (the ssh command Open MPI is told
-to use, ``OMPI_MCA_plm_rsh_agent``, else plain ``ssh``, never prompting): is it reachable;
-does it run the same Python and ipydist at the same path (a shared filesystem, or the same
-environment installed alike); is the same mpiexec there; how many GPUs it has; and can it
-open a connection to the notebook host's address that reaches it, which is what the ranks do
-to reach the controller (a firewall in between shows here, not as a start that times out).
+to use, ``PRTE_MCA_plm_ssh_agent`` or Open MPI 4's names, else plain ``ssh``, never
+prompting): is it reachable; does it run the same Python and ipydist at the same path (a
+shared filesystem, or the same environment installed alike); is the same mpiexec there; how
+many GPUs it has; and can it open a connection to the notebook host's address that reaches it,
+which is what the ranks do to reach the controller (a firewall in between shows here, not as a
+start that times out).
 """
 
 from __future__ import annotations
@@ -53,9 +54,15 @@ print(json.dumps(out))
 """
 
 
+#: The variables that give mpiexec another ssh command, in the order it reads them: PRRTE's
+#: (Open MPI 5's launcher), then Open MPI 4's names, which Open MPI 5 still takes.
+SSH_AGENT_VARIABLES = ("PRTE_MCA_plm_ssh_agent", "OMPI_MCA_plm_ssh_agent",
+                       "OMPI_MCA_plm_rsh_agent")
+
+
 def ssh_command() -> list[str]:
-    """How mpiexec reaches other hosts: Open MPI's rsh agent if one is set, else ssh."""
-    agent = os.environ.get("OMPI_MCA_plm_rsh_agent") or "ssh"
+    """How mpiexec reaches other hosts: the ssh agent its environment names, else ssh."""
+    agent = next((os.environ[v] for v in SSH_AGENT_VARIABLES if os.environ.get(v)), "ssh")
     return [*shlex.split(agent), "-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
 
 

@@ -119,7 +119,8 @@ def grouped_allreduce_(tensors, average=None, name: str | None = None,
 def allgather(tensor: torch.Tensor, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along the first dimension, in rank order;
-    differentiable (each rank's gradient is its rows of the summed gradient).
+    differentiable (each rank's gradient is its rows of the gradient averaged over the ranks,
+    as Horovod's).
 
     The first dimension may differ between ranks; the others must match. Each rank's first
     dimension travels in the check's header, so the check costs allgather nothing.
@@ -191,7 +192,7 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Return ``root_rank``'s ``tensor`` on every rank (a new tensor); differentiable (the
-    root's gradient is the summed gradient, the others' zero)."""
+    root's gradient is the gradient averaged over the ranks, as Horovod's; the others' zero)."""
     group = comms_for(process_set)
     if torch.is_grad_enabled() and tensor.requires_grad:
         return autograd.Broadcast.apply(tensor, root_rank, group)
