@@ -28,6 +28,9 @@ import ipydist
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 8 << 20, 64 << 20]
 VARIANTS = ["ipydist", "gloo", "mpi", "async", "grouped"]
+#: The bars (benchmarks/README.md): from LARGE up, at least 0.95x the faster raw transport; at
+#: SMALL, np=2, at most SMALL_OVER_MPI_US microseconds a call over raw MPI's blocking call.
+LARGE, SMALL, SMALL_OVER_MPI_US = 1 << 20, 4 << 10, 15
 
 RANK_CODE = textwrap.dedent('''
     import time, torch, torch.distributed as dist
@@ -97,14 +100,17 @@ def main(argv: list[str] | None = None) -> int:
             ms = {v: med[(size, v)] * 1e3 for v in VARIANTS}
             best = min(ms["gloo"], ms["mpi"])
             ratio = best / ms["ipydist"]
-            met &= ratio >= 0.95
+            if size >= LARGE:
+                met &= ratio >= 0.95
+            if size == SMALL and np == 2:
+                met &= (ms["ipydist"] - ms["mpi"]) * 1e3 <= SMALL_OVER_MPI_US
             bus = {v: 2 * (np - 1) / np * size / (ms[v] / 1e3) / 1e9 for v in VARIANTS}
             print(f"{label(size):>7} {ms['ipydist']:>9.3f} {ms['gloo']:>9.3f} {ms['mpi']:>9.3f} "
                   f"{ratio:>12.2f}x   {bus['ipydist']:>13.2f} {bus['gloo']:>6.2f} "
                   f"{bus['mpi']:>6.2f}   {ms['async'] / ms['ipydist']:>12.2f}x "
                   f"{ms['grouped'] / ms['ipydist']:>14.2f}x")
-    print(f"\nbar (ipydist >= 0.95x the faster raw transport at every size): "
-          f"{'met' if met else 'not met'}")
+    print(f"\nbars (ipydist >= 0.95x the faster raw transport from 1 MB; at most "
+          f"{SMALL_OVER_MPI_US} us over raw MPI at 4 KB, np=2): {'met' if met else 'not met'}")
     return 0 if met else 1
 
 
