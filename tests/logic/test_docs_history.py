@@ -7,8 +7,9 @@ little to a reader who never knew the code before. That story, with its figures,
 the developers' page, ``docs/developing.md`` ("How the figures got here"), which this test does
 not read, or in a changelog.
 
-The test reads ``README.md`` and every ``docs/*.md`` but ``developing.md``, leaving out fenced
-code blocks, and fails on a phrase of :data:`HISTORY`, naming the page, the line and the phrase.
+The test reads ``README.md`` and every ``docs/*.md`` but ``developing.md`` and ``changelog.md``
+(what changed, release by release), leaving out fenced code blocks, and fails on a phrase of
+:data:`HISTORY`, naming the page, the line and the phrase.
 A phrase broken across two lines is found too. A link to another project's issue (JupyterLab's
 issue 2833) is not history of ipydist's: an issue number is allowed on a line that links to
 that issue of another project on GitHub.
@@ -31,9 +32,10 @@ def repo_root() -> Path:
 
 
 ROOT = repo_root()
-#: The pages users read. developing.md is the developers' page, where history goes.
-USER_PAGES = [ROOT / "README.md",
-              *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "developing.md")]
+#: The pages users read. developing.md (the developers' page) and changelog.md are where
+#: history goes.
+USER_PAGES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md")
+                                          if p.name not in ("developing.md", "changelog.md"))]
 
 _MONTH = (r"(?:January|February|March|April|May|June|July|August|September|October|November"
           r"|December)")
