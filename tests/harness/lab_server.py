@@ -10,6 +10,7 @@ browser of its own here).
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import re
@@ -127,8 +128,12 @@ def write_lab_settings(settings_dir: Path) -> None:
         path.write_text(json.dumps(values))
 
 
-def wait_until_serving(lab: Lab, timeout: float = 60.0) -> None:
-    """Wait until the server answers its REST API; fail with its log if it dies or never does."""
+def wait_until_serving(lab: Lab, timeout: float = 60.0) -> bool:
+    """Wait until the server answers its REST API: True. False where it ended because another
+    process took its port between :func:`free_port` and its start (it is told not to try
+    another port, where the test would not find it); fail with its log if it dies otherwise
+    or never answers. Until it answers, whatever else holds the port (a kernel's ZeroMQ socket
+    answers HTTP with bytes that are not a status line) is waited out too."""
     deadline = time.monotonic() + timeout
     request = urllib.request.Request(
         f"http://127.0.0.1:{lab.port}/api/status",
@@ -136,12 +141,14 @@ def wait_until_serving(lab: Lab, timeout: float = 60.0) -> None:
     )
     while time.monotonic() < deadline:
         if lab.proc.poll() is not None:
+            if f"The port {lab.port} is already in use" in lab.log.read_text(errors="replace"):
+                return False
             pytest.fail(f"jupyter lab exited with {lab.proc.returncode}:\n{lab.log_tail()}")
         try:
             with urllib.request.urlopen(request, timeout=2) as response:
                 if response.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
+                    return True
+        except (urllib.error.URLError, OSError, http.client.HTTPException):
             pass
         time.sleep(0.25)
     pytest.fail(f"jupyter lab did not answer within {timeout:.0f} s:\n{lab.log_tail()}")
@@ -207,15 +214,38 @@ def serve(tmp_path: Path, notebooks: dict, durable: bool = False, trusted: tuple
     env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
                JUPYTER_CONFIG_DIR=str(tmp_path / "config"), PYTHONUNBUFFERED="1")
     env[MARK_VAR] = mark = new_mark()
-    port, token = free_port(), secrets.token_hex(16)
+    token = secrets.token_hex(16)
     log = tmp_path / "jupyter-lab.log"
     signatures = notary(root)
     for name in trusted:
         signatures.sign(nbformat.read(root / name, as_version=4))
-    with open(log, "wb") as out:
+    for _ in range(3):  # a port another process took meanwhile: again, on another
+        server = _start_lab(tmp_path, root, env, mark, token, log, signatures)
+        if wait_until_serving(server):
+            break
+    else:
+        pytest.fail(f"jupyter lab found its port taken 3 times:\n{server.log_tail()}")
+    try:
+        yield server
+    finally:
+        started = server.processes()
+        stop_lab(server)
+        ARTIFACTS.mkdir(exist_ok=True)
+        (ARTIFACTS / f"{tmp_path.name}.jupyter.log").write_bytes(log.read_bytes())
+        left_cmds = kill_left(started, timeout=10)
+        assert not left_cmds, f"still running 10 s after JupyterLab stopped (killed): {left_cmds}"
+
+
+def _start_lab(tmp_path: Path, root: Path, env: dict, mark: str, token: str, log: Path,
+               signatures) -> Lab:
+    """``jupyter lab`` on a free port, in its own process group, told to use that port or
+    end (not to try the next: the test would not know it)."""
+    port = free_port()
+    with open(log, "ab") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root",
-             "--ip=127.0.0.1", f"--port={port}", f"--IdentityProvider.token={token}",
+             "--ip=127.0.0.1", f"--port={port}", "--ServerApp.port_retries=0",
+             f"--IdentityProvider.token={token}",
              f"--ServerApp.root_dir={root}", "--LabApp.news_url=None",
              "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
              "--LabApp.extension_manager=readonly",
@@ -226,17 +256,7 @@ def serve(tmp_path: Path, notebooks: dict, durable: bool = False, trusted: tuple
             cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True,
         )
-    server = Lab(proc, port, token, mark, log, root, env)
-    try:
-        wait_until_serving(server)
-        yield server
-    finally:
-        started = server.processes()
-        stop_lab(server)
-        ARTIFACTS.mkdir(exist_ok=True)
-        (ARTIFACTS / f"{tmp_path.name}.jupyter.log").write_bytes(log.read_bytes())
-        left_cmds = kill_left(started, timeout=10)
-        assert not left_cmds, f"still running 10 s after JupyterLab stopped (killed): {left_cmds}"
+    return Lab(proc, port, token, mark, log, root, env)
 
 
 #: Skips a browser test where Debian's chromium is missing.
