@@ -16,7 +16,7 @@ from ipydist.specs import StartOptions
 
 __all__ = [
     "IpydistError", "Session", "StartOptions", "__version__", "load_ipython_extension",
-    "metrics", "unload_ipython_extension",
+    "magics_session", "metrics", "unload_ipython_extension",
 ]
 
 
@@ -26,6 +26,17 @@ def __getattr__(name: str):
 
         return Session
     raise AttributeError(f"module 'ipydist' has no attribute {name!r}")
+
+
+def magics_session():
+    """The :class:`Session` the magics drive in this notebook (``%dist_start``'s), or None
+    before ``%load_ext ipydist``: its methods and ``client`` from Python. (Not ``session``:
+    that is the module :class:`Session` is defined in.)"""
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    magics = shell.magics_manager.registry.get("DistMagics") if shell is not None else None
+    return getattr(magics, "session", None)
 
 
 def metrics(ranks: bool = False, session=None):
@@ -40,14 +51,10 @@ def metrics(ranks: bool = False, session=None):
     rank's points, with a ``rank`` column first -- the other ranks send theirs only when they
     log with ``reduce="none"``.
     """
-    from IPython import get_ipython
-
     from ipydist.notebook.live.history import MetricHistory
 
     if session is None:
-        shell = get_ipython()
-        magics = shell.magics_manager.registry.get("DistMagics") if shell is not None else None
-        session = getattr(magics, "session", None)
+        session = magics_session()
     history = session.metrics if session is not None else MetricHistory()
     try:
         import pandas  # noqa: F401

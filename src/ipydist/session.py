@@ -95,6 +95,14 @@ class Session:
         return self.cluster is not None and self.cluster.client is not None
 
     @property
+    def client(self):
+        """ipyparallel's ``Client`` of the running cluster, for what ipydist does not wrap:
+        engine ``i`` is rank ``i`` (``s.client[:]`` is a DirectView of every rank). Code sent
+        through it bypasses ipydist's failure handling: a rank that raises is not released,
+        and a collective one rank never calls hangs the others."""
+        return self._require_running(alive=False).client
+
+    @property
     def ranks(self) -> list[dict]:
         """One dict per rank, in rank order: rank, host, pid, device, backend, ... (the
         fields of :class:`~ipydist.protocol.RankInfo`)."""

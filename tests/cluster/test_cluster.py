@@ -311,6 +311,16 @@ def test_push_pull_round_trip(shell, capsys, cluster):
     assert "'never_set' is not defined on ranks 0-3" in str(result.error_in_exec)
 
 
+def test_the_magics_session_and_its_ipyparallel_client_are_reachable(shell, capsys, cluster):
+    import ipydist
+
+    assert ipydist.magics_session() is cluster
+    client = ipydist.magics_session().client
+    assert sorted(client.ids) == list(range(cluster.size)), "engine i is rank i"
+    run_cell(shell, capsys, "%%everyrank\nimport ipydist.torch as hvd\nfrom_cell = hvd.rank()")
+    assert client[:].pull("from_cell", block=True) == list(range(cluster.size))
+
+
 def test_state_survives_between_cells(shell, capsys, cluster):
     ok(shell, capsys, "%%everyrank\nimport torch\nacc = torch.zeros(1)")
     for _ in range(3):
