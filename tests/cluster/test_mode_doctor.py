@@ -75,6 +75,20 @@ def test_doctor_passes_here_and_runs_an_allreduce(capsys):
     assert checks["GPUs"].split()[0] in ("OK", "NOTE"), checks["GPUs"]
     assert checks["kernelspec"].split()[0] in ("OK", "NOTE"), checks["kernelspec"]
     assert "2 ranks started, allreduce correct" in checks["cluster"]
+    assert checks["JupyterLab"].endswith("ipydist's panel"), "make test builds the panel"
+
+
+def test_doctor_notes_an_install_without_the_side_panel(tmp_path, monkeypatch):
+    import jupyter_core.paths
+
+    from ipydist.cli import doctor
+
+    widgets = tmp_path / "@jupyter-widgets" / "jupyterlab-manager"
+    widgets.mkdir(parents=True)
+    (widgets / "package.json").write_text("{}")
+    monkeypatch.setattr(jupyter_core.paths, "jupyter_path", lambda *_: [str(tmp_path)])
+    check = doctor.check_lab_extension()
+    assert check.status == doctor.NOTE and "make lab" in check.detail, check
 
 
 def test_doctor_reports_a_missing_mpiexec_with_its_fix_and_exits_1(capsys, monkeypatch):

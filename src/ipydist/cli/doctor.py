@@ -138,19 +138,28 @@ def check_package(dist: str, why: str) -> Callable[[], Check]:
 
 
 def check_lab_extension() -> Check:
-    """The widget manager JupyterLab needs to show widgets (it ships in jupyterlab_widgets)."""
+    """The widget manager JupyterLab needs to show widgets (it ships in jupyterlab_widgets),
+    and ipydist's own labextension (the side panel, the catch-up of a page that comes back),
+    which an editable install lacks until ``make lab`` builds it."""
     from jupyter_core.paths import jupyter_path
 
     if _version("jupyterlab") is None:
         return Check(NOTE, "JupyterLab", "not installed: widgets need a front end that shows "
                      "them (pip install 'ipydist[lab]' for JupyterLab)")
-    found = [d for d in jupyter_path("labextensions")
-             if (Path(d) / "@jupyter-widgets" / "jupyterlab-manager" / "package.json").is_file()]
-    if not found:
+
+    def installed(*name: str) -> bool:
+        return any((Path(d).joinpath(*name) / "package.json").is_file()
+                   for d in jupyter_path("labextensions"))
+
+    if not installed("@jupyter-widgets", "jupyterlab-manager"):
         return Check(FAIL, "JupyterLab", f"{_version('jupyterlab')}, without the widget "
                      "extension: live metrics would not show", "pip install jupyterlab_widgets")
-    return Check(OK, "JupyterLab", f"{_version('jupyterlab')}, widget extension "
-                 f"{_version('jupyterlab_widgets') or 'installed'}")
+    widgets = f"widget extension {_version('jupyterlab_widgets') or 'installed'}"
+    if not installed("ipydist"):
+        return Check(NOTE, "JupyterLab", f"{_version('jupyterlab')}, {widgets}; ipydist's "
+                     "side panel and catch-up are not installed: in a checkout, make lab "
+                     "builds them; the wheel (make wheel) carries them")
+    return Check(OK, "JupyterLab", f"{_version('jupyterlab')}, {widgets}, ipydist's panel")
 
 
 def check_kernelspec() -> Check:
