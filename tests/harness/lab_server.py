@@ -51,9 +51,7 @@ class Lab:
     def trust(self, path: Path) -> None:
         """Sign the notebook at ``path`` as the person's own, as ``jupyter trust`` does, in
         this server's signature store (the test's, never the user's)."""
-        import nbformat
-
-        notary(self.root).sign(nbformat.read(path, as_version=4))
+        trust(self.root, path)
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}?token={self.token}"
@@ -82,6 +80,13 @@ def notary(root: Path):
 
     return NotebookNotary(db_file=str(root.parent / "nbsignatures.db"),
                           secret_file=str(root.parent / "notebook_secret"))
+
+
+def trust(root: Path, path: Path) -> None:
+    """Sign the notebook at ``path`` in the signatures of the server serving ``root``."""
+    import nbformat
+
+    notary(root).sign(nbformat.read(path, as_version=4))
 
 
 def cmdline(p: psutil.Process) -> str:
@@ -216,9 +221,9 @@ def serve(tmp_path: Path, notebooks: dict, durable: bool = False, trusted: tuple
     env[MARK_VAR] = mark = new_mark()
     token = secrets.token_hex(16)
     log = tmp_path / "jupyter-lab.log"
-    signatures = notary(root)
     for name in trusted:
-        signatures.sign(nbformat.read(root / name, as_version=4))
+        trust(root, root / name)
+    signatures = notary(root)
     for _ in range(3):  # a port another process took meanwhile: again, on another
         server = _start_lab(tmp_path, root, env, mark, token, log, signatures)
         if wait_until_serving(server):

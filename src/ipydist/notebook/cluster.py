@@ -393,12 +393,11 @@ class Cluster:
         deadline = time.monotonic() + wait_for_exit
         while processes.alive(launcher.process) and time.monotonic() < deadline:
             time.sleep(0.05)
-        if not processes.alive(launcher.process) and not launcher.stop_data:
+        if not processes.alive(launcher.process):
             # ipyparallel reads (and deletes) the output file when its loop hears of the exit,
             # which may wait for this very cell to end: read it first where it is still there
-            if text := processes.read_text(launcher.output_file):
+            if not launcher.stop_data and (text := processes.read_text(launcher.output_file)):
                 return startup.as_shown(text)
-        if not processes.alive(launcher.process):
             deadline = time.monotonic() + 2
             while not launcher.stop_data and time.monotonic() < deadline:
                 time.sleep(0.02)

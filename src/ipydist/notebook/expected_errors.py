@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import functools
 
+from ipydist.notebook.output import display
+
 #: Jupyter's cell tag for "this cell is expected to raise".
 TAG = "raises-exception"
 
@@ -22,15 +24,7 @@ TAG = "raises-exception"
 def running_cell_tags() -> list[str]:
     """The tags of the notebook cell the kernel is running (a front end sends the cell's
     metadata with its request); empty outside a kernel or for a request without them."""
-    from IPython import get_ipython
-
-    kernel = getattr(get_ipython(), "kernel", None)
-    if kernel is None:
-        return []
-    try:
-        tags = (kernel.get_parent("shell").get("metadata") or {}).get("tags")
-    except Exception:  # no kernel, or no request
-        return []
+    tags = (display.running_request().get("metadata") or {}).get("tags")
     return [t for t in tags if isinstance(t, str)] if isinstance(tags, list) else []
 
 

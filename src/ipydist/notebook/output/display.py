@@ -58,14 +58,16 @@ def in_kernel() -> bool:
     return getattr(get_ipython(), "kernel", None) is not None
 
 
-def running_request() -> dict:
-    """The request of the cell the kernel runs (its header, content and metadata, as the
-    front end sent it); empty outside a kernel or between requests."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return {}
-    kernel = getattr(get_ipython(), "kernel", None)
+def running_request(kernel=None) -> dict:
+    """The request of the cell ``kernel`` (by default this IPython's) runs: its header,
+    content and metadata, as the front end sent it; empty outside a kernel or between
+    requests."""
+    if kernel is None:
+        try:
+            from IPython import get_ipython
+        except ImportError:
+            return {}
+        kernel = getattr(get_ipython(), "kernel", None)
     if kernel is None:
         return {}
     try:

@@ -31,6 +31,8 @@ import os
 import threading
 from dataclasses import dataclass, field
 
+from ipydist.notebook.output import display
+
 #: The comm target a page opens to get the kept cells.
 TARGET = "ipydist.kept_cells"
 #: How many cells are kept (the last ones run).
@@ -261,11 +263,7 @@ def install(shell) -> OutputKeeper | None:
     # publisher, the display hook, the streams): it is one object, its attribute replaced.
 
     def started(info=None, execution_count: int | None = None) -> None:
-        try:
-            request = kernel.get_parent("shell")
-        except TypeError:  # an older ipykernel, without channels
-            request = kernel.get_parent()
-        keeper.started(request or {}, execution_count)
+        keeper.started(display.running_request(kernel), execution_count)
 
     # the cell that loads ipydist (whose number IPython has counted on by one already)
     started(execution_count=shell.execution_count - 1)
