@@ -18,8 +18,11 @@ import subprocess
 import sys
 import textwrap
 import time
+import uuid
+from pathlib import Path
 
 import pytest
+from lab_server import write_server_config
 from slurm_cluster import SlurmCluster, unavailable
 
 REASON = unavailable()
@@ -255,3 +258,72 @@ def test_a_job_that_waits_in_the_queue_past_the_timeout_is_cancelled_and_says_wh
     assert out["seconds"] < 20, out
     assert out["partition"].startswith("LaunchError: --launcher slurm: sinfo lists no node in "
                                        "partition nosuch"), out["partition"]
+
+
+#: The recipe's notebook (docs/recipes.md, "Slurm, with JupyterLab inside an allocation"): the
+#: cells a person types in the JupyterLab that runs on the allocation's first node, and one that
+#: prints what the test checks.
+LAB_CELLS = [
+    "%load_ext ipydist",
+    "%dist_start --launcher slurm --timeout 120",
+    "%%everyrank\n" + TRAIN + "\nimport socket\nhost = socket.gethostname()",
+    """
+import ipydist, json, os, subprocess
+s = ipydist.magics_session()
+out = {"hosts": s.pull("host"), "params": s.pull("params"), "losses": s.pull("losses", rank=0),
+       "total": s.pull("total"), "job": os.environ.get("SLURM_JOB_ID"),
+       "jobs": subprocess.run(["squeue", "-h", "-o", "%A"], capture_output=True,
+                              text=True).stdout.split()}
+print("RESULT " + json.dumps(out))
+""",
+    "%dist_stop",
+]
+
+
+def test_jupyterlab_inside_an_allocation_starts_ranks_with_launcher_slurm(slurm):
+    """The recipe as written: ``salloc`` on the login host, JupyterLab started in it by
+    ``srun`` on the first node (listening on the node's name), a kernel of that JupyterLab
+    (driven over its REST API and websocket from the login host, as a page through a tunnel
+    would) runs ``%dist_start --launcher slurm``: the ranks are one step of the same allocation,
+    on both nodes, and train; ``%dist_stop`` ends them, and the allocation ends with JupyterLab."""
+    root = slurm.dir / "lab"
+    root.mkdir()
+    write_server_config(root / "config", durable=False)
+    token = uuid.uuid4().hex
+    port = 8888
+    lab = slurm.hosts.popen(slurm.login, [
+        "salloc", "-N2", "-n4", "--time=5",
+        "srun", "--nodes=1", "--ntasks=1", "bash", "-c",
+        f"exec {sys.executable} -m jupyter lab --no-browser --allow-root --ip=$(hostname) "
+        f"--port {port} --ServerApp.port_retries=0 --IdentityProvider.token={token} "
+        f"--ServerApp.root_dir={root} --LabApp.check_for_updates_class="
+        "jupyterlab.NeverCheckForUpdate"],
+        cwd=root, env=slurm.env(JUPYTER_RUNTIME_DIR=str(root / "runtime"),
+                                JUPYTER_CONFIG_DIR=str(root / "config"),
+                                JUPYTER_DATA_DIR=str(root / "data")),
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+    try:
+        done = slurm.hosts.run(slurm.login, [
+            sys.executable, str(Path(__file__).parents[1] / "harness" / "lab_client.py"),
+            f"http://node1:{port}", token, json.dumps(LAB_CELLS), "180"],
+            capture_output=True, text=True, timeout=300, env=slurm.env())
+        cells = [json.loads(ln) for ln in done.stdout.splitlines() if ln.startswith("{")]
+        assert done.returncode == 0 and len(cells) == len(LAB_CELLS) and not any(
+                c["error"] for c in cells), (
+            f"exit {done.returncode}\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
+        started = cells[1]["text"]
+        assert "4 ranks on 2 hosts ready" in started, started
+        out = json.loads(cells[3]["text"].split("RESULT ", 1)[1])
+        assert f"with Slurm (srun in job {out['job']}) · " in started, started
+        check_training(out | {"local": [0, 1, 0, 1]})
+        # one allocation, JupyterLab's: the ranks are a step of it, not a job of their own
+        assert out["jobs"] == [out["job"]], out
+    finally:
+        lab.send_signal(signal.SIGINT)
+        try:
+            lab.wait(20)
+        except subprocess.TimeoutExpired:
+            lab.kill()
+            lab.wait(10)
+        print(lab.stdout.read()[-3000:])

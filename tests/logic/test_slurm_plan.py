@@ -1,12 +1,15 @@
 """``--launcher slurm``'s rules, without Slurm: the srun and salloc command lines, what is refused
-and how it is said, salloc's job lines, srun's report of a rank that died (issue 14). The real
-launch, against slurmctld and slurmds, is in tests/hosts/test_slurm_launch.py."""
+and how it is said, salloc's job lines, srun's report of a rank that died, the allocation's tasks
+seen from inside one of its steps. The real launch, against slurmctld and slurmds, is in
+tests/hosts/test_slurm_launch.py."""
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
-from ipydist.notebook.launch import deaths, slurm
+from ipydist.notebook.launch import deaths, hosts, slurm
 from ipydist.notebook.launch.startup import StartWatch
 from ipydist.protocol import RankInfo
 from ipydist.specs import SpecError, parse_launcher
@@ -31,6 +34,23 @@ def test_inside_an_allocation_the_ranks_are_one_srun_step_with_the_mpi_plugin():
     _, args = slurm.commands(4, "openmpi", slurm.Request(), {**ALLOCATION,
                                                              "SLURM_MPI_TYPE": "pmix_v4"})
     assert not any(a.startswith("--mpi") for a in args), "the site's SLURM_MPI_TYPE is kept"
+
+
+def test_from_inside_a_job_step_the_ranks_step_gets_none_of_that_steps_layout():
+    """JupyterLab started by ``srun -N1 -n1``: srun left its one task's layout in the
+    environment, which the ranks' srun would read as its own options."""
+    step = {**ALLOCATION, "SLURM_STEP_ID": "0", "SLURM_DISTRIBUTION": "cyclic",
+            "SLURM_NTASKS": "1", "SLURM_TASKS_PER_NODE": "1"}
+    command, args = slurm.commands(4, "openmpi", slurm.Request(), step)
+    assert command[0].endswith("env") and command[-1] == "/usr/bin/srun"
+    assert command[1:-1] == ["-u", "SLURM_DISTRIBUTION", "-u", "SLURM_NTASKS", "-u",
+                             "SLURM_TASKS_PER_NODE"]
+    # JupyterLab's step holds a CPU of the allocation for as long as it runs
+    assert "--overlap" in args
+    _, args = slurm.commands(4, "openmpi", slurm.Request(args=["--exclusive"]), step)
+    assert "--overlap" not in args, "the user's choice"
+    _, args = slurm.commands(4, "openmpi", slurm.Request(), ALLOCATION)
+    assert "--overlap" not in args and "--exclusive" not in args
 
 
 def test_outside_an_allocation_salloc_asks_for_the_tasks_and_runs_srun():
@@ -130,3 +150,37 @@ def test_the_magic_takes_the_slurm_options_and_refuses_them_without_the_launcher
         result = shell.run_cell("%dist_start --launcher sbatch")
     text = str(result.error_in_exec or "") + captured.stderr
     assert "--launcher sbatch: expected mpiexec" in text
+
+
+@pytest.mark.parametrize("shown, cpus, expected", [
+    # salloc -N2 -n4 on nodes of 2 CPUs, as scontrol 22.05 writes it with --oneliner
+    ("JobId=1 NumNodes=2 NumCPUs=4 NumTasks=4 CPUs/Task=1 ReqB:S:C:T=0:0:*:* "
+     "NtasksPerN:B:S:C=0:0:*:*", "2(x2)", [2, 2]),
+    ("NumTasks=3 CPUs/Task=1", "2,1", [2, 1]),
+    # whole nodes of 64 CPUs: the tasks, not the CPUs
+    ("NumTasks=8 CPUs/Task=1 NtasksPerN:B:S:C=0:0:*:*", "64(x2)", [4, 4]),
+    ("NumTasks=8 CPUs/Task=1 NtasksPerN:B:S:C=4:0:*:*", "64(x2)", [4, 4]),
+    ("NumTasks=4 CPUs/Task=2", "4(x2)", [2, 2]),
+    ("NumTasks=5 CPUs/Task=1", "4,1", [4, 1]),
+    ("", "2(x2)", [2, 2]),  # no answer from scontrol: what the CPUs hold
+])
+def test_inside_a_job_step_the_allocations_tasks_come_from_the_job(shown, cpus, expected):
+    assert hosts.tasks_in_job(shown, cpus, 2) == expected
+
+
+def test_a_job_steps_own_tasks_per_node_are_not_taken_for_the_allocations(monkeypatch):
+    """JupyterLab started by ``srun -N1 -n1`` in ``salloc -N2 -n4``: SLURM_TASKS_PER_NODE is
+    the step's 1, the allocation's 2 a node are asked of scontrol."""
+    env = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_TASKS_PER_NODE": "1",
+           "SLURM_JOB_CPUS_PER_NODE": "2(x2)"}
+    assert hosts.allocation_tasks(env, 2) == [1, 1]  # a batch script's: the variable says
+    asked = []
+
+    def scontrol(argv, **kw):
+        asked.append(argv[1:])
+        return subprocess.CompletedProcess(argv, 0, "JobId=7 NumTasks=4 CPUs/Task=1", "")
+
+    monkeypatch.setattr(hosts.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(hosts.subprocess, "run", scontrol)
+    assert hosts.allocation_tasks({**env, "SLURM_STEP_ID": "0"}, 2) == [2, 2]
+    assert asked == [["show", "job", "--oneliner", "7"]]

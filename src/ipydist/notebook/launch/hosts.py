@@ -5,12 +5,19 @@ Where hosts come from, first match wins: ``--hosts nodeA:4,nodeB:4``; ``--hostfi
 MPI's or MPICH's syntax); hosts named in ``--mpi-args`` (``--host``, ``--hostfile``); inside a
 Slurm allocation (``SLURM_JOB_ID`` set), the allocation's nodes and tasks per node. Otherwise
 this host alone, where nothing needs to listen beyond loopback.
+
+A notebook can run inside one step of its allocation: JupyterLab started with ``srun`` on the
+first node, or by a spawner's batch script. There Slurm describes the step, not the allocation,
+in ``SLURM_TASKS_PER_NODE`` (``1``), so the allocation's tasks are asked of ``scontrol``
+instead (see :func:`allocation_tasks`).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
+import subprocess
 from dataclasses import dataclass
 
 from ipydist import network, protocol
@@ -50,7 +57,7 @@ def choose(hosts: str | None = None, hostfile: str | None = None,
         return with_route(named)
     if env.get("SLURM_JOB_ID") and env.get("SLURM_JOB_NODELIST"):
         nodes = expand_nodelist(env["SLURM_JOB_NODELIST"])
-        tasks = expand_tasks(env.get("SLURM_TASKS_PER_NODE", ""), len(nodes))
+        tasks = allocation_tasks(env, len(nodes))
         return with_route(Hosts(list(zip(nodes, tasks)),
                                  f"Slurm allocation {env['SLURM_JOB_ID']}"))
     return None
@@ -154,3 +161,45 @@ def expand_tasks(tasks_per_node: str, nodes: int) -> list[int]:
         counts += [int(m.group(1))] * int(m.group(2) or 1)
     return counts if len(counts) == nodes else [1] * nodes
 
+
+
+def allocation_tasks(env, nodes: int) -> list[int]:
+    """The allocation's tasks on each of its ``nodes``. Outside a job step (a batch script,
+    ``salloc``'s shell), ``SLURM_TASKS_PER_NODE`` says it; inside one (``SLURM_STEP_ID`` set),
+    that variable is the step's, and the allocation's come from ``scontrol show job``."""
+    if not (env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")):
+        return expand_tasks(env.get("SLURM_TASKS_PER_NODE", ""), nodes)
+    scontrol = shutil.which("scontrol")
+    shown = ""
+    if scontrol:
+        try:
+            shown = subprocess.run([scontrol, "show", "job", "--oneliner", env["SLURM_JOB_ID"]],
+                                   capture_output=True, text=True, timeout=20).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            shown = ""
+    return tasks_in_job(shown, env.get("SLURM_JOB_CPUS_PER_NODE", ""), nodes)
+
+
+def tasks_in_job(scontrol_job: str, cpus_per_node: str, nodes: int) -> list[int]:
+    """The tasks of a job on each node, from ``scontrol show job``'s ``NumTasks``,
+    ``CPUs/Task`` and ``NtasksPerN`` and the job's ``SLURM_JOB_CPUS_PER_NODE`` (``2(x3),1``):
+    its tasks per node where it asked for a number, else its tasks spread evenly over its nodes,
+    at most what each node's CPUs hold. Without scontrol's answer, what the CPUs hold (one task
+    a CPU)."""
+    cpus = expand_tasks(cpus_per_node, nodes)
+    field = {k: v for k, v in re.findall(r"([\w/:]+)=(\S+)", scontrol_job)}
+    per_task = int(field["CPUs/Task"]) if field.get("CPUs/Task", "").isdigit() else 1
+    fits = [max(1, c // max(1, per_task)) for c in cpus]
+    per_node = field.get("NtasksPerN:B:S:C", "0").split(":")[0]
+    if per_node.isdigit() and int(per_node) > 0:
+        return [int(per_node)] * nodes
+    if not field.get("NumTasks", "").isdigit():
+        return fits
+    left = int(field["NumTasks"])
+    counts = [0] * nodes
+    while left > 0 and any(c < f for c, f in zip(counts, fits)):
+        for i in range(nodes):
+            if left and counts[i] < fits[i]:
+                counts[i] += 1
+                left -= 1
+    return [max(1, c) for c in counts]

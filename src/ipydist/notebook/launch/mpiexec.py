@@ -143,8 +143,9 @@ class Plan:
 
     @property
     def command_name(self) -> str:
-        """The name of the command that starts the ranks (``mpiexec``, ``srun``, ``salloc``)."""
-        return os.path.basename(self.command[0])
+        """The name of the command that starts the ranks (``mpiexec``, ``srun``, ``salloc``;
+        ``mpiexec`` is the program the command runs, past an ``env -u ...`` where it has one)."""
+        return os.path.basename(self.mpiexec)
 
 
 def plan(

@@ -157,9 +157,9 @@ def plan(np: int, flavor: str, request: Request, rank_env: dict[str, str],
     job = current_job(env)
     hint = ("Check --partition, --time, --account and --slurm-args against what Slurm says "
             "above (sinfo lists the partitions and their limits).")
-    return Plan(command[0], flavor, args, rank_env, route is not None, [], route, hosts,
-                command=command, launcher=launchers.Slurm(job), hint=hint, allocates=not job,
-                np=np)
+    return Plan(launcher_program(command), flavor, args, rank_env, route is not None, [], route,
+                hosts, command=command, launcher=launchers.Slurm(job), hint=hint,
+                allocates=not job, np=np)
 
 
 def commands(np: int, flavor: str, request: Request, env=None) -> tuple[list[str], list[str]]:
@@ -174,11 +174,47 @@ def commands(np: int, flavor: str, request: Request, env=None) -> tuple[list[str
     step += ["--kill-on-bad-exit=1", "--export=ALL"]
     srun = find("srun")
     if current_job(env):
-        return [srun], step + user
+        if in_step(env) and not any(a in STEP_SHARING for a in user):
+            # the notebook's step (JupyterLab's) holds some of the allocation's CPUs until it
+            # ends: without --overlap the ranks' step would wait for them for ever
+            step.append("--overlap")
+        return [*without_step_layout(env), srun], step + user
     allocate = [find("salloc"), f"--ntasks={np}", *request.allocation_options()]
     if not any(a in ("-J", "--job-name") or a.startswith("--job-name=") for a in user):
         allocate.append("--job-name=ipydist")
     return [*allocate, *user, srun], step
+
+
+#: What srun says of the step it started, in its tasks' environment, and reads back as its own
+#: options when one of those tasks runs srun again: a notebook in a step of its allocation
+#: (JupyterLab started by ``srun -N1 -n1``) would give the ranks that one task's layout
+#: (``cyclic``: srun's choice for as few tasks as nodes).
+STEP_LAYOUT = ("SLURM_DISTRIBUTION", "SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NNODES",
+               "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_CPU_BIND")
+
+
+def launcher_program(command: list[str]) -> str:
+    """The Slurm program that ``command`` runs (past an ``env -u ...``): salloc or srun."""
+    return next(c for c in command if os.path.basename(c) in ("salloc", "srun"))
+
+
+#: srun's options that say whether a step shares the allocation's CPUs with other steps.
+STEP_SHARING = ("--overlap", "--exclusive")
+
+
+def in_step(env) -> bool:
+    """Whether this process runs in a job step that srun started (``SLURM_STEP_ID``), not in a
+    batch script or salloc's shell."""
+    return bool(env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID"))
+
+
+def without_step_layout(env) -> list[str]:
+    """``env -u ...`` for the step layout variables set, inside a job step; nothing elsewhere
+    (a batch script's or salloc's shell: those are the allocation's, or the user's)."""
+    if not in_step(env):
+        return []
+    unset = [a for name in STEP_LAYOUT if name in env for a in ("-u", name)]
+    return [shutil.which("env") or "/usr/bin/env", *unset] if unset else []
 
 
 _JOB_LINE = re.compile(r"(?:Pending|Granted) job allocation (\d+)")
