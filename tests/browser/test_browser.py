@@ -1,9 +1,12 @@
-"""The live metrics widget in a real browser.
+"""The live metrics widget in a real browser, and a newcomer's first notebook.
 
 JupyterLab runs the quickstart notebook in Chromium (Debian's package, driven by Playwright) and
 the test watches the chart under the training cell fill up while that cell is still running:
 this is the one place where the widget's JavaScript, the kernel's comm messages and the ranks'
-``hvd.log`` stream are all real at once.
+``hvd.log`` stream are all real at once. That JupyterLab is a newcomer's: ipydist's wheel, built
+from this checkout as ``make wheel`` builds it, installed into a new environment
+(tests/harness/newcomer.py), whose ``jupyter labextension list`` names the side panel, whose
+page shows the panel, and whose kernel and ranks import ipydist from the wheel.
 
 Needs ``/usr/bin/chromium``: ``scripts/ensure-chromium.sh`` installs it (``make test`` runs it
 first). Playwright never downloads a browser of its own here.
@@ -22,10 +25,13 @@ import json
 import os
 import re
 import shutil
+import sys
 import time
+import zipfile
 from pathlib import Path
 
 import nbformat
+import newcomer
 import psutil
 import pytest
 from helpers import CHROMIUM, kept_forkservers, wait_gone
@@ -57,6 +63,27 @@ pytestmark = pytest.mark.skipif(
     not Path(CHROMIUM).exists(),
     reason=f"{CHROMIUM} is missing: run scripts/ensure-chromium.sh (make test does)",
 )
+
+
+@pytest.fixture
+def newcomer_lab(tmp_path):
+    """JupyterLab from a new environment with ipydist's wheel installed, serving the
+    quickstart: the README's path for a person who installs the wheel."""
+    wheel = newcomer.build_wheel(tmp_path)
+    panel = newcomer.panel_files(wheel)
+    assert any(n.endswith("/ipydist/package.json") for n in panel), (
+        f"the wheel has no side panel (make test builds it first: make .venv/.labextension): "
+        f"{zipfile.ZipFile(wheel).namelist()[-20:]}")
+    assert any("/static/remoteEntry." in n for n in panel), "the panel comes prebuilt"
+    new = newcomer.install(tmp_path, wheel)
+    assert (new.labextensions / "ipydist" / "package.json").is_file()
+    # (the test venv's script, run by the new environment's Python, as its own would be)
+    listed = new.run([str(Path(sys.executable).parent / "jupyter-labextension"), "list"])
+    text = listed.stdout + listed.stderr
+    line = next((ln for ln in text.splitlines() if ln.strip().startswith("ipydist ")), "")
+    assert "enabled" in line and "OK" in line and str(new.labextensions) in text, text
+    with serve(tmp_path, {QUICKSTART.name: QUICKSTART}, python=new.python) as server:
+        yield server
 
 
 @pytest.fixture
@@ -193,9 +220,15 @@ def _settled(page, index: int, timeout: float = 10.0) -> dict:
 
 
 @pytest.mark.timeout(300)
-def test_quickstart_live_chart_in_jupyterlab(lab, page, console):
+def test_quickstart_live_chart_in_a_newcomers_jupyterlab(newcomer_lab, page, console):
+    lab = newcomer_lab
     index = _training_cell_index()
     open_notebook(page, lab, QUICKSTART.name, console)
+    # the wheel's side panel is there, before any ipydist runs
+    page.locator(".jp-SideBar.jp-mod-right .lm-TabBar-tab", has_text="ipydist").click()
+    page.wait_for_function(
+        "() => document.querySelector('#ipydist-cluster-panel .ipydist-cluster-caption')"
+        "?.textContent.includes('no ipydist in this notebook')", timeout=30_000)
     before = lab.processes(marked=False)  # the kernel; everything new from here on is the cluster
     assert before, "the notebook's kernel says idle but JupyterLab has no child process"
     page.evaluate(RECORD_WIDGET, index)
@@ -217,6 +250,8 @@ def test_quickstart_live_chart_in_jupyterlab(lab, page, console):
     # keeps its fork server for its next start (it ends with the kernel), with no rank left.
     cluster = {pid: cmd for pid, cmd in seen.items() if pid not in before}
     assert cluster, "no cluster process was seen while the notebook ran"
+    python = lab.proc.args[0]  # the newcomer's environment ran the ranks too
+    assert any(cmd.startswith(python) for cmd in cluster.values()), (python, cluster)
     kept = kept_forkservers(cluster)
     left = wait_gone([p for p in cluster if p not in kept], timeout=10)
     assert not left, f"%dist_stop left these running: {[cluster[p] for p in left]}"

@@ -197,14 +197,16 @@ def write_server_config(config_dir: Path, durable: bool) -> None:
 
 
 @contextlib.contextmanager
-def serve(tmp_path: Path, notebooks: dict, durable: bool = False, trusted: tuple = ()):
+def serve(tmp_path: Path, notebooks: dict, durable: bool = False, trusted: tuple = (),
+          python: Path | None = None):
     """JupyterLab serving ``notebooks`` (file name -> a notebook's path, copied without its
     outputs, or an nbformat notebook); on leaving, stopped with everything it started, and an
     AssertionError if anything had to be killed.
 
     ``durable``: with server-side execution (jupyter-server-nbmodel, jupyter-collaboration);
     ``trusted``: the names of the notebooks signed as the person's own (the server's
-    signature store is the test's, never the user's)."""
+    signature store is the test's, never the user's); ``python``: the environment's Python
+    that runs JupyterLab (and so its kernels), the test venv's by default."""
     import nbformat
 
     root = tmp_path / "root"
@@ -225,7 +227,8 @@ def serve(tmp_path: Path, notebooks: dict, durable: bool = False, trusted: tuple
         trust(root, root / name)
     signatures = notary(root)
     for _ in range(3):  # a port another process took meanwhile: again, on another
-        server = _start_lab(tmp_path, root, env, mark, token, log, signatures)
+        server = _start_lab(tmp_path, root, env, mark, token, log, signatures,
+                            python or Path(sys.executable))
         if wait_until_serving(server):
             break
     else:
@@ -242,13 +245,13 @@ def serve(tmp_path: Path, notebooks: dict, durable: bool = False, trusted: tuple
 
 
 def _start_lab(tmp_path: Path, root: Path, env: dict, mark: str, token: str, log: Path,
-               signatures) -> Lab:
+               signatures, python: Path) -> Lab:
     """``jupyter lab`` on a free port, in its own process group, told to use that port or
     end (not to try the next: the test would not know it)."""
     port = free_port()
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root",
+            [str(python), "-m", "jupyterlab", "--no-browser", "--allow-root",
              "--ip=127.0.0.1", f"--port={port}", "--ServerApp.port_retries=0",
              f"--IdentityProvider.token={token}",
              f"--ServerApp.root_dir={root}", "--LabApp.news_url=None",
