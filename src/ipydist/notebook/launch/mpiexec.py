@@ -143,9 +143,14 @@ class Plan:
 
     @property
     def command_name(self) -> str:
-        """The name of the command that starts the ranks (``mpiexec``, ``srun``, ``salloc``;
-        ``mpiexec`` is the program the command runs, past an ``env -u ...`` where it has one)."""
-        return os.path.basename(self.mpiexec)
+        """The name of the command that starts the ranks (``mpiexec``, ``mpiexec.gforker``,
+        ``srun``, ``salloc``), past the ``env -u NAME ...`` in front of it where it has one."""
+        first = 0
+        if self.command and os.path.basename(self.command[0]) == "env":
+            first = 1
+            while first < len(self.command) and self.command[first] == "-u":
+                first += 2
+        return os.path.basename(self.command[first])
 
 
 def plan(
