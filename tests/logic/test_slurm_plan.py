@@ -51,6 +51,10 @@ def test_from_inside_a_job_step_the_ranks_step_gets_none_of_that_steps_layout():
     assert "--overlap" not in args, "the user's choice"
     _, args = slurm.commands(4, "openmpi", slurm.Request(), ALLOCATION)
     assert "--overlap" not in args and "--exclusive" not in args
+    # the start line names srun, not the env in front of it
+    plan = slurm.plan(4, "openmpi", slurm.Request(), {}, None, env=step)
+    assert plan.command[0].endswith("env") and plan.command_name == "srun"
+    assert plan.mpiexec == "/usr/bin/srun"
 
 
 def test_outside_an_allocation_salloc_asks_for_the_tasks_and_runs_srun():
