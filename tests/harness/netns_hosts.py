@@ -626,14 +626,18 @@ def _ns_link(pid: int, kind: str) -> str | None:
 
 
 def _cmdline(pid: int) -> str | None:
-    """The command line of a live process; None for a zombie or a process that is gone."""
+    """The command line of a live process; None for a zombie or a process that is gone. A
+    process in the middle of an exec shows an empty command line for a moment: it is alive,
+    and named by its executable's name until its new one shows."""
     try:
         raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+        if raw:
+            return raw.rstrip(b"\0").replace(b"\0", b" ").decode(errors="replace")
+        stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    if not raw:
-        return None
-    return raw.rstrip(b"\0").replace(b"\0", b" ").decode(errors="replace")
+    name, state = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:][:1]
+    return None if state in ("Z", "X") else f"[{name}]"
 
 
 def _children(pid: int) -> list[int]:

@@ -307,13 +307,16 @@ class Cluster:
         self._rank_procs = []
         self.world_changed = True
 
-    def call(self, name: str, *args, timeout: float, ranks: list[int] | None = None):
+    def call(self, name: str, *args, timeout: float, ranks: list[int] | None = None,
+             ending: range = range(0)):
         """``ipydist.rank.calls.<name>(*args)`` on every rank (or on ``ranks``); the replies
         in rank order.
 
         Raises :class:`~ipydist.errors.RankTimeout` naming the ranks that did not answer
         within ``timeout``; their request is cancelled where it has not begun, so nothing
-        queues behind it.
+        queues behind it. ``ending``: ranks whose process ends once they answered (those that
+        leave a shrinking world): where ipyparallel saw the process end before its answer
+        came, the reply is None, not an error.
         """
         ranks = list(range(self.size)) if ranks is None else list(ranks)
         ar = self.view(ranks).apply_async(protocol.on_rank, name, *args)
@@ -321,7 +324,13 @@ class Cluster:
             late = ipp.still_running(ar, ranks)
             self.abort([ipp.msg_id(ar, ranks, r) for r in late], late)
             raise RankTimeout(f"{describe_ranks(late)} did not answer within {timeout:g} s")
-        return ar.get()
+        if not ending:
+            return ar.get()
+        replies = ar.get(return_exceptions=True)
+        for rank, reply in zip(ranks, replies):
+            if isinstance(reply, Exception) and not (rank in ending and ipp.engine_died(reply)):
+                raise reply
+        return [None if isinstance(reply, Exception) else reply for reply in replies]
 
     def busy_ranks(self, ranks: list[int]) -> list[int]:
         """Those of ``ranks`` still running (or queueing) a request of ours."""

@@ -263,7 +263,7 @@ def scale(cluster, size: int) -> str:
     deadline = started + HEAL_SECONDS
     was = cluster.size
     if size < was:
-        cluster.call("resize", size, timeout=HEAL_SECONDS)
+        cluster.call("resize", size, timeout=HEAL_SECONDS, ending=range(size, was))
         cluster.drop_ranks(size)
         what = f"{describe_ranks(range(size, was))} left"
     else:

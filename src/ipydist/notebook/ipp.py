@@ -55,6 +55,12 @@ def outcomes(async_result, targets: list[int]) -> dict[int, str]:
     return out
 
 
+def engine_died(error: Exception) -> bool:
+    """Whether ``error`` is ipyparallel's word that the engine's process ended before it
+    answered (``EngineError``, as the reply of a request it was running)."""
+    return getattr(error, "ename", type(error).__name__) == "EngineError"
+
+
 def has_pending_requests(client, engine_id: int) -> bool:
     """Whether a request of ``client``'s is still running or queued on an engine.
 
