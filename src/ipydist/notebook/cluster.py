@@ -324,13 +324,7 @@ class Cluster:
             late = ipp.still_running(ar, ranks)
             self.abort([ipp.msg_id(ar, ranks, r) for r in late], late)
             raise RankTimeout(f"{describe_ranks(late)} did not answer within {timeout:g} s")
-        if not ending:
-            return ar.get()
-        replies = ar.get(return_exceptions=True)
-        for rank, reply in zip(ranks, replies):
-            if isinstance(reply, Exception) and not (rank in ending and ipp.engine_died(reply)):
-                raise reply
-        return [None if isinstance(reply, Exception) else reply for reply in replies]
+        return ipp.results(ar, ranks, ending)
 
     def busy_ranks(self, ranks: list[int]) -> list[int]:
         """Those of ``ranks`` still running (or queueing) a request of ours."""

@@ -61,6 +61,19 @@ def engine_died(error: Exception) -> bool:
     return getattr(error, "ename", type(error).__name__) == "EngineError"
 
 
+def results(async_result, targets: list[int], ending=()) -> list:
+    """The replies of ``targets`` in order, an error raised as ipyparallel raises it; but where
+    a rank of ``ending`` (one whose process ends once it answered) was seen to end before its
+    answer came, its reply is None."""
+    if not ending:
+        return async_result.get()
+    replies = async_result.get(return_exceptions=True)
+    for rank, reply in zip(targets, replies):
+        if isinstance(reply, Exception) and not (rank in ending and engine_died(reply)):
+            raise reply
+    return [None if isinstance(reply, Exception) else reply for reply in replies]
+
+
 def has_pending_requests(client, engine_id: int) -> bool:
     """Whether a request of ``client``'s is still running or queued on an engine.
 
