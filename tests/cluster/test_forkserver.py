@@ -42,6 +42,13 @@ def test_ranks_are_forked_from_one_server(cluster):
         assert SERVER not in _cmdline(stub) and "-m ipydist.rank" in _cmdline(stub), info
         assert psutil.Process(stub).ppid() != psutil.Process(info["pid"]).ppid()
 
+    # the server formatted a traceback once before forking: no rank warms the formatter up
+    cluster.run("import sys\n"
+                "from ipydist.rank import released_errors\n"
+                "warm = [all(n in sys.modules for n in released_errors.FORMATTER_MODULES),\n"
+                "        released_errors.warmed_here]")
+    assert cluster.pull("warm") == [[True, False]] * cluster.size
+
 
 def test_forked_ranks_draw_their_own_random_numbers_and_end_with_their_stubs(
         shell, capsys, magics, no_cluster):

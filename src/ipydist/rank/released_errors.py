@@ -47,10 +47,22 @@ def _show(shell, etype, value, tb, tb_offset=None):
     return None
 
 
+#: Modules that formatting an exception as IPython does imports: loaded, they say that the
+#: formatter was warmed up already (by the fork server this rank was forked from).
+FORMATTER_MODULES = ("pygments.lexers.python", "pygments.formatters.terminal256")
+#: Whether this rank warmed the formatter up itself (False where its fork server had).
+warmed_here = False
+
+
 def warm_up() -> None:
     """Format one exception in a background thread, so that IPython's formatter (pygments,
     stack_data) is loaded before the first cell fails; uses a formatter of its own, not the
-    shell's, so the shell's state is not shared with the thread."""
+    shell's, so the shell's state is not shared with the thread. Nothing to do in a rank forked
+    from a server that did it (``forkserver.warm_tracebacks``)."""
+    global warmed_here
+    if all(name in sys.modules for name in FORMATTER_MODULES):
+        return
+    warmed_here = True
     threading.Thread(target=_format_one, name="ipydist-warm-tracebacks", daemon=True).start()
 
 

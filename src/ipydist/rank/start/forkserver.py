@@ -77,6 +77,21 @@ _MESSAGE_MAX = 1 << 20
 FDS_MAX = 250
 
 
+def warm_tracebacks() -> None:
+    """Format one exception as IPython does, so that its formatter's imports (pygments'
+    lexers and formatters, stack_data's) are made here once, not by every rank
+    (``ipydist.rank.released_errors.warm_up``, which then finds them made)."""
+    try:
+        from IPython.core.ultratb import VerboseTB
+
+        try:
+            raise ValueError("warming up the traceback formatter")
+        except ValueError:
+            VerboseTB().structured_traceback(*sys.exc_info())
+    except Exception:  # only a warm-up: each rank's own then does it
+        pass
+
+
 def address(key: str) -> str:
     """The server's abstract socket: one per cluster and user, and per host by nature (the
     abstract namespace belongs to a network namespace, as the test hosts are)."""
@@ -100,6 +115,7 @@ def serve(key: str, owner: int | None = None) -> dict | None:
             __import__(name)
         except Exception:  # the rank imports it (and reports why it fails) itself
             pass
+    warm_tracebacks()
     # Forking a process with threads is unsafe, unless they expect it: OpenBLAS (numpy's) starts
     # its pool when loaded and stops it before a fork (pthread_atfork); no Python thread may run.
     if threading.active_count() != 1:
