@@ -163,11 +163,17 @@ def expand_tasks(tasks_per_node: str, nodes: int) -> list[int]:
 
 
 
+def in_step(env) -> bool:
+    """Whether this process runs in a job step that srun started (``SLURM_STEP_ID``), not in a
+    batch script or salloc's shell."""
+    return bool(env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID"))
+
+
 def allocation_tasks(env, nodes: int) -> list[int]:
     """The allocation's tasks on each of its ``nodes``. Outside a job step (a batch script,
     ``salloc``'s shell), ``SLURM_TASKS_PER_NODE`` says it; inside one (``SLURM_STEP_ID`` set),
     that variable is the step's, and the allocation's come from ``scontrol show job``."""
-    if not (env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")):
+    if not in_step(env):
         return expand_tasks(env.get("SLURM_TASKS_PER_NODE", ""), nodes)
     scontrol = shutil.which("scontrol")
     shown = ""

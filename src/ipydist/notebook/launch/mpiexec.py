@@ -145,12 +145,18 @@ class Plan:
     def command_name(self) -> str:
         """The name of the command that starts the ranks (``mpiexec``, ``mpiexec.gforker``,
         ``srun``, ``salloc``), past the ``env -u NAME ...`` in front of it where it has one."""
-        first = 0
-        if self.command and os.path.basename(self.command[0]) == "env":
-            first = 1
-            while first < len(self.command) and self.command[first] == "-u":
-                first += 2
-        return os.path.basename(self.command[first])
+        return os.path.basename(program_of(self.command))
+
+
+def program_of(command: list[str]) -> str:
+    """The program ``command`` runs: its first word, or past ``env -u NAME ...`` where the
+    command begins so (Slurm's, inside a job step)."""
+    first = 0
+    if os.path.basename(command[0]) == "env":
+        first = 1
+        while first < len(command) and command[first] == "-u":
+            first += 2
+    return command[first]
 
 
 def plan(

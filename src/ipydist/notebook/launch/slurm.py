@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from ipydist import protocol
 from ipydist.errors import LaunchError
 from ipydist.notebook.launch import launchers
-from ipydist.notebook.launch.hosts import Hosts, with_route
+from ipydist.notebook.launch.hosts import Hosts, in_step, with_route
 from ipydist.notebook.launch.hosts import choose as choose_hosts
 from ipydist.notebook.launch.launchers import openmpi_tuning
-from ipydist.notebook.launch.mpiexec import Plan, find_mpiexec, mpi_flavor
+from ipydist.notebook.launch.mpiexec import Plan, find_mpiexec, mpi_flavor, program_of
 from ipydist.specs import SpecError
 
 #: srun's ``--mpi`` plugin for each MPI (the wheels': Open MPI's PMIx, MPICH's PMI-2). Without
@@ -157,7 +157,7 @@ def plan(np: int, flavor: str, request: Request, rank_env: dict[str, str],
     job = current_job(env)
     hint = ("Check --partition, --time, --account and --slurm-args against what Slurm says "
             "above (sinfo lists the partitions and their limits).")
-    return Plan(launcher_program(command), flavor, args, rank_env, route is not None, [], route,
+    return Plan(program_of(command), flavor, args, rank_env, route is not None, [], route,
                 hosts, command=command, launcher=launchers.Slurm(job), hint=hint,
                 allocates=not job, np=np)
 
@@ -193,19 +193,8 @@ STEP_LAYOUT = ("SLURM_DISTRIBUTION", "SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NNOD
                "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_CPU_BIND")
 
 
-def launcher_program(command: list[str]) -> str:
-    """The Slurm program that ``command`` runs (past an ``env -u ...``): salloc or srun."""
-    return next(c for c in command if os.path.basename(c) in ("salloc", "srun"))
-
-
 #: srun's options that say whether a step shares the allocation's CPUs with other steps.
 STEP_SHARING = ("--overlap", "--exclusive")
-
-
-def in_step(env) -> bool:
-    """Whether this process runs in a job step that srun started (``SLURM_STEP_ID``), not in a
-    batch script or salloc's shell."""
-    return bool(env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID"))
 
 
 def without_step_layout(env) -> list[str]:
