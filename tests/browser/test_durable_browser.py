@@ -32,17 +32,25 @@ from lab_server import (
     ran,
     run_all_cells,
     serve,
+    stop_training,
     training_cell,
     wait_for_cell,
 )
 
 TRUSTED, UNTRUSTED = "durable.ipynb", "downloaded.ipynb"
-STEPS = 24
-CELLS = [
-    "%load_ext ipydist\n%dist_start --np 2",
-    training_cell(STEPS),
-    "%%everyrank\nimport time\nprint('waiting', flush=True)\ntime.sleep(300)",  # stopped
-]
+#: The training cell's most steps: it ends sooner, once the page has shown it live
+#: (``stop_training``), at a step written in this file of the test's folder.
+STEPS, STOP = 120, "stop-at"
+
+
+def _cells(folder) -> list[str]:
+    return [
+        "%load_ext ipydist\n%dist_start --np 2",
+        training_cell(STEPS, folder / STOP),
+        "%%everyrank\nimport time\nprint('waiting', flush=True)\ntime.sleep(300)",  # stopped
+    ]
+
+
 SHORT = [
     "%load_ext ipydist\n%dist_start --np 1",
     "%%everyrank\nimport ipydist.torch as hvd\n"
@@ -84,16 +92,17 @@ def _static_copies(cell: dict) -> list[str]:
 @pytest.mark.timeout(360)
 def test_server_side_execution_survives_a_closed_page_and_saves_a_complete_notebook(tmp_path):
     console: list[str] = []
-    notebooks = {TRUSTED: notebook_of(CELLS), UNTRUSTED: notebook_of(SHORT)}
+    notebooks = {TRUSTED: notebook_of(_cells(tmp_path)), UNTRUSTED: notebook_of(SHORT)}
     with serve(tmp_path, notebooks, durable=True, trusted=(TRUSTED,)) as lab, \
             browser_page(console, "browser-durable", []) as page:
         open_notebook(page, lab, TRUSTED, console)
         run_all_cells(page)
         _, _, caught_up = leave_and_come_back(page, lab, TRUSTED)
+        steps = stop_training(page, tmp_path / STOP)
         end = wait_for_cell(page, lambda r: ran(r["prompt"]), 120, "the cell did not end")
-        assert printed_lines(end["text"]) == list(range(STEPS)), end["text"]
+        assert printed_lines(end["text"]) == list(range(steps)), end["text"]
         assert "done" in end["text"], end["text"]
-        assert end["points"] == STEPS, "the chart has every point"
+        assert end["points"] == steps, "the chart has every point"
         copy_hidden = page.evaluate("""() => [...document.querySelectorAll(
             '.jp-CodeCell .ipydist-fallback')].every((e) => e.offsetParent === null)""")
         assert copy_hidden, "the static copy shows beside the chart that rendered"
@@ -116,9 +125,9 @@ def test_server_side_execution_survives_a_closed_page_and_saves_a_complete_noteb
         progress = _text(start_cell).splitlines()
         assert progress[0].startswith("Starting 2 ranks") and progress[-1].startswith(
             "Start: "), f"the start's progress ends with its start line: {progress}"
-        assert printed_lines(_text(training)) == list(range(STEPS)) and "done" in _text(training)
+        assert printed_lines(_text(training)) == list(range(steps)) and "done" in _text(training)
         copies = _static_copies(training)
-        assert any("<svg" in c and f"{STEPS} of {STEPS} steps" in c for c in copies), (
+        assert any("<svg" in c and f"{steps} of {STEPS} steps" in c for c in copies), (
             f"no static chart in the saved file: {copies}")
 
         # a notebook not trusted: no widget renders; the text says the last values

@@ -33,26 +33,34 @@ from lab_server import (
     ran,
     run_all_cells,
     serve,
+    stop_training,
     training_cell,
     wait_for_cell,
 )
 
 NOTEBOOK = "reopen.ipynb"
-STEPS = 36
-CELLS = [
-    "%load_ext ipydist\n%dist_start --np 2",
-    # every rank prints the same line: merged, it is shown as soon as both copies came, so
-    # the first one comes before the first point, as in a training loop
-    training_cell(STEPS),
-    "print('the next cell')",  # queued by Run All: the page that came back follows it too
-    # ends while no page is there (the page leaves again as it starts)
-    "%%everyrank\nimport time\nimport ipydist.torch as hvd\ntime.sleep(3)\n"
-    "for i in range(4):\n"
-    "    hvd.log(step=i, total=4, loss=0.5 - i / 10)\n"
-    "    if hvd.rank() == 0:\n"
-    "        print(f'short {i}', flush=True)\n"
-    "    time.sleep(0.5)",
-]
+#: The training cell's most steps: it ends sooner, once the page has shown it live
+#: (``stop_training``), at a step written in this file of the test's folder.
+STEPS, STOP = 120, "stop-at"
+
+
+def _cells(folder) -> list[str]:
+    return [
+        "%load_ext ipydist\n%dist_start --np 2",
+        # every rank prints the same line: merged, it is shown as soon as both copies came,
+        # so the first one comes before the first point, as in a training loop
+        training_cell(STEPS, folder / STOP),
+        "print('the next cell')",  # queued by Run All: the page that came back follows it too
+        # ends while no page is there (the page leaves again as it starts)
+        "%%everyrank\nimport time\nimport ipydist.torch as hvd\ntime.sleep(3)\n"
+        "for i in range(4):\n"
+        "    hvd.log(step=i, total=4, loss=0.5 - i / 10)\n"
+        "    if hvd.rank() == 0:\n"
+        "        print(f'short {i}', flush=True)\n"
+        "    time.sleep(0.5)",
+    ]
+
+
 PANEL = "#ipydist-cluster-panel"
 
 pytestmark = NEEDS_CHROMIUM
@@ -89,7 +97,7 @@ def _save(page, path) -> dict:
 @pytest.mark.timeout(300)
 def test_a_page_that_comes_back_mid_cell_catches_up_and_follows_live(tmp_path):
     console: list[str] = []
-    with serve(tmp_path, {NOTEBOOK: notebook_of(CELLS)}) as lab, \
+    with serve(tmp_path, {NOTEBOOK: notebook_of(_cells(tmp_path))}) as lab, \
             browser_page(console, "browser-reopen", []) as page:
         open_notebook(page, lab, NOTEBOOK, console)
         run_all_cells(page)
@@ -103,8 +111,9 @@ def test_a_page_that_comes_back_mid_cell_catches_up_and_follows_live(tmp_path):
         page.wait_for_function(f"""() => [...document.querySelectorAll(
             '{PANEL} .ipydist-cluster-table tbody tr')].some(
             (tr) => tr.cells[3].textContent.startsWith('running cell'))""", timeout=15_000)
+        steps = stop_training(page, tmp_path / STOP)
         end = wait_for_cell(page, lambda r: ran(r["prompt"]), 120, "the cell did not end")
-        assert printed_lines(end["text"]) == list(range(STEPS)), end["text"]
+        assert printed_lines(end["text"]) == list(range(steps)), end["text"]
         assert "done" in end["text"]
         wait_for_cell(page, lambda r: r["prompt"] == "[3]:" and "the next cell" in r["text"], 30,
                       "the cell queued after the training cell was not shown", cell=2)
@@ -123,7 +132,7 @@ def test_a_page_that_comes_back_mid_cell_catches_up_and_follows_live(tmp_path):
         saved = _save(page, lab.root / NOTEBOOK)
     outputs = saved["cells"][1]["outputs"]
     text = "".join("".join(o.get("text", "")) for o in outputs if o["output_type"] == "stream")
-    assert printed_lines(text) == list(range(STEPS)) and "done" in text, text
+    assert printed_lines(text) == list(range(steps)) and "done" in text, text
     kinds = ["chart" if "application/vnd.jupyter.widget-view+json" in o.get("data", {})
              else "line 0" if "line 0\n" in "".join(o.get("text", "")) else ""
              for o in outputs]

@@ -422,16 +422,35 @@ def wait_for_cell(page, what, timeout: float, describe: str, cell: int = 1) -> d
         page.wait_for_timeout(200)
 
 
-def training_cell(steps: int) -> str:
+def training_cell(steps: int, stop: Path | None = None) -> str:
     """An ``%%everyrank`` cell that prints ``line N`` and logs a point each second, for
-    ``steps`` seconds, then rank 0 prints "done"."""
-    return ("%%everyrank\nimport time\nimport ipydist.torch as hvd\n"
+    ``steps`` seconds, then rank 0 prints "done". With ``stop``, every rank ends its loop at
+    the step :func:`stop_training` writes there, the same on each: a test that has seen what
+    it waits for ends the cell then, and on a slow machine the cell does not end before."""
+    check = (f"    if os.path.exists({str(stop)!r}) and i >= int(open({str(stop)!r}).read()):\n"
+             "        break\n") if stop else ""
+    return ("%%everyrank\nimport os\nimport time\nimport ipydist.torch as hvd\n"
             f"for i in range({steps}):\n"
+            f"{check}"
             "    print(f'line {i}', flush=True)\n"
             f"    hvd.log(step=i, total={steps}, loss=1.0 / (i + 1))\n"
             "    time.sleep(1)\n"
             "if hvd.rank() == 0:\n"
             "    print('done')")
+
+
+def stop_training(page, stop: Path, cell: int = 1) -> int:
+    """End the :func:`training_cell` with ``stop`` that code cell ``cell`` runs, 5 steps (5 s)
+    after the last line the page shows: the ranks are not that far past it, even where the
+    page lags on a loaded machine, so each stops at that step. The number of lines it prints
+    in all. Written whole, then renamed:
+    a rank never reads half of it."""
+    shown = max(printed_lines(page.evaluate(READ_CELL, cell)["text"]), default=0)
+    steps = shown + 5
+    partial = stop.with_suffix(".partial")
+    partial.write_text(str(steps))
+    partial.rename(stop)
+    return steps
 
 
 def printed_lines(text: str) -> list[int]:
