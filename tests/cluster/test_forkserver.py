@@ -49,6 +49,18 @@ def test_ranks_are_forked_from_one_server(cluster):
                 "        released_errors.warmed_here]")
     assert cluster.pull("warm") == [[True, False]] * cluster.size
 
+    # what the server imported is out of the ranks' garbage collections (it froze it before
+    # forking), and torch's operator libraries are not unregistered at a rank's end
+    cluster.run("import gc, weakref, torch.library\n"
+                "frozen = gc.get_freeze_count()\n"
+                "torch_ones = [f for f in weakref.finalize._registry  # (frozen: not in gc's)\n"
+                "              if f.peek()[1] is torch.library._del_library]\n"
+                "kept = [len(torch_ones), sum(f.atexit for f in torch_ones)]")
+    for frozen in cluster.pull("frozen"):
+        assert frozen > 100_000, f"the server froze {frozen} objects"
+    for libraries, at_exit in cluster.pull("kept"):
+        assert libraries > 100 and at_exit == 0, (libraries, at_exit)
+
 
 def test_forked_ranks_draw_their_own_random_numbers_and_end_with_their_stubs(
         shell, capsys, magics, no_cluster):

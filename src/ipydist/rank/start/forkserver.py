@@ -33,6 +33,7 @@ mpiexec ends a rank by ending the process it started, SIGKILL included.
 from __future__ import annotations
 
 import fcntl
+import gc
 import json
 import os
 import select
@@ -43,6 +44,7 @@ import threading
 import time
 
 from ipydist import protocol
+from ipydist.rank import ending
 
 #: Set in a rank forked by the server: the read end of the pipe its stub holds (None otherwise).
 lifeline: int | None = None
@@ -50,14 +52,17 @@ lifeline: int | None = None
 stub_pid: int | None = None
 
 #: What the server imports before it forks: the third-party modules every rank imports (its
-#: own modules stay out: they may read the environment when imported, and each rank has its
-#: own). In the order a rank imports them: ``tqdm.auto`` picks its bar when first imported,
-#: the text bar only before ipykernel's shell is (``ipydist.rank.progress``). The kernel's
-#: debugger (debugpy) and IPython's tracebacks (stack_data) are imported as the engine starts:
-#: 0.1 s a rank.
+#: own modules stay out, but for :mod:`ipydist.rank.ending`: they may read the environment
+#: when imported, and each rank has its own). In the order a rank imports them: ``tqdm.auto``
+#: picks its bar when first imported, the text bar only before ipykernel's shell is
+#: (``ipydist.rank.progress``). The kernel's debugger (debugpy) and IPython's tracebacks
+#: (stack_data) are imported as the engine starts: 0.1 s a rank; then what the engine's shell
+#: names by string (traitlets imports it as the shell is built), its history's sqlite3 and pdb.
 PRELOAD = ("tqdm.autonotebook", "torch", "torch.distributed", "torch.nn.parallel", "numpy",
            "mpi4py", "ipyparallel.engine.app", "ipykernel.ipkernel", "IPython",
-           "ipykernel.debugger", "stack_data")
+           "ipykernel.debugger", "stack_data", "IPython.core.oinspect",
+           "IPython.core.completerlib", "IPython.core.logger", "IPython.extensions.storemagic",
+           "IPython.utils.wildcard", "sqlite3", "tornado.platform.asyncio", "pdb")
 #: What a kept server (one per notebook, for all its clusters: see the module's doc) imports
 #: beside :data:`PRELOAD`: what a rank's first training step imports. ``torch.optim``'s
 #: ``Optimizer.zero_grad`` imports ``torch._dynamo`` on its first call (1.0-1.3 CPU-seconds),
@@ -116,6 +121,11 @@ def serve(key: str, owner: int | None = None) -> dict | None:
         except Exception:  # the rank imports it (and reports why it fails) itself
             pass
     warm_tracebacks()
+    ending.skip_torch_unregistering()
+    # What is imported is set aside from the garbage collector (as CPython's docs advise before
+    # a fork): a rank's collections then pass over its own objects only, not torch's 166,000,
+    # and leave the pages it shares with this server unwritten.
+    gc.freeze()
     # Forking a process with threads is unsafe, unless they expect it: OpenBLAS (numpy's) starts
     # its pool when loaded and stops it before a fork (pthread_atfork); no Python thread may run.
     if threading.active_count() != 1:
