@@ -22,7 +22,8 @@ workers do:
 
 What is not done: objects' ``__del__`` methods beyond these, which Python does not promise to
 run at exit either; nor torch's own finalizers that unregister its operators from its
-dispatcher (:func:`skip_torch_unregistering`), whose work dies with the process.
+dispatcher, whose work dies with the process (the fork server marks them:
+``ipydist.rank.start.forkserver.skip_torch_unregistering``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ import io
 import os
 import sys
 import threading
-import weakref
 
 
 def run_then_exit(main) -> None:
@@ -81,22 +81,6 @@ def _run_exit_callbacks() -> None:
     what reference counting frees anyway as the namespace is cleared."""
     gc.freeze()  # (never undone: the process ends next, and collects nothing more)
     atexit._run_exitfuncs()
-
-
-def skip_torch_unregistering() -> None:
-    """Leave torch's operator libraries registered at exit. torch keeps a ``weakref.finalize``
-    per library (134 once torch is imported) that, run by atexit, unregisters the library's
-    operators one by one: 0.04 CPU-s of each rank's end, for tables inside the process that
-    is going. Called where torch was imported before the ranks (the fork server)."""
-    library = sys.modules.get("torch.library")
-    unregister = getattr(library, "_del_library", None)
-    if unregister is None:
-        return
-    for obj in gc.get_objects():
-        if type(obj) is weakref.finalize:
-            peeked = obj.peek()
-            if peeked is not None and peeked[1] is unregister:
-                obj.atexit = False
 
 
 def _exit_code(code) -> int:

@@ -42,9 +42,9 @@ import socket
 import sys
 import threading
 import time
+import weakref
 
 from ipydist import protocol
-from ipydist.rank import ending
 
 #: Set in a rank forked by the server: the read end of the pipe its stub holds (None otherwise).
 lifeline: int | None = None
@@ -52,12 +52,12 @@ lifeline: int | None = None
 stub_pid: int | None = None
 
 #: What the server imports before it forks: the third-party modules every rank imports (its
-#: own modules stay out, but for :mod:`ipydist.rank.ending`: they may read the environment
-#: when imported, and each rank has its own). In the order a rank imports them: ``tqdm.auto``
-#: picks its bar when first imported, the text bar only before ipykernel's shell is
-#: (``ipydist.rank.progress``). The kernel's debugger (debugpy) and IPython's tracebacks
-#: (stack_data) are imported as the engine starts: 0.1 s a rank; then what the engine's shell
-#: names by string (traitlets imports it as the shell is built), its history's sqlite3 and pdb.
+#: own modules stay out: they may read the environment when imported, and each rank has its
+#: own). In the order a rank imports them: ``tqdm.auto`` picks its bar when first imported,
+#: the text bar only before ipykernel's shell is (``ipydist.rank.progress``). The kernel's
+#: debugger (debugpy) and IPython's tracebacks (stack_data) are imported as the engine
+#: starts: 0.1 s a rank; then what the engine's shell names by string (traitlets imports it
+#: as the shell is built), its history's sqlite3 and pdb.
 PRELOAD = ("tqdm.autonotebook", "torch", "torch.distributed", "torch.nn.parallel", "numpy",
            "mpi4py", "ipyparallel.engine.app", "ipykernel.ipkernel", "IPython",
            "ipykernel.debugger", "stack_data", "IPython.core.oinspect",
@@ -97,6 +97,22 @@ def warm_tracebacks() -> None:
         pass
 
 
+def skip_torch_unregistering() -> None:
+    """Leave torch's operator libraries registered at exit. torch keeps a ``weakref.finalize``
+    per library (134 once torch is imported) that, run by atexit, unregisters the library's
+    operators one by one: 0.04 CPU-s of each rank's end (``ipydist.rank.ending``), for
+    tables inside the process that is going."""
+    library = sys.modules.get("torch.library")
+    unregister = getattr(library, "_del_library", None)
+    if unregister is None:
+        return
+    for obj in gc.get_objects():
+        if type(obj) is weakref.finalize:
+            peeked = obj.peek()
+            if peeked is not None and peeked[1] is unregister:
+                obj.atexit = False
+
+
 def address(key: str) -> str:
     """The server's abstract socket: one per cluster and user, and per host by nature (the
     abstract namespace belongs to a network namespace, as the test hosts are)."""
@@ -121,7 +137,7 @@ def serve(key: str, owner: int | None = None) -> dict | None:
         except Exception:  # the rank imports it (and reports why it fails) itself
             pass
     warm_tracebacks()
-    ending.skip_torch_unregistering()
+    skip_torch_unregistering()
     # What is imported is set aside from the garbage collector (as CPython's docs advise before
     # a fork): a rank's collections then pass over its own objects only, not torch's 166,000,
     # and leave the pages it shares with this server unwritten.
