@@ -8,7 +8,10 @@ What a user waits for, measured through a real IPython shell:
     n=N).start_and_connect_sync()`` followed by ``import torch`` on every engine (and still no
     process group). ipyparallel's defaults are kept; ``--oversubscribe`` is passed to mpiexec
     only when N is above the core count, as it must be for OpenMPI to start at all.
-(c) the round trip of an empty cell, ``%%everyrank pass``, beside ipyparallel's own ``%px pass``
+(c) the busy CPU of the whole machine over each of (a) and (b), from the start to every
+    process of the cluster gone after its stop: what a start costs beside its wait, which
+    on a shared machine (a test suite, a notebook beside other work) is what others lose.
+(d) the round trip of an empty cell, ``%%everyrank pass``, beside ipyparallel's own ``%px pass``
     sent to the same engines of the same ipydist cluster, so only the client side differs.
 
 Why: ipydist's promise is that a cluster is ready for work sooner than with ipyparallel plus an
@@ -189,6 +192,12 @@ def time_round_trips(ip, n: int, rounds: int, notes: list[str]) -> tuple[list[fl
     return everyrank, px
 
 
+def busy_cpu() -> float:
+    """CPU-seconds the whole machine has been busy (every core; ``guest`` is in ``user``)."""
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+
+
 def median(values: list[float]) -> float:
     """The median, or NaN when every attempt failed."""
     return statistics.median(values) if values else float("nan")
@@ -262,23 +271,29 @@ def main(argv: list[str] | None = None) -> int:
     for n in args.np:
         ours: list[float] = []
         theirs: list[float] = []
+        cpu: dict[str, list[float]] = {"ipydist": [], "ipyparallel": []}
         first: list[float] = []  # np's first ipydist start: its fork server imports torch
         for r in range(args.repeats):
             order = ("ipydist", "ipyparallel") if r % 2 == 0 else ("ipyparallel", "ipydist")
             for tool in order:
                 label = f"np={n} start #{r + 1} {tool:<11}"
+                busy = busy_cpu()
                 try:
                     if tool == "ipydist":
                         elapsed, inner, _ = time_ipydist_start(ip, n, notes)
+                        cold = not first
                         (ours if first else first).append(elapsed)
                         extra = f" (start() said {inner:.2f} s)" if inner is not None else ""
                     else:
-                        elapsed, extra = time_ipyparallel_start(n, notes), ""
+                        elapsed, extra, cold = time_ipyparallel_start(n, notes), "", False
                         theirs.append(elapsed)
                 except Exception as e:  # one failed start should not lose the whole run
                     failed(label, e, notes)
                     continue
-                print(f"{label} {elapsed:6.2f} s{extra}", flush=True)
+                busy = busy_cpu() - busy
+                if not cold:
+                    cpu[tool].append(busy)
+                print(f"{label} {elapsed:6.2f} s, {busy:5.2f} busy CPU-s{extra}", flush=True)
         everyrank: list[float] = []
         px: list[float] = []
         for attempt in (1, 2):  # a failed start is reported above; retry it once here
@@ -301,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
             median(theirs),
             median(everyrank) * 1e3,
             median(px) * 1e3,
+            median(cpu["ipydist"]),
+            median(cpu["ipyparallel"]),
         ))
 
     print()
@@ -316,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     print(header)
     print("-" * len(header))
     start_ratios, trip_ratios = [], []
-    for n, ours_s, theirs_s, er_ms, px_ms in rows:
+    for n, ours_s, theirs_s, er_ms, px_ms, _, _ in rows:
         start_ratio, trip_ratio = ours_s / theirs_s, er_ms / px_ms
         start_ratios.append(start_ratio)
         trip_ratios.append(trip_ratio)
@@ -325,6 +342,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{ratio_text(start_ratio, START_TARGET):>14}  {er_ms:>12.1f}  {px_ms:>7.1f}  "
             f"{ratio_text(trip_ratio, ROUND_TRIP_TARGET):>14}"
         )
+    print()
+    print("Busy CPU of the machine from a start (its first cell included) to its stop's end, "
+          "medians, restarts only:")
+    for n, *_, ours_cpu, theirs_cpu in rows:
+        print(f"np={n}: ipydist {ours_cpu:.2f} CPU-s, plain ipyparallel + import torch "
+              f"{theirs_cpu:.2f} CPU-s, {ours_cpu / theirs_cpu:.2f}x")
     print()
     print(
         f"start target (ipydist <= {START_TARGET}x plain ipyparallel + import torch): "

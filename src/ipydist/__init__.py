@@ -10,9 +10,14 @@ The notebook-side names are imported lazily so that ranks, which import ``ipydis
 do not pay for IPython's magics machinery.
 """
 
+from typing import TYPE_CHECKING
+
 from ipydist._version import __version__
 from ipydist.error_base import IpydistError
-from ipydist.specs import StartOptions
+
+if TYPE_CHECKING:
+    from ipydist.session import Session
+    from ipydist.specs import StartOptions
 
 __all__ = [
     "IpydistError", "Session", "StartOptions", "__version__", "load_ipython_extension",
@@ -21,10 +26,16 @@ __all__ = [
 
 
 def __getattr__(name: str):
+    # Lazily too: every process of a cluster imports this package, a rank's stub first
+    # (``python -m ipydist.rank``), which needs neither (StartOptions' module cost it 0.07 s).
     if name == "Session":
         from ipydist.session import Session
 
         return Session
+    if name == "StartOptions":
+        from ipydist.specs import StartOptions
+
+        return StartOptions
     raise AttributeError(f"module 'ipydist' has no attribute {name!r}")
 
 
