@@ -431,6 +431,11 @@ def test_a_hook_waiting_on_another_thread_is_named_and_a_first_release_frees_it(
         thread.join(5)
     assert not thread.is_alive()
     assert len(raised) == 1 and "was released" in str(raised[0])  # out of backward()
+    # the watcher samples between cells only while the sampler follows a call: the next
+    # sample takes the report back and lets the call's frame go
+    assert sampler.following
+    assert sampler.sample(sys._getframe(), 2.0) == {"collective": None}
+    assert not sampler.following
     assert opt._next_launch == 0 and all(b.exchange is None for b in opt._buckets)
 
 

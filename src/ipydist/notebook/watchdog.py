@@ -5,8 +5,10 @@ killed outright runs nothing, and would leave the controller, mpiexec and the ra
 So every cluster gets a small watchdog process in its own session. It holds the read end of
 a pipe whose only write end is in the kernel: when the kernel dies, the read returns at once
 (no polling of the kernel's pid), and the watchdog ends every process of the cluster. While
-waiting it refreshes, once a second, the list of the cluster's processes (the descendants of
-the controller and of mpiexec), so ranks are found even if mpiexec went first.
+waiting it refreshes the list of the cluster's processes (the descendants of the controller
+and of mpiexec), so ranks are found even if mpiexec went first: once a second while the
+cluster starts, then every few seconds (a refresh reads every process's /proc entry: 0.02
+CPU-s a second of an idle cluster's, once a second on a busy machine).
 
     python -m ipydist.notebook.watchdog FD [--heal-folder=DIR ...] PID [PID ...]
 """
@@ -22,7 +24,11 @@ from collections.abc import Sequence
 
 from ipydist.notebook.launch import processes
 
+#: How often the list of processes is refreshed while the cluster starts (its first
+#: :data:`STARTING_SECONDS`), and after.
 REFRESH_SECONDS = 1.0
+STARTING_SECONDS = 15.0
+LATER_REFRESH_SECONDS = 5.0
 #: The option that names a folder of heal files to sweep (``--heal-folder=DIR``).
 HEAL_FOLDER_OPTION = "--heal-folder="
 GRACE_SECONDS = 3.0
@@ -58,8 +64,11 @@ def main(argv: list[str]) -> int:
             known.setdefault(proc.pid, proc)
 
     refresh()
+    started = time.monotonic()
     while True:
-        ready, _, _ = select.select([fd], [], [], REFRESH_SECONDS)
+        starting = time.monotonic() - started < STARTING_SECONDS
+        ready, _, _ = select.select([fd], [], [],
+                                    REFRESH_SECONDS if starting else LATER_REFRESH_SECONDS)
         if ready and not os.read(fd, 1):
             break  # EOF: the kernel closed the pipe or died
         refresh()

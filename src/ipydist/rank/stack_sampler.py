@@ -94,6 +94,12 @@ class CollectiveSampler:
         self._since, self._reported = now, False
         return report
 
+    @property
+    def following(self) -> bool:
+        """Whether the last sample found a collective call (whose frame it keeps, and whose
+        wait it may have reported): the next sample lets it go."""
+        return self._frame is not None
+
     def current(self, now: float) -> dict:
         """What the last sample found: ``{"collective": name, "waited": seconds}``, or
         ``{"collective": None}`` outside one (no new look at the stack)."""

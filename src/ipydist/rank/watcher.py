@@ -136,7 +136,10 @@ def _watch() -> None:
             now = time.monotonic()
             if got:
                 _on_release()
-            elif report := collectives.sample(main_frame(), now):
+            # between cells no collective runs: the stacks are left unread (an idle rank's
+            # CPU), once a call the last sample found is let go (its report taken back)
+            elif (_in_cell or collectives.following) and (
+                    report := collectives.sample(main_frame(), now)):
                 channel.publish(STATE_KEY, report)
             if _in_cell and vitals.enabled and now >= next_vitals:
                 next_vitals = now + vitals.VITALS_SECONDS - stack_sampler.SAMPLE_SECONDS / 2

@@ -166,14 +166,20 @@ def _runs(pid: int) -> bool:
 def tree(pids: list[int]) -> list[psutil.Process]:
     """The processes ``pids`` that still run, and every process they started that still runs
     (each once)."""
+    children: dict[int, list[psutil.Process]] = {}
+    for proc in psutil.process_iter(["ppid"]):  # one pass over /proc for every root (each
+        children.setdefault(proc.info["ppid"], []).append(proc)  # .children() makes its own)
     found: dict[int, psutil.Process] = {}
     for pid in pids:
         try:
-            root = psutil.Process(pid)
-            for proc in [root, *root.children(recursive=True)]:
-                found.setdefault(proc.pid, proc)
+            todo = [psutil.Process(pid)]
         except psutil.Error:
             continue
+        while todo:
+            proc = todo.pop()
+            if proc.pid not in found:
+                found[proc.pid] = proc
+                todo += children.get(proc.pid, [])
     return list(found.values())
 
 
