@@ -444,6 +444,15 @@ class HostCluster:
                     h.init.stdout.close()
                 except subprocess.TimeoutExpired:
                     problems.append(f"{h.name}'s init did not exit after SIGKILL")
+            # unshare (h.init) can end before the host's init has: the kernel kills the rest
+            # of the host's processes as its init exits, and its exit ends only once they are
+            # gone (its sshd was once still listed just after unshare had ended)
+            deadline = time.monotonic() + 10
+            while h.init_pid is not None and _cmdline(h.init_pid) is not None:
+                if time.monotonic() > deadline:
+                    problems.append(f"{h.name}'s processes did not end within 10 s of SIGKILL")
+                    break
+                time.sleep(0.01)
             h.system.clear()
         for ns in [h.netns for h in self.all_hosts] + [self.switch]:
             problems += _remove_netns(ns)
