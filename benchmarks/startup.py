@@ -11,7 +11,10 @@ What a user waits for, measured through a real IPython shell:
 (c) the busy CPU of the whole machine over each of (a) and (b), from the start to every
     process of the cluster gone after its stop: what a start costs beside its wait, which
     on a shared machine (a test suite, a notebook beside other work) is what others lose.
-(d) the round trip of an empty cell, ``%%everyrank pass``, beside ipyparallel's own ``%px pass``
+(d) the busy CPU of the whole machine while a started cluster sits idle between cells
+    (``--idle-seconds``, each way twice, ABBA), less the machine's own without a cluster:
+    what a notebook left open costs the rest of the machine.
+(e) the round trip of an empty cell, ``%%everyrank pass``, beside ipyparallel's own ``%px pass``
     sent to the same engines of the same ipydist cluster, so only the client side differs.
 
 Why: ipydist's promise is that a cluster is ready for work sooner than with ipyparallel plus an
@@ -198,6 +201,60 @@ def busy_cpu() -> float:
     return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
 
 
+def idle_cpu(start_and_stop, seconds: float) -> float:
+    """Busy CPU-seconds per second of the machine while the cluster that ``start_and_stop``
+    (a context manager) keeps running sits idle, less the machine's own rate measured just
+    after it stopped."""
+    with start_and_stop:
+        time.sleep(2.0)  # past the start's own tail (the ranks' first cell has returned)
+        busy = busy_cpu()
+        time.sleep(seconds)
+        rate = (busy_cpu() - busy) / seconds
+    time.sleep(2.0)
+    busy = busy_cpu()
+    time.sleep(seconds / 2)
+    return rate - (busy_cpu() - busy) / (seconds / 2)
+
+
+@contextlib.contextmanager
+def ipydist_running(ip, n: int, notes: list[str]):
+    procs: list[psutil.Process] = []
+    try:
+        with quiet():
+            ip.run_line_magic("dist_start", f"--np {n}")
+            ip.run_cell_magic("everyrank", "", FIRST_CELL)
+        procs = descendants()
+        yield
+    finally:
+        procs = procs or descendants()
+        with quiet():
+            ip.run_line_magic("dist_stop", "")
+        notes += check_gone(procs, f"ipydist idle np={n}")
+
+
+@contextlib.contextmanager
+def ipyparallel_running(n: int, notes: list[str]):
+    with quiet():
+        cluster = ipp.Cluster(engines="mpi", n=n)
+    if n > (os.cpu_count() or 1):
+        cluster.config.MPILauncher.mpi_args = ["--oversubscribe"]
+    rc = None
+    procs: list[psutil.Process] = []
+    try:
+        with quiet():
+            rc = cluster.start_and_connect_sync()
+            rc[:].execute("import torch", block=True)
+        procs = descendants()
+        yield
+    finally:
+        procs = procs or descendants()
+        with quiet():
+            if rc is not None:
+                rc.close()
+            cluster.stop_cluster_sync()
+        notes += check_gone(procs, f"ipyparallel idle np={n}")
+
+
 def median(values: list[float]) -> float:
     """The median, or NaN when every attempt failed."""
     return statistics.median(values) if values else float("nan")
@@ -235,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--np", type=int, nargs="+", default=[2, 4], help="ranks per cluster")
     parser.add_argument("--repeats", type=int, default=3, help="starts measured per tool and np")
     parser.add_argument("--rounds", type=int, default=50, help="empty cells timed per magic")
+    parser.add_argument("--idle-seconds", type=float, default=10.0,
+                        help="seconds an idle cluster's CPU is measured, each way twice "
+                        "(0: not measured)")
     parser.add_argument("--hosts", help="instead: start time on these hosts (nodeA:2,nodeB:2) "
                         "against as many ranks on this host; 'netns' builds 2 test hosts here "
                         "(root); see benchmarks/startup_hosts.py")
@@ -310,6 +370,18 @@ def main(argv: list[str] | None = None) -> int:
         if first:
             print(f"np={n} first start (the kept fork server imports torch): {first[0]:.2f} s;"
                   f" restarts from it below", flush=True)
+        idle: dict[str, list[float]] = {"ipydist": [], "ipyparallel": []}
+        for tool in ("ipydist", "ipyparallel", "ipyparallel", "ipydist")[
+                :4 if args.idle_seconds > 0 else 0]:
+            running = (ipydist_running(ip, n, notes) if tool == "ipydist"
+                       else ipyparallel_running(n, notes))
+            try:
+                idle[tool].append(idle_cpu(running, args.idle_seconds))
+            except Exception as e:
+                failed(f"np={n} idle {tool}", e, notes)
+                continue
+            print(f"np={n} idle {tool:<11} {idle[tool][-1]:.3f} busy CPU-s a second",
+                  flush=True)
         rows.append((
             n,
             median(ours),
@@ -318,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
             median(px) * 1e3,
             median(cpu["ipydist"]),
             median(cpu["ipyparallel"]),
+            median(idle["ipydist"]),
+            median(idle["ipyparallel"]),
         ))
 
     print()
@@ -333,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     print(header)
     print("-" * len(header))
     start_ratios, trip_ratios = [], []
-    for n, ours_s, theirs_s, er_ms, px_ms, _, _ in rows:
+    for n, ours_s, theirs_s, er_ms, px_ms, *_ in rows:
         start_ratio, trip_ratio = ours_s / theirs_s, er_ms / px_ms
         start_ratios.append(start_ratio)
         trip_ratios.append(trip_ratio)
@@ -345,9 +419,15 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("Busy CPU of the machine from a start (its first cell included) to its stop's end, "
           "medians, restarts only:")
-    for n, *_, ours_cpu, theirs_cpu in rows:
+    for n, *_, ours_cpu, theirs_cpu, _, _ in rows:
         print(f"np={n}: ipydist {ours_cpu:.2f} CPU-s, plain ipyparallel + import torch "
               f"{theirs_cpu:.2f} CPU-s, {ours_cpu / theirs_cpu:.2f}x")
+    if args.idle_seconds > 0:
+        print("Busy CPU of the machine while a started cluster sits idle, less the machine's "
+              "own, CPU-s a second (median of 2 each):")
+        for n, *_, ours_idle, theirs_idle in rows:
+            print(f"np={n}: ipydist {ours_idle:.3f}, plain ipyparallel {theirs_idle:.3f}, "
+                  f"{ours_idle / theirs_idle:.2f}x")
     print()
     print(
         f"start target (ipydist <= {START_TARGET}x plain ipyparallel + import torch): "
