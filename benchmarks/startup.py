@@ -102,13 +102,13 @@ def check_gone(procs: list[psutil.Process], what: str, grace: float = 10.0) -> l
     return notes
 
 
-def time_ipydist_start(ip, n: int, notes: list[str], options: str = "",
-                       look=None) -> tuple[float, float | None, object]:
-    """Seconds from %dist_start (with ``options``) to a finished first cell; also ipydist's
-    own start figure, and what ``look(session)`` found on the cluster before it stopped."""
+@contextlib.contextmanager
+def ipydist_running(ip, n: int, notes: list[str], options: str = "", label: str = ""):
+    """An ipydist cluster started with ``%dist_start --np n`` (and ``options``) and its first
+    cell run, for the ``with`` block; yields its session and the seconds that took. Stopped
+    after, and checked that none of its processes is left (noted under ``label``)."""
     magics = ip.magics_manager.registry["DistMagics"]
     procs: list[psutil.Process] = []
-    seen = None
     try:
         with quiet():
             t0 = time.perf_counter()
@@ -116,18 +116,18 @@ def time_ipydist_start(ip, n: int, notes: list[str], options: str = "",
             ip.run_cell_magic("everyrank", "", FIRST_CELL)
             elapsed = time.perf_counter() - t0
         procs = descendants()
-        reported = magics.session.startup_seconds
-        seen = look(magics.session) if look else None
+        yield magics.session, elapsed
     finally:
         procs = procs or descendants()
         with quiet():
             ip.run_line_magic("dist_stop", "")
-    notes += check_gone(procs, f"ipydist np={n}{options}")
-    return elapsed, reported, seen
+        notes += check_gone(procs, label or f"ipydist np={n}{options}")
 
 
-def time_ipyparallel_start(n: int, notes: list[str]) -> float:
-    """Seconds from a plain ipyparallel MPI cluster's start to torch imported on every engine."""
+@contextlib.contextmanager
+def ipyparallel_running(n: int, notes: list[str], label: str = ""):
+    """A plain ipyparallel MPI cluster started and connected, torch imported on every engine,
+    for the ``with`` block; yields the seconds that took. Stopped and checked after."""
     with quiet():  # its log handler binds to the stdout of the moment it is made
         cluster = ipp.Cluster(engines="mpi", n=n)
     if n > (os.cpu_count() or 1):
@@ -143,14 +143,28 @@ def time_ipyparallel_start(n: int, notes: list[str]) -> float:
         if len(rc.ids) != n:
             raise RuntimeError(f"plain ipyparallel: {len(rc.ids)} engines, expected {n}")
         procs = descendants()
+        yield elapsed
     finally:
         procs = procs or descendants()
         with quiet():
             if rc is not None:
                 rc.close()
             cluster.stop_cluster_sync()
-    notes += check_gone(procs, f"ipyparallel np={n}")
-    return elapsed
+        notes += check_gone(procs, label or f"ipyparallel np={n}")
+
+
+def time_ipydist_start(ip, n: int, notes: list[str], options: str = "",
+                       look=None) -> tuple[float, float | None, object]:
+    """Seconds from %dist_start (with ``options``) to a finished first cell; also ipydist's
+    own start figure, and what ``look(session)`` found on the cluster before it stopped."""
+    with ipydist_running(ip, n, notes, options) as (session, elapsed):
+        return elapsed, session.startup_seconds, look(session) if look else None
+
+
+def time_ipyparallel_start(n: int, notes: list[str]) -> float:
+    """Seconds from a plain ipyparallel MPI cluster's start to torch imported on every engine."""
+    with ipyparallel_running(n, notes) as elapsed:
+        return elapsed
 
 
 def time_round_trips(ip, n: int, rounds: int, notes: list[str]) -> tuple[list[float], list[float]]:
@@ -214,45 +228,6 @@ def idle_cpu(start_and_stop, seconds: float) -> float:
     busy = busy_cpu()
     time.sleep(seconds / 2)
     return rate - (busy_cpu() - busy) / (seconds / 2)
-
-
-@contextlib.contextmanager
-def ipydist_running(ip, n: int, notes: list[str]):
-    procs: list[psutil.Process] = []
-    try:
-        with quiet():
-            ip.run_line_magic("dist_start", f"--np {n}")
-            ip.run_cell_magic("everyrank", "", FIRST_CELL)
-        procs = descendants()
-        yield
-    finally:
-        procs = procs or descendants()
-        with quiet():
-            ip.run_line_magic("dist_stop", "")
-        notes += check_gone(procs, f"ipydist idle np={n}")
-
-
-@contextlib.contextmanager
-def ipyparallel_running(n: int, notes: list[str]):
-    with quiet():
-        cluster = ipp.Cluster(engines="mpi", n=n)
-    if n > (os.cpu_count() or 1):
-        cluster.config.MPILauncher.mpi_args = ["--oversubscribe"]
-    rc = None
-    procs: list[psutil.Process] = []
-    try:
-        with quiet():
-            rc = cluster.start_and_connect_sync()
-            rc[:].execute("import torch", block=True)
-        procs = descendants()
-        yield
-    finally:
-        procs = procs or descendants()
-        with quiet():
-            if rc is not None:
-                rc.close()
-            cluster.stop_cluster_sync()
-        notes += check_gone(procs, f"ipyparallel idle np={n}")
 
 
 def median(values: list[float]) -> float:
@@ -373,8 +348,9 @@ def main(argv: list[str] | None = None) -> int:
         idle: dict[str, list[float]] = {"ipydist": [], "ipyparallel": []}
         for tool in ("ipydist", "ipyparallel", "ipyparallel", "ipydist")[
                 :4 if args.idle_seconds > 0 else 0]:
-            running = (ipydist_running(ip, n, notes) if tool == "ipydist"
-                       else ipyparallel_running(n, notes))
+            running = (ipydist_running(ip, n, notes, label=f"ipydist idle np={n}")
+                       if tool == "ipydist"
+                       else ipyparallel_running(n, notes, label=f"ipyparallel idle np={n}"))
             try:
                 idle[tool].append(idle_cpu(running, args.idle_seconds))
             except Exception as e:

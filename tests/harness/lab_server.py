@@ -443,8 +443,7 @@ def stop_training(page, stop: Path, cell: int = 1) -> int:
     """End the :func:`training_cell` with ``stop`` that code cell ``cell`` runs, 5 steps (5 s)
     after the last line the page shows: the ranks are not that far past it, even where the
     page lags on a loaded machine, so each stops at that step. The number of lines it prints
-    in all. Written whole, then renamed:
-    a rank never reads half of it."""
+    in all. Written whole, then renamed: a rank never reads half of it."""
     shown = max(printed_lines(page.evaluate(READ_CELL, cell)["text"]), default=0)
     steps = shown + 5
     partial = stop.with_suffix(".partial")
