@@ -323,8 +323,10 @@ class RecoveryReport:
     fixed: int = 0
     #: Why the recovery gave up (the same on every rank that heard), None if it did not.
     failed: str | None = None
-    #: Whether the rank holds a DistributedDataParallel model (it keeps the old group).
-    ddp: bool = False
+    #: After a rebuild: the rank's DistributedDataParallel models that now use the new group,
+    #: and what could not follow it (each name with what to do), whose next use says so.
+    followed: tuple[str, ...] = ()
+    marked: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -343,10 +345,16 @@ class HealReport:
     rebound: tuple[str, ...] = ()
     #: Process sets removed, as a rank in them is gone.
     sets_removed: tuple[str, ...] = ()
-    #: State copy, on the rank copied from: the bytes it sent, and the variables that do not
-    #: pickle (with their types), not copied.
+    #: State copy, on the rank copied from: the bytes it sent, the variables not copied (each
+    #: with why: it does not pickle, or did not load on a new rank), and the user's modules a
+    #: new rank could not import, sent by value.
     bytes: int = 0
     skipped: tuple[str, ...] = ()
+    by_value: tuple[str, ...] = ()
+    #: Heal or resize, on a rank that stayed: its DDP models that now use the new group, and
+    #: what could not follow it (each name with what to do), whose next use says so.
+    followed: tuple[str, ...] = ()
+    marked: tuple[str, ...] = ()
     #: State copy, on the rank copied from: the bytes of those that went from GPU to GPU.
     on_device: int = 0
     #: State copy, on a new rank: why loading the variables failed.

@@ -265,6 +265,9 @@ class Session:
             self.healed()
         if self.cluster is None:  # stopped while it healed
             raise ClusterError(self.words.no_cluster())
+        if self.cluster.unusable:
+            raise ClusterError(f"{self.cluster.unusable}: run {self.words.restart} to start a "
+                               "fresh cluster.")
         return self.cluster
 
     # --- cells -------------------------------------------------------------------------------
@@ -377,6 +380,11 @@ class Session:
         if heal is not None and not heal.done and self.cluster is not None:
             # a heal under way: how far it is, not a wait for it (the next cell waits)
             return cluster_status(self.cluster, self.words.restart, healing=heal.describe())
+        cluster = self.cluster
+        if cluster is not None and cluster.unusable:  # what it is, not a refusal
+            table = cluster_status(cluster, self.words.restart)
+            table.note = f"{cluster.unusable}: run {self.words.restart} to start a fresh cluster."
+            return table
         return cluster_status(self._require_running(alive=False), self.words.restart)
 
 

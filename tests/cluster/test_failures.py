@@ -464,8 +464,10 @@ if hvd.rank() == 0:
     assert "released" not in str(result.error_in_exec), str(result.error_in_exec)
 
 
-def test_the_rebuild_note_asks_to_wrap_a_ddp_model_again_only_when_there_is_one(shell, capsys,
-                                                                               fast_cluster):
+def test_a_ddp_model_follows_the_rebuilt_group_and_the_note_names_it(shell, capsys,
+                                                                      fast_cluster):
+    """A DDP model made before a release trains on after the recovery's rebuild, with no code
+    from the user, its ranks in step; the note names it."""
     run_cell(shell, capsys, "%everyrank ddp_model = torch.nn.parallel."
                             "DistributedDataParallel(torch.nn.Linear(4, 2))")
     result, _, err = run_cell(shell, capsys, f"""%%everyrank
@@ -475,8 +477,18 @@ hvd.allreduce_(torch.ones(4))
 """)
     message = str(result.error_in_exec)
     assert "process group was rebuilt" in message, message
-    assert "Wrap your DistributedDataParallel model again" in message, message
-    run_cell(shell, capsys, "%everyrank del ddp_model; import gc; gc.collect()")
+    assert "DistributedDataParallel models moved onto it: ddp_model." in message, message
+    run_cell(shell, capsys, """%%everyrank
+_opt = torch.optim.SGD(ddp_model.parameters(), lr=0.1)
+for _ in range(2):
+    _opt.zero_grad()
+    ddp_model(torch.randn(8, 4) * (hvd.rank() + 1)).square().mean().backward()
+    _opt.step()
+_w = ddp_model.module.weight.detach()
+ddp_in_step = bool(hvd.allreduce(_w, op=hvd.Max).equal(hvd.allreduce(_w, op=hvd.Min)))
+""")
+    assert pulled(shell, "ddp_in_step") == [True] * NP
+    run_cell(shell, capsys, "%everyrank del ddp_model, ddp_in_step; import gc; gc.collect()")
     assert_collectives_work(shell, capsys)
 
 

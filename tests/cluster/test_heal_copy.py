@@ -94,6 +94,12 @@ def test_a_copy_that_stops_moving_is_ended_saying_where(no_cluster, monkeypatch)
                          heal.failed), heal.failed
         with pytest.raises(ClusterError, match="run Session.restart"):
             s.run("pass")
+        # one state, named: the cluster refuses cells (never a rank without state taking
+        # them), said again by every cell and under the status table
+        with pytest.raises(ClusterError, match=r"so the cluster refuses cells: run "
+                                               r"Session\.restart\(\)"):
+            s.run("pass")
+        assert "refuses cells" in s.status().note
         os.kill(stopped, signal.SIGCONT)
         # what rank 0 leaves in /dev/shm when it is killed in the middle of a copy through
         # it (made here: this copy went over MPI) goes when the cluster stops

@@ -1,19 +1,22 @@
-"""The one pickle of rank 0's variables that a replacement loads (``rank/healing/state_copy.py``):
-what tensors share stays shared, each storage travels once, and every tensor comes back equal.
-Pure logic on CPU tensors; ``tests/cluster/test_gpu_shared.py`` heals CUDA state on a GPU."""
+"""The one pickle of rank 0's variables that a replacement loads (``rank/healing/state_pickle.py``):
+what tensors share stays shared, each storage travels once, every tensor comes back equal, and
+a variable that does not pickle or does not load is named with why, the others kept. Pure
+logic on CPU tensors; ``tests/cluster/test_gpu_shared.py`` heals CUDA state on a GPU,
+``tests/cluster/test_heal_fidelity.py`` a notebook's state on real ranks."""
 
 from __future__ import annotations
 
-import cloudpickle
+import pytest
 import torch
 
-from ipydist.rank.healing.state_copy import pack
+from ipydist.rank.healing.stand_ins import NotCopied, NotCopiedError
+from ipydist.rank.healing.state_pickle import NotLoaded, load, pack
 
 
 def _copied(variables: dict) -> dict:
     payload, skipped = pack(variables)
-    assert skipped == []
-    return cloudpickle.loads(payload)
+    assert skipped == {}
+    return load(payload, None, [])
 
 
 def test_views_of_one_storage_share_it_again_and_it_travels_once():
@@ -62,7 +65,7 @@ def test_the_tensors_bytes_travel_beside_the_pickle_from_their_own_memory():
     assert memoryview(storages[0]).nbytes == base.nbytes
     assert np.shares_memory(np.asarray(memoryview(storages[0])), base.numpy())  # no copy
     received = [np.array(memoryview(s), dtype=np.uint8) for s in storages]  # as MPI would
-    copied = cloudpickle.loads(payload, buffers=received)
+    copied = load(payload, received, [])
     assert torch.equal(copied["base"], base) and copied["head"].data_ptr() == copied[
         "base"].data_ptr()
     assert np.shares_memory(copied["base"].numpy(), received[0])
@@ -85,10 +88,57 @@ def test_on_one_host_the_bytes_go_through_one_shared_memory_file(tmp_path, monke
     arrays = state_transfer._map_shared(shared, [v.nbytes for v in views])
     state_transfer._remove(shared[0])
     assert list(tmp_path.iterdir()) == []
-    copied = cloudpickle.loads(payload, buffers=arrays)
+    copied = load(payload, arrays, [])
     copied["x"][0] = 7.0  # writable, and only this copy changes
     assert copied["x"].tolist() == [7.0, *range(1, 10)]
     assert torch.equal(copied["model"].weight, model.weight)
     assert copied["empty"].shape == (0,)
     monkeypatch.setenv(state_transfer.SHARED_MEMORY_VARIABLE, "none")
     assert state_transfer._write_shared(views, state_transfer._Progress(1), 1) is None
+
+
+class _LoadsNowhere:
+    """Pickles, and refuses to load (as a class whose module a replacement lacks would)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __setstate__(self, state):
+        raise ValueError("not here")
+
+
+def test_what_does_not_pickle_is_named_with_why_and_the_rest_travel():
+    payload, skipped = pack({"gen": (i for i in range(3)), "kept": [1, 2]})
+    assert list(skipped) == ["gen"]
+    assert skipped["gen"].startswith("a generator, which does not pickle: TypeError:")
+    assert load(payload, None, []) == {"kept": [1, 2]}
+
+
+def test_a_variable_that_does_not_load_is_named_by_its_mark_not_the_first_one():
+    """The pickle's marks say which variable was loading when it failed; an object two
+    variables share is blamed on the first that holds it (the next try, without that one,
+    blames the other)."""
+    shared = _LoadsNowhere(1)
+    payload, _ = pack({"before": torch.ones(2), "odd": shared, "after": 3})
+    with pytest.raises(NotLoaded) as caught:
+        load(payload, None, [])
+    assert (caught.value.name, caught.value.why) == ("odd", "ValueError: not here")
+    payload, _ = pack({"fine": 1, "holds": {"x": shared}, "odd": shared})
+    with pytest.raises(NotLoaded, match="not here") as caught:
+        load(payload, None, [])
+    assert caught.value.name == "holds"
+    payload, _ = pack({"fine": 1})
+    assert load(payload, None, []) == {"fine": 1}
+
+
+def test_a_stand_in_names_the_variable_on_use_but_shows_as_itself():
+    stand_in = NotCopied("it", "a generator, which does not pickle")
+    assert repr(stand_in) == ("<it: not copied to this rank in a heal (a generator, which does "
+                              "not pickle)>")
+    for use in (lambda: next(stand_in), lambda: stand_in.x, lambda: stand_in(1),
+                lambda: stand_in[0], lambda: len(stand_in), lambda: bool(stand_in)):
+        with pytest.raises(NotCopiedError, match=r"^it was not copied to this rank when it "
+                                                 r"replaced a dead one \(a generator"):
+            use()
+    with pytest.raises(NameError):  # except NameError still catches it
+        getattr(stand_in, "x")  # noqa: B009 (an attribute read is the use)

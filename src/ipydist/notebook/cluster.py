@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Collection
 from dataclasses import replace
 from typing import Any
 
@@ -92,6 +93,9 @@ class Cluster:
         #: process or a spawned one, and its finalize may never end (a stop ends such a job
         #: at once, :meth:`_let_ranks_end`)
         self.world_changed = False
+        #: Why the cluster refuses cells (a heal that failed left no state it could go on
+        #: in), None while it takes them.
+        self.unusable: str | None = None
         #: The ranks' MPI shared-memory segments, looked up once they started: a rank killed
         #: leaves them, and the stop removes them.
         self._shared_memory: set[str] = set()
@@ -308,7 +312,7 @@ class Cluster:
         self.world_changed = True
 
     def call(self, name: str, *args, timeout: float, ranks: list[int] | None = None,
-             ending: range = range(0)):
+             ending: Collection[int] = ()):
         """``ipydist.rank.calls.<name>(*args)`` on every rank (or on ``ranks``); the replies
         in rank order.
 

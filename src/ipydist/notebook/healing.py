@@ -46,6 +46,8 @@ class Heal:
         self.started = time.monotonic()
         self.lines: list[str] = []
         self.failed: str | None = None
+        #: The replacements registered (a failure then removes them, or stops the cluster).
+        self.joined = False
         #: What it is doing now, and the copy's (bytes sent, of how many), for %dist_status.
         self.phase = "starting the replacement"
         self.progress: tuple[int, int] | None = None
@@ -76,10 +78,32 @@ class Heal:
     def _run(self) -> None:
         try:
             self.lines = self._heal()
-        except Exception as e:  # the cluster cannot be used: say what to do
-            self.failed = str(e)
-            self.lines = [f"Replacing {describe_ranks(self.dead)} failed ({e}); run "
-                          f"{self.restart} to start a fresh cluster."]
+        except Exception as e:  # one state the message names, never a rank without state
+            self.lines = self._failed(e)
+
+    def _failed(self, error: Exception) -> list[str]:
+        """A heal that failed leaves the cluster in one of two states, which the line names:
+        the survivors alone, renumbered (the replacements, if they joined, removed), where
+        ``--min-np`` allows it; else a cluster that refuses cells until it is restarted."""
+        cluster, why = self.cluster, f"{error}"
+        survivors = [r for r in range(cluster.size) if r not in self.dead]
+        if self.joined and survivors and len(survivors) >= self.min_np:
+            try:
+                cluster.call("leave", self.dead, timeout=HEAL_SECONDS, ending=self.dead)
+            except Exception as e:
+                why += f"; removing the replacement failed too: {e}"
+            else:
+                cluster.keep_ranks(survivors)
+                which = "its replacement was" if len(self.dead) == 1 else "their replacements were"
+                scale = self.words.scale.replace("N", str(len(survivors) + len(self.dead)))
+                return [f"{describe_ranks(self.dead)} could not be given rank {survivors[0]}'s "
+                        f"state ({why}), so {which} removed: the cluster goes on with "
+                        f"{cluster.size} ranks (--min-np {self.min_np}), renumbered from 0, "
+                        f"each with its state. {scale} tries again."]
+        self.failed = why
+        cluster.unusable = (f"Replacing {describe_ranks(self.dead)} failed ({why}), so the "
+                            "cluster refuses cells")
+        return [f"{cluster.unusable}: run {self.restart} to start a fresh cluster."]
 
     def _heal(self) -> list[str]:
         cluster = self.cluster
@@ -99,6 +123,7 @@ class Heal:
                                                       cluster.plan.can_spawn)
         replies = take_new_ranks(cluster, request, known, len(self.dead), deadline)
         cluster.spare_pids = replies[0].spares
+        self.joined = not replies[0].not_replaced
         if not_replaced := replies[0].not_replaced:
             if len(survivors) < self.min_np:
                 raise ClusterError(f"{not_replaced} (--min-np {len(survivors)} would have let "
@@ -116,7 +141,8 @@ class Heal:
         by = _by_spares(spares, len(cluster.spare_pids), len(self.dead))
         line = (f"{describe_ranks(self.dead)} {'was' if one else 'were'} replaced in "
                 f"{time.monotonic() - self.started:.1f} s{by} (pid {pids}), "
-                f"{'its' if one else 'their'} {copied}; the other ranks kept theirs.")
+                f"{'its' if one else 'their'} {copied}; the other ranks kept theirs"
+                f"{_holders(replies)}.")
         if states[0]:
             line += (f" {_states(states[0])} went back to {'its' if states[0] == 1 else 'their'}"
                      " last commit() on every rank, synced from rank 0, reset callbacks run.")
@@ -167,6 +193,17 @@ def _followed(replies: list[protocol.HealReport], size: int, gone: str) -> str:
         text += f"; samplers now split the data {size} ways: {', '.join(names)}"
     if removed := replies[0].sets_removed:
         text += f"; removed, as ranks in them {gone}: {', '.join(removed)}"
+    return text
+
+
+def _holders(replies: list[protocol.HealReport]) -> str:
+    """What followed the new process group on the ranks that stayed, and what must be made
+    again, as clauses of the line."""
+    text = ""
+    if followed := sorted({name for reply in replies for name in reply.followed}):
+        text += f"; DistributedDataParallel models moved onto the new group: {', '.join(followed)}"
+    if marked := sorted({name for reply in replies for name in reply.marked}):
+        text += f"; made over the old group, to be made again before use: {', '.join(marked)}"
     return text
 
 
@@ -247,9 +284,13 @@ def copy_state(cluster, root: int, to: list[int], was_size: int,
             if size >= SAY_RATE_FROM_BYTES else "")
     if copied[root].on_device:
         rate += f"; {copied[root].on_device / 2**20:.1f} MB of it from GPU to GPU"
-    text = f"variables and random states copied from rank {root} ({size / 2**20:.1f} MB{rate})"
-    if copied[root].skipped:
-        text += f"; not copied, as they do not pickle: {', '.join(copied[root].skipped)}"
+    text = (f"process state, variables and random states copied from rank {root} "
+            f"({size / 2**20:.1f} MB{rate})")
+    if skipped := copied[root].skipped:
+        text += (f"; {len(skipped)} variable{'s' * (len(skipped) > 1)} not copied (using "
+                 f"{'it' if len(skipped) == 1 else 'one'} there says so): {', '.join(skipped)}")
+    if by_value := copied[root].by_value:
+        text += f"; sent by value, as the new rank could not import them: {', '.join(by_value)}"
     rebound = sorted({name for reply in copied for name in reply.rebound})
     if rebound:
         text += f"; given the new rank's part of the data: {', '.join(rebound)}"

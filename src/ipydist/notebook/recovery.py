@@ -111,9 +111,7 @@ def recover(cluster, released: list[int], restart: str) -> list[str]:
         return notes
     if replies[0].rebuilt:
         note = "The process group was rebuilt on every rank, so collectives work in the next cell."
-        if any(reply.ddp for reply in replies):
-            note += " Wrap your DistributedDataParallel model again: it keeps the old group."
-        notes.append(note)
+        notes.append(note + holders_of_the_group(replies))
     fixed = replies[0].fixed
     if fixed:
         notes.append(
@@ -121,6 +119,18 @@ def recover(cluster, released: list[int], restart: str) -> list[str]:
             "between ranks after the interruption; rank 0's values were copied to every rank."
         )
     return notes
+
+
+def holders_of_the_group(replies) -> str:
+    """What the ranks said of their models and meshes when the group was made again: the DDP
+    models that now use it, and what must be made again (its next use says so too)."""
+    text = ""
+    if followed := sorted({name for reply in replies for name in reply.followed}):
+        text += f" DistributedDataParallel models moved onto it: {', '.join(followed)}."
+    if marked := sorted({name for reply in replies for name in reply.marked}):
+        text += (" Made over the old group, to be made again before use: "
+                 f"{', '.join(marked)}.")
+    return text
 
 
 def _what_it_was_doing(found: dict) -> str:

@@ -25,9 +25,10 @@ from ipydist.rank import (
     released_errors,
     watcher,
 )
+from ipydist.rank.healing import process_state
 from ipydist.rank.introspection import control, debugger
 from ipydist.rank.start import forkserver
-from ipydist.torch._core import events, process_group, resync, shims, topology, waiting
+from ipydist.torch._core import events, process_group, resync, topology, waiting
 from ipydist.torch._wire import handles
 from ipydist.torch.horovod import process_sets
 
@@ -37,6 +38,7 @@ def attach() -> protocol.RankInfo:
     number them as the notebook does, tell frameworks imported later what the ranks are, and
     say what this rank is, for the table the notebook shows."""
     watcher.attach(get_ipython())
+    process_state.remember_start()
     cell_numbers.attach(get_ipython())
     released_errors.attach(get_ipython())
     released_errors.warm_up()
@@ -117,7 +119,7 @@ def recover(number: int, resync_tensors: bool) -> protocol.RecoveryReport:
     resync.abandon_pending()  # the failed cell's half-done gradient averaging is void
     handles.abandon_all()  # and so is every async operation it left in flight
     rt = topology.get()
-    out = protocol.RecoveryReport(release=watcher.take_report(), ddp=shims.has_ddp_model())
+    out = protocol.RecoveryReport(release=watcher.take_report())
     if rt is None or rt.control_comm is None:
         return out  # not started by mpiexec: a world of one, nothing to agree on
     comm = rt.control_comm
@@ -136,7 +138,10 @@ def recover(number: int, resync_tensors: bool) -> protocol.RecoveryReport:
                                timeout_s=max(REBUILD_SECONDS - (time.monotonic() - start), 1.0)))
         if failed:
             return _give_up(out, failed)
-        out = replace(out, rebuilt=True)
+        from ipydist.rank.healing import state_copy
+
+        followed, marked = state_copy.follow_new_group()
+        out = replace(out, rebuilt=True, followed=tuple(followed), marked=tuple(marked))
     if process_sets.any_added():  # an abandoned operation may have left theirs unusable
         failed = _together(comm, number, 4, start + REBUILD_SECONDS,
                            "making the process sets' communicators again",
@@ -190,6 +195,14 @@ def heal(dead: list[int], replace: bool, hosts: list[str] | None = None,
     from ipydist.rank.healing import heal as healing
 
     return healing.heal(dead, replace, hosts, env, spawn)
+
+
+def leave(gone: list[int]) -> protocol.HealReport:
+    """After a heal whose replacements ``gone`` could not be given rank 0's state: they leave,
+    the others go on renumbered (see :func:`ipydist.rank.healing.heal.leave`)."""
+    from ipydist.rank.healing import heal as healing
+
+    return healing.leave(gone)
 
 
 def spares() -> tuple[int, ...]:

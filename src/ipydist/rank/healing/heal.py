@@ -121,9 +121,36 @@ def resize(size: int, env: Sequence[str] = (), spawn: bool = True) -> HealReport
     return _rejoin(world, rt, started)
 
 
+def leave(gone: list[int]) -> HealReport:
+    """On every rank at once, after a heal whose replacements ``gone`` could not take rank
+    0's state: they leave the world (and end their process once they replied), the others go
+    on as the world, renumbered from 0, their samplers, optimizers and process sets
+    following. A rank without state never takes cells."""
+    from mpi4py import MPI
+
+    from ipydist.rank.healing import state_copy
+    from ipydist.torch._core import process_group, topology
+
+    started = time.monotonic()
+    rt = topology.get()
+    assert rt is not None  # a rank's, made at its start
+    was_rank, was_size = rt.rank, rt.size
+    stays = rt.rank not in gone
+    world = rt.comm.Split(0 if stays else MPI.UNDEFINED, key=rt.rank)
+    if not stays:
+        process_group.abandon()
+        threading.Timer(LEAVE_AFTER_SECONDS, os._exit, (0,)).start()
+        return HealReport(rank=rt.rank, left=True, seconds=time.monotonic() - started)
+    out = _rejoin(world, rt, started)
+    followed = state_copy.renumbered(was_rank, was_size, sorted(gone))
+    return dataclasses.replace(out, rebound=followed.rebound,
+                               sets_removed=followed.sets_removed)
+
+
 def _rejoin(world, rt, started: float) -> HealReport:
     """This rank's runtime and process group in ``world`` (the old group's connections are
     dropped: some lead to ranks gone); what the notebook may show."""
+    from ipydist.rank.healing import state_copy
     from ipydist.rank.start import bootstrap
     from ipydist.torch._core import process_group, topology
 
@@ -131,8 +158,9 @@ def _rejoin(world, rt, started: float) -> HealReport:
     bootstrap.join(world, survivor=rt)
     now = topology.get()
     assert now is not None  # join made it
+    followed, marked = state_copy.follow_new_group()  # before rank 0's DDP models are pickled
     return HealReport(rank=now.rank, seconds=time.monotonic() - started,
-                      spares=spares.spare_pids)
+                      spares=spares.spare_pids, followed=tuple(followed), marked=tuple(marked))
 
 
 #: A rank that leaves the world ends its process this long after it replied.

@@ -1,22 +1,24 @@
-"""A replacement rank gets rank 0's state: its variables, in one pickle, and its random states.
+"""A new rank gets rank 0's state: its process (:mod:`~ipydist.rank.healing.process_state`),
+its variables (:mod:`~ipydist.rank.healing.state_pickle`) and its random states.
 
-After a heal (:mod:`ipydist.rank.healing.heal`) a replacement has an empty namespace. Rank 0 (the
-lowest survivor, ``root``) pickles every variable of its namespace that pickles with
-cloudpickle (functions and classes defined in cells travel by value, modules by name) as one
-object, so that what its variables share stays shared (an optimizer's parameters are the
-model's), and sends it over MPI to each replacement, which loads it into its own namespace.
-The tensors' storages are left out of that pickle, each once, and travel as bytes from the
-tensors' own memory (:mod:`ipydist.rank.healing.state_transfer`).
-Variables that do not pickle (a generator, an open file, a live iterator over a DataLoader)
-are named in the notebook's message. Objects that know their rank are rebound to the
-replacement's: ``hvd.shard()``'s samplers and torch's ``DistributedSampler`` made with the
-defaults (rank 0's copy would otherwise read rank 0's part of the data).
+After a heal (:mod:`ipydist.rank.healing.heal`) or a grow a new rank has an empty namespace.
+Rank 0 (the lowest survivor, ``root``) first sends what its process is (``sys.path``, the
+working directory, the user's modules, ...); the new rank takes it and says which of the
+user's modules it could not import, which then travel by value. Then rank 0's variables, as one
+pickle, over MPI: a variable that does not pickle, or does not load on the new rank, is left
+out by name and the rest are sent again, so one variable never costs the others. The new rank
+holds a stand-in under each name left out (:mod:`~ipydist.rank.healing.stand_ins`), which says
+so when used, never a ``NameError`` where the other ranks have the variable. Objects that know
+their rank are rebound to the new rank's: ``hvd.shard()``'s samplers and torch's
+``DistributedSampler`` made with the defaults (rank 0's copy would otherwise read rank 0's
+part of the data); DDP models follow the new process group
+(:mod:`ipydist.torch._core.group_holders`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import random
+import sys
 import types
 from dataclasses import replace
 
@@ -33,120 +35,15 @@ def user_variables(shell) -> dict:
             if not name.startswith("_") and name not in _SHELL_NAMES and name not in hidden}
 
 
-def pack(variables: dict, storages: list | None = None,
-         on_device: list | None = None) -> tuple[bytes, list[str]]:
-    """(one pickle of every variable that pickles, the names of those that do not, with
-    their types). Tries all at once first; only when that fails, one by one. ``storages``:
-    a list that gets the tensors' bytes, each a buffer over the tensor's own memory, which
-    the pickle then leaves out (``pickle.loads(..., buffers=)`` takes them back); None: the
-    pickle holds them. ``on_device``: a list that gets the GPU's storages themselves, to
-    travel from GPU to GPU (:func:`loading_device_storages` gives them back); None: a GPU's
-    storage travels through host memory as the others do."""
-    try:
-        return _dumps(variables, storages, on_device), []
-    except Exception:
-        for found in (storages, on_device):
-            if found:
-                found.clear()
-    kept, skipped = {}, []
-    for name, value in variables.items():
-        try:
-            _dumps(value, [], None if on_device is None else [])
-        except Exception:
-            skipped.append(f"{name} ({type(value).__name__})")
-        else:
-            kept[name] = value
-    return _dumps(kept, storages, on_device), skipped
+def follow_new_group() -> tuple[list[str], list[str]]:
+    """The default group was made again (a heal, a resize, a recovery's rebuild): DDP models
+    follow it, what cannot is marked (:mod:`ipydist.torch._core.group_holders`); their names
+    in the user's namespace."""
+    from IPython import get_ipython
 
+    from ipydist.torch._core import group_holders
 
-#: While a replacement loads its variables: the GPU storages that came from GPU to GPU, by
-#: their index in the pickle's (see :func:`pack`).
-_device_storages: list = []
-
-
-@contextlib.contextmanager
-def loading_device_storages(storages: list):
-    """Give the pickle being loaded ``storages``, the GPU storages that travelled beside it."""
-    _device_storages[:] = storages
-    try:
-        yield
-    finally:
-        _device_storages.clear()
-
-
-def _device_storage(index: int):
-    return _device_storages[index]
-
-
-def _dumps(value, storages: list | None = None, on_device: list | None = None) -> bytes:
-    import io
-
-    import cloudpickle
-    import torch
-
-    class StatePickler(cloudpickle.Pickler):
-        """cloudpickle, with each tensor storage pickled once, however many tensors view it
-        (torch pickles a storage anew for every tensor: a view and its base came back as two
-        copies), and a GPU's storage pickled from host memory, to be loaded onto the
-        receiving rank's own GPU (torch would load it onto the sender's)."""
-
-        def __init__(self, file, buffer_callback=None) -> None:
-            super().__init__(file, protocol=cloudpickle.DEFAULT_PROTOCOL,
-                             buffer_callback=buffer_callback)
-            self.storages: dict[int, _Storage] = {}
-
-        def reducer_override(self, obj):
-            if isinstance(obj, torch.storage.TypedStorage):
-                untyped = obj._untyped_storage
-                one = self.storages.setdefault(untyped._cdata, _Storage(untyped, on_device))
-                return _typed_storage, (one, obj.dtype)
-            return super().reducer_override(obj)
-
-    file = io.BytesIO()
-    StatePickler(file, None if storages is None else storages.append).dump(value)
-    return file.getvalue()
-
-
-class _Storage:
-    """One tensor storage in a state's pickle (see :func:`_dumps`): the same object for every
-    tensor that views it, so that the pickle holds it once and its tensors share it again."""
-
-    def __init__(self, untyped, on_device: list | None = None) -> None:
-        self.untyped, self.on_device = untyped, on_device
-
-    def __reduce__(self):
-        import pickle
-
-        import torch
-
-        on_gpu = self.untyped.device.type == "cuda"
-        if on_gpu and self.on_device is not None:  # it travels from GPU to GPU, beside
-            self.on_device.append(self.untyped)
-            return _device_storage, (len(self.on_device) - 1,)
-        host = self.untyped.cpu() if on_gpu else self.untyped
-        data = torch.empty(0, dtype=torch.uint8).set_(host).numpy()  # its bytes, not a copy
-        return _untyped_storage, (pickle.PickleBuffer(data), on_gpu)
-
-
-def _untyped_storage(data, on_gpu: bool):
-    """A storage loaded on the receiving rank, over the bytes the pickle gave (a bytearray,
-    or the array :func:`copy_from` received them into: no copy); a GPU's onto this rank's
-    own GPU."""
-    import torch
-
-    if len(data):
-        untyped = torch.frombuffer(data, dtype=torch.uint8).untyped_storage()
-    else:
-        untyped = torch.empty(0, dtype=torch.uint8).untyped_storage()
-    if on_gpu and torch.cuda.is_available():
-        return untyped.cuda(torch.cuda.current_device())
-    return untyped
-
-
-def _typed_storage(untyped, dtype):
-    import torch
-
-    return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+    return group_holders.follow(user_variables(get_ipython()))
 
 
 def random_states() -> dict:
@@ -232,53 +129,141 @@ def into_namespace(variables: dict, namespace: dict) -> None:
         namespace[name] = value
 
 
+#: Message tags of the copy.
+_PROCESS, _MODULES, _VARIABLES, _LOADED = 75, 76, 71, 77
+#: How many times rank 0 sends its variables again, each time without the ones that did not
+#: load, before the copy is given up.
+TRIES = 8
+
+
 def copy_from(root: int, to: list[int], was_size: int | None = None) -> HealReport:
-    """Collective over the world: ``root`` sends its variables and random states to the
-    ranks ``to``, which load them (their samplers rebound from ``root``'s place in a world
-    of ``was_size`` to theirs). Returns, on ``root``, the names not copied."""
+    """Collective over the world: ``root`` sends its process state, variables and random
+    states to the ranks ``to``, which take them (their samplers rebound from ``root``'s place
+    in a world of ``was_size`` to theirs). Returns, on ``root``, the names not copied, and on
+    a rank of ``to`` that could not load them, why."""
     from IPython import get_ipython
 
-    from ipydist.rank.healing import state_transfer
     from ipydist.torch._core import topology
     from ipydist.torch.horovod import process_sets
 
     rt = topology.get()
     assert rt is not None  # a rank's, made at its start
-    comm = rt.control_comm
-    shell = get_ipython()
     out = HealReport()
     if rt.rank == root:
-        storages: list = []
-        on_device: list | None = [] if state_transfer.gpu_to_gpu(rt) else None
-        payload, skipped = pack(user_variables(shell), storages, on_device)
-        views = [memoryview(s).cast("B") for s in storages]
-        sizes = [v.nbytes for v in views]
-        device_sizes = [s.nbytes() for s in on_device or []]
-        out = replace(out, bytes=len(payload) + sum(sizes) + sum(device_sizes),
-                      skipped=tuple(skipped), on_device=sum(device_sizes))
-        for rank in to:
-            comm.send((payload, sizes, device_sizes, random_states(),
-                       process_sets.registry()), dest=rank, tag=71)
-        state_transfer.send(comm, views, to, on_device or [])
+        out = _send(rt, get_ipython(), to)
     elif rt.rank in to:
-        import cloudpickle
-
-        payload, sizes, device_sizes, states, known_sets = comm.recv(source=root, tag=71)
-        received, on_device = state_transfer.receive(comm, root, sizes, device_sizes)
-        process_sets.adopt(known_sets)  # before loading: a variable may name a set
-        try:
-            with loading_device_storages(on_device):
-                variables = cloudpickle.loads(payload, buffers=received)
-            out = replace(out, rebound=tuple(rebind(variables, rt.rank, rt.size, root,
-                                                    was_size or rt.size)))
-            into_namespace(variables, shell.user_ns)
-            set_random_states(states)
-        except Exception as e:  # said to the notebook after the others are let go
-            out = replace(out, failed=f"{type(e).__name__}: {e}")
-    comm.Barrier()
+        out = _take(rt, get_ipython(), root, was_size or rt.size)
+    rt.control_comm.Barrier()
     if process_sets.any_added():  # the same answer on every rank now
         out = replace(out, sets_removed=tuple(process_sets.rejoin(rt.size)))
     return out
+
+
+def _send(rt, shell, to: list[int]) -> HealReport:
+    """On ``root``: its process state, then its variables until every rank of ``to`` loaded
+    them (each try without the variables that did not load)."""
+    from ipydist.rank.healing import process_state, state_pickle, state_transfer
+    from ipydist.torch._core import group_holders
+    from ipydist.torch.horovod import process_sets
+
+    comm = rt.control_comm
+    for rank in to:
+        comm.send(process_state.gather(shell), dest=rank, tag=_PROCESS)
+    unreachable: dict[str, str] = {}
+    for rank in to:
+        unreachable.update(comm.recv(source=rank, tag=_MODULES))
+    variables = user_variables(shell)
+    skipped = {name: why for name, value in variables.items()
+               if (why := group_holders.not_copied(value))}
+    pending, sent, on_gpu = list(to), 0, 0
+    with process_state.by_value(unreachable):
+        for attempt in range(TRIES):
+            storages: list = []
+            on_device: list | None = [] if state_transfer.gpu_to_gpu(rt) else None
+            payload, unpicklable = state_pickle.pack(
+                {n: v for n, v in variables.items() if n not in skipped}, storages, on_device)
+            skipped.update(unpicklable)
+            views = [memoryview(s).cast("B") for s in storages]
+            sizes = [v.nbytes for v in views]
+            device_sizes = [s.nbytes() for s in on_device or []]
+            sent = len(payload) + sum(sizes) + sum(device_sizes)
+            on_gpu = sum(device_sizes)
+            for rank in pending:
+                comm.send((payload, sizes, device_sizes, random_states(),
+                           process_sets.registry(), skipped), dest=rank, tag=_VARIABLES)
+            state_transfer.send(comm, views, pending, on_device or [])
+            failures = {rank: comm.recv(source=rank, tag=_LOADED) for rank in pending}
+            pending = [rank for rank, failure in failures.items() if failure is not None]
+            blamed = dict(failure for failure in failures.values() if failure is not None)
+            if not pending:
+                break
+            if None in blamed or attempt == TRIES - 1:  # not one variable's fault: given up
+                for rank in pending:
+                    comm.send(None, dest=rank, tag=_VARIABLES)
+                break
+            skipped.update(blamed)
+    return HealReport(bytes=sent, on_device=on_gpu,
+                      skipped=tuple(f"{name} ({why})" for name, why in skipped.items()),
+                      by_value=tuple(sorted(unreachable)))
+
+
+def _take(rt, shell, root: int, was_size: int) -> HealReport:
+    """On a new rank: ``root``'s process state, then its variables, saying each time whether
+    they loaded (and if not, which one did not)."""
+    from ipydist.rank.healing import process_state, state_pickle, state_transfer
+    from ipydist.torch.horovod import process_sets
+
+    comm = rt.control_comm
+    unreachable = process_state.apply(comm.recv(source=root, tag=_PROCESS), shell)
+    comm.send(unreachable, dest=root, tag=_MODULES)
+    last = "rank 0 gave up sending its variables"
+    first = True
+    while (message := comm.recv(source=root, tag=_VARIABLES)) is not None:
+        payload, sizes, device_sizes, states, known_sets, skipped = message
+        received, on_device = state_transfer.receive(comm, root, sizes, device_sizes)
+        if first:  # before loading: a variable may name a set
+            process_sets.adopt(known_sets)
+            first = False
+        try:
+            variables = state_pickle.load(payload, received, on_device)
+        except state_pickle.NotLoaded as e:
+            last = f"{e.name or 'the variables'}: {e.why}"
+            comm.send((e.name, e.why), dest=root, tag=_LOADED)
+            continue
+        comm.send(None, dest=root, tag=_LOADED)
+        try:
+            rebound = rebind(variables, rt.rank, rt.size, root, was_size)
+            into_namespace(variables, shell.user_ns)
+            _stand_in_for(skipped, shell.user_ns)
+            _follow(variables, unreachable)
+            set_random_states(states)
+        except Exception as e:  # said to the notebook after the others are let go
+            return HealReport(failed=f"{type(e).__name__}: {e}")
+        return HealReport(rebound=tuple(rebound))
+    return HealReport(failed=f"loading rank {root}'s variables failed ({last})")
+
+
+def _stand_in_for(skipped: dict[str, str], namespace: dict) -> None:
+    """A stand-in under each name not copied, which says so when used (never a NameError
+    where the other ranks have the variable)."""
+    from ipydist.rank.healing.stand_ins import NotCopied
+
+    for name, why in skipped.items():
+        namespace[name] = NotCopied(name, why)
+
+
+def _follow(variables: dict, by_value: dict[str, str]) -> None:
+    """What the loaded variables need here: DDP models tracked and their hooks registered,
+    and each module that came by value importable by its name, as on rank 0."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ipydist.torch._core import group_holders
+
+    for value in variables.values():
+        if isinstance(value, DistributedDataParallel):
+            group_holders.adopt(value)
+        elif isinstance(value, types.ModuleType) and value.__name__ in by_value:
+            sys.modules.setdefault(value.__name__, value)
 
 
 def resized(was_size: int) -> HealReport:

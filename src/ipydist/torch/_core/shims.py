@@ -11,6 +11,7 @@ import functools
 import inspect
 import sys
 import weakref
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -125,14 +126,16 @@ def install_shared_gpu_shim() -> None:
     torch.cuda.set_device = set_device
 
 
-#: Every DistributedDataParallel model made on this rank (see :func:`track_ddp_models`).
-_ddp_models: weakref.WeakSet = weakref.WeakSet()
+#: Every DistributedDataParallel model made on this rank (see :func:`track_ddp_models`), weakly,
+#: each with whether it was made over the default group (which it can follow when that is made
+#: again: :mod:`ipydist.torch._core.group_holders`).
+_ddp_models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def track_ddp_models() -> None:
-    """Remember each DistributedDataParallel model made from now on, weakly: after a rebuild
-    the notebook asks the user to wrap one again, and only when one exists (looking through
-    every object instead takes a second on a busy machine)."""
+    """Remember each DistributedDataParallel model made from now on, weakly: after a heal or a
+    rebuild of the group it follows the new group (looking through every object for them
+    instead takes a second on a busy machine)."""
     from torch.nn.parallel import DistributedDataParallel
 
     init = DistributedDataParallel.__init__
@@ -142,10 +145,20 @@ def track_ddp_models() -> None:
     @functools.wraps(init)
     def tracking_init(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        _ddp_models.add(self)
+        track(self, getattr(self, "device_mesh", None) is None
+              and self.process_group is dist.group.WORLD)
 
     tracking_init._ipydist_tracks = True  # type: ignore[attr-defined]  # a mark, read by getattr
     DistributedDataParallel.__init__ = tracking_init
+
+
+def track(ddp, on_default: bool) -> None:
+    _ddp_models[ddp] = on_default
+
+
+def ddp_models() -> list[tuple[Any, bool]]:
+    """The DDP models alive on this rank, each with whether it was made over the default group."""
+    return list(_ddp_models.items())
 
 
 def has_ddp_model() -> bool:
