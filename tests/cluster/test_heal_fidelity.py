@@ -303,7 +303,8 @@ def test_beside_cpu_hogs_a_variable_that_does_not_load_is_left_out_by_name(clust
 def test_a_copy_that_fails_whole_removes_its_replacement(cluster):
     """Each try blames one more variable; past the tries the copy is given up, and with
     --min-np 1 the survivor goes on alone, renumbered, each with its state: no rank without
-    state takes cells. The cluster then grows back."""
+    state takes cells. A grow that cannot copy removes its new rank the same way; once the
+    variables that do not load are gone, the cluster grows back."""
     session, proj, _ = cluster
     _state(session, proj)
     session.run(RANK0_ONLY + "odds = [Rank0Only(i) for i in range(3)]\n"
@@ -314,6 +315,12 @@ def test_a_copy_that_fails_whole_removes_its_replacement(cluster):
     assert session.size == 1
     assert session.pull("config.batch") == [16]
     assert "refuses" not in session.status().note
+    # a grow whose new rank cannot be given the state removes it too
+    with pytest.raises(ipydist.errors.ClusterError, match=r"1 ranks -> 2: the new ranks could "
+                       r"not be given rank 0's state \(.*\), so they were removed; the cluster "
+                       r"goes on with its 1 ranks"):
+        session.scale(NP)
+    assert session.size == 1 and session.pull("config.batch") == [16]
     session.run("".join(f"del odd{i}\n" for i in range(9)) + "del odds")
     session.scale(NP)
     assert session.pull("config.batch") == [16] * NP

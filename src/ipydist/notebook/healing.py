@@ -325,7 +325,15 @@ def scale(cluster, size: int) -> str:
                                f"on with its {was} ranks, each with its state.")
         added = list(range(was, size))
         by = _by_spares(spares, len(cluster.spare_pids), size - was)
-        what = f"{describe_ranks(added)} started{by}, {copy_state(cluster, 0, added, was)}"
+        try:
+            copied = copy_state(cluster, 0, added, was)
+        except Exception as e:  # never a rank without state taking cells
+            cluster.call("leave", added, timeout=HEAL_SECONDS, ending=added)
+            cluster.keep_ranks(list(range(was)))
+            raise ClusterError(f"{was} ranks -> {size}: the new ranks could not be given rank "
+                               f"0's state ({e}), so they were removed; the cluster goes on "
+                               f"with its {was} ranks, each with its state.") from e
+        what = f"{describe_ranks(added)} started{by}, {copied}"
     replies = cluster.view(list(range(min(was, size)))).apply_sync(
         protocol.on_rank, "resized", was)
     states = cluster.call("elastic_reset", False, timeout=HEAL_SECONDS)[0]
