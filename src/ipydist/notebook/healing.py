@@ -328,7 +328,13 @@ def scale(cluster, size: int) -> str:
         try:
             copied = copy_state(cluster, 0, added, was)
         except Exception as e:  # never a rank without state taking cells
-            cluster.call("leave", added, timeout=HEAL_SECONDS, ending=added)
+            try:
+                cluster.call("leave", added, timeout=HEAL_SECONDS, ending=added)
+            except Exception as left:
+                cluster.unusable = (f"{was} ranks -> {size}: the new ranks could not be given "
+                                    f"rank 0's state ({e}), nor removed ({left}), so the "
+                                    "cluster refuses cells")
+                raise ClusterError(f"{cluster.unusable}: restart it.") from e
             cluster.keep_ranks(list(range(was)))
             raise ClusterError(f"{was} ranks -> {size}: the new ranks could not be given rank "
                                f"0's state ({e}), so they were removed; the cluster goes on "
