@@ -43,7 +43,22 @@ def test_only_what_a_cell_changed_travels(kept_process, monkeypatch, shell):
     assert state.env_set == {"MY_TEST_CELL_SETTING": "on"}
     assert state.env_unset == ["MY_TEST_GONE"]
     assert list(state.torch) == ["threads"]
-    assert state.cwd == os.getcwd() and state.sys_path == sys.path
+    assert state.cwd == os.getcwd()
+
+
+def test_sys_path_travels_as_the_changes_cells_made():
+    """A new rank on another host may have its own installation's entries: it keeps them,
+    with what rank 0's cells put before, after, and took away."""
+    start = ["", "/a/lib/python3.11", "/a/site-packages"]
+    now = ["/my/project", "", "/a/lib/python3.11", "/a/site-packages", "/extra"]
+    changes = process_state.path_changes(start, now)
+    assert changes == (["/my/project"], ["/extra"], [])
+    elsewhere = ["", "/b/lib/python3.11", "/b/site-packages"]
+    assert process_state.changed_path(elsewhere, *changes) == [
+        "/my/project", "", "/b/lib/python3.11", "/b/site-packages", "/extra"]
+    removed = process_state.path_changes(start, ["", "/a/site-packages"])
+    assert removed == ([], [], ["/a/lib/python3.11"])
+    assert process_state.changed_path(start, *removed) == ["", "/a/site-packages"]
 
 
 def test_the_users_modules_are_found_imported_again_or_sent_by_value(kept_process, tmp_path,

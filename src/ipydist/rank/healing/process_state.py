@@ -4,7 +4,9 @@ replacement is the rank it replaces and rank 0's variables load there.
 
 The list (docs/failures.md says why each entry is on it):
 
-- ``sys.path`` and the working directory: where a cell's ``import`` looks;
+- what cells changed of ``sys.path`` (the entries added and removed: a replacement on another
+  host keeps its own installation's), and the working directory: where a cell's ``import``
+  looks;
 - environment variables a cell set, changed or removed (those mpiexec, torchrun's names and
   ipydist set per rank are the replacement's own);
 - the user's own modules (imported from outside the Python installation), by import in the
@@ -44,7 +46,11 @@ _AUTORELOAD_FLAGS = ("enabled", "check_all", "autoload_obj", "hide_errors")
 class ProcessState:
     """Rank 0's process, as far as it travels (see the module's docstring)."""
 
-    sys_path: list[str]
+    #: ``sys.path``'s entries a cell added before the ones the rank started with, those it
+    #: added after them, and those it removed (the rest may differ between hosts).
+    path_front: list[str]
+    path_back: list[str]
+    path_removed: list[str]
     cwd: str
     env_set: dict[str, str]
     env_unset: list[str]
@@ -65,6 +71,7 @@ def remember_start() -> None:
     """What this rank's process was when it registered, before any cell: later, what differs
     from it is what cells changed."""
     _start["env"] = dict(os.environ)
+    _start["path"] = list(sys.path)
     _start["torch"] = torch_settings()
 
 
@@ -79,8 +86,10 @@ def gather(shell) -> ProcessState:
     env_unset = [k for k in env_start if k not in os.environ and not _own(k)]
     torch_start = _start.get("torch", {})
     changed = {k: v for k, v in torch_settings().items() if torch_start.get(k) != v}
+    front, back, removed = path_changes(_start.get("path", sys.path), sys.path)
     return ProcessState(
-        sys_path=list(sys.path), cwd=os.getcwd(), env_set=env_set, env_unset=env_unset,
+        path_front=front, path_back=back, path_removed=removed, cwd=os.getcwd(),
+        env_set=env_set, env_unset=env_unset,
         modules=user_modules(), extensions=sorted(shell.extension_manager.loaded),
         autoreload=_autoreload(shell), matplotlib=_matplotlib(shell), torch=changed)
 
@@ -92,7 +101,8 @@ def apply(state: ProcessState, shell) -> dict[str, str]:
         os.chdir(state.cwd)
     except OSError:
         pass  # not on this host: the directory rank 0's cells work in is named in the docs
-    sys.path[:] = state.sys_path
+    sys.path[:] = changed_path(sys.path, state.path_front, state.path_back,
+                               state.path_removed)
     for name in state.env_unset:
         os.environ.pop(name, None)
     os.environ.update(state.env_set)
@@ -117,6 +127,24 @@ def apply(state: ProcessState, shell) -> dict[str, str]:
     _set_matplotlib(shell, state.matplotlib)
     set_torch_settings(state.torch)
     return failed
+
+
+def path_changes(start: list[str], now: list[str]) -> tuple[list, list, list]:
+    """What cells did to ``sys.path`` since ``start``: (the entries added before the first
+    entry of ``start`` still there, the others added, the entries removed)."""
+    kept = set(start) & set(now)
+    first = next((i for i, entry in enumerate(now) if entry in kept), len(now))
+    front = [entry for entry in now[:first] if entry not in kept]
+    back = [entry for entry in now[first:] if entry not in kept]
+    return front, back, [entry for entry in start if entry not in set(now)]
+
+
+def changed_path(path: list[str], front: list[str], back: list[str],
+                 removed: list[str]) -> list[str]:
+    """``path`` (a new rank's own, which may differ from rank 0's on another host) with rank
+    0's cells' changes (:func:`path_changes`) made to it."""
+    gone = set(removed) | set(front) | set(back)
+    return [*front, *(entry for entry in path if entry not in gone), *back]
 
 
 @contextlib.contextmanager
