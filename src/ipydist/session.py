@@ -25,7 +25,7 @@ from ipydist.errors import ClusterError, NotDefined, RankDied, RankError
 from ipydist.notebook import healing, recovery, timeline, words
 from ipydist.notebook.cell import CellRun, RunResult
 from ipydist.notebook.cell_checks import check_syntax, wait_until_idle
-from ipydist.notebook.cluster import Cluster
+from ipydist.notebook.cluster import CONTROLLER_LOST_NOTE, Cluster
 from ipydist.notebook.introspection import debugging
 from ipydist.notebook.launch import deaths, local_gpus, processes
 from ipydist.notebook.launch.planning import plan_launch
@@ -148,12 +148,13 @@ class Session:
                 break
             except BaseException as e:
                 progress.close()
+                crashed = deaths.crashed_in_mpi_init(_launch_output(cluster))
                 again = (attempt == 1 and isinstance(e, ClusterError)
-                         and deaths.crashed_in_mpi_init(_launch_output(cluster)))
+                         and (crashed or cluster.controller_lost))
                 self.stop(quiet=True)
                 if not again:
                     raise
-                print(deaths.CRASHED_IN_MPI_INIT_NOTE)
+                print(deaths.CRASHED_IN_MPI_INIT_NOTE if crashed else CONTROLLER_LOST_NOTE)
                 t0 = time.perf_counter()
         steps = cluster.startup.breakdown() if cluster.startup is not None else ""
         steps_shown = progress.close(steps)

@@ -30,6 +30,14 @@ from ipydist.notebook import ipp, watchdog
 from ipydist.notebook.launch import kept_forkserver, mpiexec, processes, slurm, startup
 from ipydist.specs import describe_ranks, parse_ranks
 
+#: Said when a start is tried again after its controller ended before the ranks registered.
+#: ipyparallel's controller chooses its ports by binding port 0 and closing the socket, then
+#: binds them again: in between, on a busy machine, another process may take one (a kernel
+#: choosing its own ports the same way, or a connection's local port), and the controller
+#: ends. Its ranks would only see its heartbeats missing, 35 s later.
+CONTROLLER_LOST_NOTE = ("ipydist: the ipyparallel controller ended during the start (a port it "
+                        "had chosen was likely taken before it bound it); starting again, once.")
+
 #: Controller heartbeat: a rank is declared gone after HEARTBEAT_MS * HEARTBEAT_MISSES ms.
 #: On one host a rank's death is seen by its pid at once; on another, its nanny tells the
 #: controller as soon as the rank's process ends (within milliseconds), and a lost host ends
@@ -93,6 +101,8 @@ class Cluster:
         #: process or a spawned one, and its finalize may never end (a stop ends such a job
         #: at once, :meth:`_let_ranks_end`)
         self.world_changed = False
+        #: The controller ended during the start (see :data:`CONTROLLER_LOST_NOTE`).
+        self.controller_lost = False
         #: Why the cluster refuses cells (a heal that failed left no state it could go on
         #: in), None while it takes them.
         self.unusable: str | None = None
@@ -202,6 +212,11 @@ class Cluster:
             registered: list[int] = list(self.client.ids) if self.client is not None else []
             if len(registered) >= self.np:
                 break
+            if not self.controller_alive():  # the ranks would wait for its heartbeats for ever
+                self.controller_lost = True
+                raise ClusterError(f"the ipyparallel controller (pid {self.controller_pid}) "
+                                   f"ended before the {self.np} ranks registered"
+                                   f"{self._controller_said()}.")
             if not processes.alive(launcher.process):
                 raise ClusterError(self._launch_failure(
                     f"{self.plan.command_name} exited before the {self.np} ranks started"))
@@ -239,6 +254,15 @@ class Cluster:
         said = f" (squeue's reason: {reason})" if reason else ""
         return (f". Slurm job {watch.job} still waits for nodes{said}; it is cancelled. Ask "
                 "for fewer ranks or another --partition, or give --timeout more seconds")
+
+    def _controller_said(self) -> str:
+        """The controller's last lines, as a clause ("" where it printed nothing)."""
+        try:
+            output = self._ipp.controller.get_output() if self._ipp is not None else ""
+        except Exception:
+            return ""
+        lines = [line for line in (output or "").splitlines() if line.strip()][-3:]
+        return f"; it said: {' / '.join(lines)}" if lines else ""
 
     def _launch_failure(self, what: str) -> str:
         """The message for a launch that failed, from what mpiexec and the ranks printed."""

@@ -167,8 +167,9 @@ def _send(rt, shell, to: list[int]) -> HealReport:
     from ipydist.torch.horovod import process_sets
 
     comm = rt.control_comm
+    process = process_state.gather(shell)
     for rank in to:
-        comm.send(process_state.gather(shell), dest=rank, tag=_PROCESS)
+        comm.send(process, dest=rank, tag=_PROCESS)
     unreachable: dict[str, str] = {}
     for rank in to:
         unreachable.update(comm.recv(source=rank, tag=_MODULES))
@@ -216,7 +217,7 @@ def _take(rt, shell, root: int, was_size: int) -> HealReport:
     comm = rt.control_comm
     unreachable = process_state.apply(comm.recv(source=root, tag=_PROCESS), shell)
     comm.send(unreachable, dest=root, tag=_MODULES)
-    last = "rank 0 gave up sending its variables"
+    last = f"rank {root} gave up sending its variables"
     first = True
     while (message := comm.recv(source=root, tag=_VARIABLES)) is not None:
         payload, sizes, device_sizes, states, known_sets, skipped = message
