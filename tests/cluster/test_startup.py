@@ -302,7 +302,7 @@ def test_a_start_whose_controller_ends_is_tried_again_once(no_cluster, capsys):
         killer.join()
         out = capsys.readouterr().out
         assert killed and session.cluster.controller_pid != killed[0]
-        assert "the ipyparallel controller ended during the start" in out, out
+        assert "the ipyparallel controller ended or did not answer during the start" in out, out
         assert took < 30, f"{took:.1f} s: the lost controller was not seen at once"
         session.run("x = 1")
         assert session.pull("x") == [1, 1]

@@ -34,9 +34,11 @@ from ipydist.specs import describe_ranks, parse_ranks
 #: ipyparallel's controller chooses its ports by binding port 0 and closing the socket, then
 #: binds them again: in between, on a busy machine, another process may take one (a kernel
 #: choosing its own ports the same way, or a connection's local port), and the controller
-#: ends. Its ranks would only see its heartbeats missing, 35 s later.
-CONTROLLER_LOST_NOTE = ("ipydist: the ipyparallel controller ended during the start (a port it "
-                        "had chosen was likely taken before it bound it); starting again, once.")
+#: ends, or does not answer on that port. Its ranks would only see its heartbeats missing,
+#: 35 s later; the notebook's client gives up after 10 s.
+CONTROLLER_LOST_NOTE = ("ipydist: the ipyparallel controller ended or did not answer during the "
+                        "start (a port it had chosen was likely taken before it bound it); "
+                        "starting again, once.")
 
 #: Controller heartbeat: a rank is declared gone after HEARTBEAT_MS * HEARTBEAT_MISSES ms.
 #: On one host a rank's death is seen by its pid at once; on another, its nanny tells the
@@ -208,7 +210,15 @@ class Cluster:
             self.profile_dir, "security", f"ipcontroller-{self._ipp.cluster_id}-client.json")
         while True:
             if self.client is None and os.path.exists(client_file):
-                self.client = self._ipp.connect_client_sync()
+                try:
+                    self.client = self._ipp.connect_client_sync()
+                except TimeoutError as e:  # its hub did not answer (ipyparallel waits 10 s)
+                    self.controller_lost = True
+                    state = "still runs" if self.controller_alive() else "has ended"
+                    raise ClusterError(
+                        f"the ipyparallel controller (pid {self.controller_pid}) did not answer "
+                        f"the notebook's connection within 10 s, and {state}"
+                        f"{self._controller_said()}.") from e
             registered: list[int] = list(self.client.ids) if self.client is not None else []
             if len(registered) >= self.np:
                 break
