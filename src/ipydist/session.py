@@ -266,9 +266,8 @@ class Session:
             self.healed()
         if self.cluster is None:  # stopped while it healed
             raise ClusterError(self.words.no_cluster())
-        if self.cluster.unusable:
-            raise ClusterError(f"{self.cluster.unusable}: run {self.words.restart} to start a "
-                               "fresh cluster.")
+        if refusal := self.cluster.refusal(self.words.restart):
+            raise ClusterError(refusal)
         return self.cluster
 
     # --- cells -------------------------------------------------------------------------------
@@ -382,9 +381,9 @@ class Session:
             # a heal under way: how far it is, not a wait for it (the next cell waits)
             return cluster_status(self.cluster, self.words.restart, healing=heal.describe())
         cluster = self.cluster
-        if cluster is not None and cluster.unusable:  # what it is, not a refusal
-            table = cluster_status(cluster, self.words.restart)
-            table.note = f"{cluster.unusable}: run {self.words.restart} to start a fresh cluster."
+        if cluster is not None and (refusal := cluster.refusal(self.words.restart)):
+            table = cluster_status(cluster, self.words.restart)  # what it is, not a refusal
+            table.note = refusal
             return table
         return cluster_status(self._require_running(alive=False), self.words.restart)
 

@@ -398,6 +398,11 @@ class Cluster:
                 if (proc is not None and not processes.alive(proc))
                 or (proc is None and self.engine_ids[info.rank] not in registered)]
 
+    def refusal(self, restart: str) -> str:
+        """What a cell of a cluster that refuses cells is told ("" while it takes them);
+        ``restart``: how the user starts a fresh one."""
+        return f"{self.unusable}: run {restart} to start a fresh cluster." if self.unusable else ""
+
     def controller_alive(self) -> bool:
         """Whether the controller, through which every message to the ranks goes, still runs."""
         if self._controller_proc is None and self.controller_pid:

@@ -19,6 +19,7 @@ from ipydist import protocol
 from ipydist.errors import ClusterError, RankTimeout
 from ipydist.notebook import ipp
 from ipydist.notebook.launch import launchers, processes
+from ipydist.notebook.recovery import holders_of_the_group
 from ipydist.specs import describe_ranks
 
 #: How long a heal's start may take (spawning a replacement, its torch import, its
@@ -103,7 +104,7 @@ class Heal:
         self.failed = why
         cluster.unusable = (f"Replacing {describe_ranks(self.dead)} failed ({why}), so the "
                             "cluster refuses cells")
-        return [f"{cluster.unusable}: run {self.restart} to start a fresh cluster."]
+        return [cluster.refusal(self.restart)]
 
     def _heal(self) -> list[str]:
         cluster = self.cluster
@@ -142,7 +143,7 @@ class Heal:
         line = (f"{describe_ranks(self.dead)} {'was' if one else 'were'} replaced in "
                 f"{time.monotonic() - self.started:.1f} s{by} (pid {pids}), "
                 f"{'its' if one else 'their'} {copied}; the other ranks kept theirs"
-                f"{_holders(replies)}.")
+                f"{holders_of_the_group(replies, 'the new group')}.")
         if states[0]:
             line += (f" {_states(states[0])} went back to {'its' if states[0] == 1 else 'their'}"
                      " last commit() on every rank, synced from rank 0, reset callbacks run.")
@@ -193,17 +194,6 @@ def _followed(replies: list[protocol.HealReport], size: int, gone: str) -> str:
         text += f"; samplers now split the data {size} ways: {', '.join(names)}"
     if removed := replies[0].sets_removed:
         text += f"; removed, as ranks in them {gone}: {', '.join(removed)}"
-    return text
-
-
-def _holders(replies: list[protocol.HealReport]) -> str:
-    """What followed the new process group on the ranks that stayed, and what must be made
-    again, as clauses of the line."""
-    text = ""
-    if followed := sorted({name for reply in replies for name in reply.followed}):
-        text += f"; DistributedDataParallel models moved onto the new group: {', '.join(followed)}"
-    if marked := sorted({name for reply in replies for name in reply.marked}):
-        text += f"; made over the old group, to be made again before use: {', '.join(marked)}"
     return text
 
 

@@ -110,8 +110,8 @@ def recover(cluster, released: list[int], restart: str) -> list[str]:
                      f"will not work: run {restart}.")
         return notes
     if replies[0].rebuilt:
-        note = "The process group was rebuilt on every rank, so collectives work in the next cell."
-        notes.append(note + holders_of_the_group(replies))
+        notes.append("The process group was rebuilt on every rank, so collectives work in the "
+                     f"next cell{holders_of_the_group(replies, 'it')}.")
     fixed = replies[0].fixed
     if fixed:
         notes.append(
@@ -121,15 +121,15 @@ def recover(cluster, released: list[int], restart: str) -> list[str]:
     return notes
 
 
-def holders_of_the_group(replies) -> str:
-    """What the ranks said of their models and meshes when the group was made again: the DDP
-    models that now use it, and what must be made again (its next use says so too)."""
+def holders_of_the_group(replies, group: str) -> str:
+    """What the ranks said of their models and meshes when the group was made again, as
+    clauses of a line: the DDP models that now use ``group`` (as the line names it), and what
+    must be made again (its next use says so too). Heals' and recoveries' replies alike."""
     text = ""
     if followed := sorted({name for reply in replies for name in reply.followed}):
-        text += f" DistributedDataParallel models moved onto it: {', '.join(followed)}."
+        text += f"; DistributedDataParallel models moved onto {group}: {', '.join(followed)}"
     if marked := sorted({name for reply in replies for name in reply.marked}):
-        text += (" Made over the old group, to be made again before use: "
-                 f"{', '.join(marked)}.")
+        text += f"; made over the old group, to be made again before use: {', '.join(marked)}"
     return text
 
 

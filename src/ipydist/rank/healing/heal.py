@@ -68,11 +68,7 @@ def heal(dead: list[int], replace: bool, hosts: list[str] | None = None,
         renumber = world is survivors
     out = _rejoin(world, rt, started)
     if renumber:
-        from ipydist.rank.healing import state_copy
-
-        followed = state_copy.renumbered(rt.rank, rt.size, sorted(dead))
-        out = dataclasses.replace(out, rebound=followed.rebound, sets_removed=followed.sets_removed,
-                                  not_replaced=not_replaced)
+        out = dataclasses.replace(_renumbered(out, rt, dead), not_replaced=not_replaced)
     return out
 
 
@@ -94,20 +90,16 @@ def resize(size: int, env: Sequence[str] = (), spawn: bool = True) -> HealReport
     ranks take the spares first (``--spares``), then spawn the new ones (numbered from the
     old size up) where ``spawn`` allows; shrinking, the ranks from ``size`` up leave it, and
     end their process once they have replied."""
-    from mpi4py import MPI
 
-    from ipydist.torch._core import process_group, topology
+    from ipydist.torch._core import topology
 
     started = time.monotonic()
     rt = topology.get()
     assert rt is not None  # a rank's, made at its start
     if size < rt.size:
-        stays = rt.rank < size
-        world = rt.comm.Split(0 if stays else MPI.UNDEFINED, key=rt.rank)
-        if not stays:
-            process_group.abandon()
-            threading.Timer(LEAVE_AFTER_SECONDS, os._exit, (0,)).start()
-            return HealReport(rank=rt.rank, left=True, seconds=time.monotonic() - started)
+        world, left = _split_off(rt, rt.rank < size, started)
+        if left is not None:
+            return left
     elif spares.full is not None:
         spares.revoke()
         group = spares.regroup(spares.shrunk(), rt.rank, spares.Order(size, spawn, None, env))
@@ -126,25 +118,39 @@ def leave(gone: list[int]) -> HealReport:
     0's state: they leave the world (and end their process once they replied), the others go
     on as the world, renumbered from 0, their samplers, optimizers and process sets
     following. A rank without state never takes cells."""
-    from mpi4py import MPI
-
-    from ipydist.rank.healing import state_copy
-    from ipydist.torch._core import process_group, topology
+    from ipydist.torch._core import topology
 
     started = time.monotonic()
     rt = topology.get()
     assert rt is not None  # a rank's, made at its start
-    was_rank, was_size = rt.rank, rt.size
-    stays = rt.rank not in gone
+    world, left = _split_off(rt, rt.rank not in gone, started)
+    if left is not None:
+        return left
+    return _renumbered(_rejoin(world, rt, started), rt, gone)
+
+
+def _split_off(rt, stays: bool, started: float) -> tuple[object, HealReport | None]:
+    """(the world of the ranks that stay, None) on a rank that stays (collective); on one
+    that leaves, (None, its reply), its process ending once it replied."""
+    from mpi4py import MPI
+
+    from ipydist.torch._core import process_group
+
     world = rt.comm.Split(0 if stays else MPI.UNDEFINED, key=rt.rank)
-    if not stays:
-        process_group.abandon()
-        threading.Timer(LEAVE_AFTER_SECONDS, os._exit, (0,)).start()
-        return HealReport(rank=rt.rank, left=True, seconds=time.monotonic() - started)
-    out = _rejoin(world, rt, started)
-    followed = state_copy.renumbered(was_rank, was_size, sorted(gone))
-    return dataclasses.replace(out, rebound=followed.rebound,
-                               sets_removed=followed.sets_removed)
+    if stays:
+        return world, None
+    process_group.abandon()
+    threading.Timer(LEAVE_AFTER_SECONDS, os._exit, (0,)).start()
+    return None, HealReport(rank=rt.rank, left=True, seconds=time.monotonic() - started)
+
+
+def _renumbered(out: HealReport, rt, gone: list[int]) -> HealReport:
+    """``out`` with what followed the renumbering on a rank that stayed, ``rt`` its runtime of
+    before (see :func:`ipydist.rank.healing.state_copy.renumbered`)."""
+    from ipydist.rank.healing import state_copy
+
+    followed = state_copy.renumbered(rt.rank, rt.size, sorted(gone))
+    return dataclasses.replace(out, rebound=followed.rebound, sets_removed=followed.sets_removed)
 
 
 def _rejoin(world, rt, started: float) -> HealReport:

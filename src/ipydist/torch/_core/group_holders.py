@@ -58,7 +58,8 @@ def follow(variables: dict) -> tuple[list[str], list[str]]:
         if _is_fsdp2(value) and _mark(value, name, "an FSDP2 module",
                                       f"fully_shard the model again and assign it to {name}"):
             marked.append(f"{name} (fully_shard it again)")
-        elif _is_mesh(value) and _mark_mesh(value, name):
+        elif _is_mesh(value) and _mark(value, name, "a DeviceMesh",
+                                       "make it again with init_device_mesh"):
             marked.append(f"{name} (init_device_mesh again)")
     return sorted(followed), marked
 
@@ -105,32 +106,21 @@ def _message(name: str, what: str, todo: str) -> str:
             f"recovery, which is gone: {todo} (its parameters are intact).")
 
 
-def _mark(module, name: str, what: str, todo: str) -> bool:
-    """The next forward of ``module`` raises :class:`GroupGone`; False if marked already."""
-    if getattr(module, "_ipydist_group_gone", False):
+def _mark(held, name: str, what: str, todo: str) -> bool:
+    """The next use of ``held`` raises :class:`GroupGone`: a module's next forward, a mesh's
+    next ask for its groups. False if it was marked already."""
+    if getattr(held, "_ipydist_group_gone", False):
         return False
     message = _message(name, what, todo)
-
-    def refuse(*_):
-        raise GroupGone(message)
-
-    module.register_forward_pre_hook(refuse, prepend=True)
-    module._ipydist_group_gone = True
-    return True
-
-
-def _mark_mesh(mesh, name: str) -> bool:
-    """The mesh's groups are asked for no more: its next use raises :class:`GroupGone`."""
-    if getattr(mesh, "_ipydist_group_gone", False):
-        return False
-    message = _message(name, "a DeviceMesh", "make it again with init_device_mesh")
 
     def refuse(*_args, **_kwargs):
         raise GroupGone(message)
 
-    mesh.get_group = refuse
-    mesh.get_all_groups = refuse
-    mesh._ipydist_group_gone = True
+    if _is_mesh(held):
+        held.get_group = held.get_all_groups = refuse
+    else:
+        held.register_forward_pre_hook(refuse, prepend=True)
+    held._ipydist_group_gone = True
     return True
 
 
