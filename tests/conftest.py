@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import signal_guard
 import suite_watch
 import worker_turns
 from helpers import NP, cluster_processes, run_cell
@@ -21,6 +22,7 @@ from ipydist.notebook.launch import kept_forkserver
 # background (``make test &``, nohup) inherits SIGINT ignored. A notebook kernel always has
 # Python's handler, so the tests put it back.
 signal.signal(signal.SIGINT, signal.default_int_handler)
+signal_guard.install()
 
 
 def pytest_configure(config):

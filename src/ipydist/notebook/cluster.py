@@ -293,12 +293,11 @@ class Cluster:
 
     @property
     def controller_pid(self) -> int | None:
-        return getattr(self._ipp.controller, "pid", None) if self._ipp else None
+        return processes.started_pid(self._ipp.controller) if self._ipp else None
 
     @property
     def launcher_pid(self) -> int | None:
-        launcher = self._launcher()
-        return getattr(launcher, "pid", None)
+        return processes.started_pid(self._launcher())
 
     def view(self, targets: list[int]):
         """One DirectView per set of targets, reused: making one costs more than a small cell."""
@@ -378,9 +377,8 @@ class Cluster:
         if not self.plan.multi_host:
             pids += self.spare_pids
         if self._ipp is not None:
-            for launcher in [self._ipp.controller, *self._ipp.engines.values()]:
-                if launcher is not None and getattr(launcher, "pid", -1) > 0:
-                    pids.append(launcher.pid)
+            pids += [pid for launcher in [self._ipp.controller, *self._ipp.engines.values()]
+                     if (pid := processes.started_pid(launcher))]
         return pids
 
     def watchdog_pid(self) -> int | None:

@@ -41,6 +41,14 @@ def local_process(info: RankInfo):
     return process(info.pid) if is_here(info) else None
 
 
+def started_pid(launcher) -> int | None:
+    """The pid of an ipyparallel launcher's process once it runs, else None. Before its
+    process starts a launcher says -1, which a signal would take for every process the
+    caller may signal (as root: every process on the machine)."""
+    pid = getattr(launcher, "pid", None)
+    return pid if isinstance(pid, int) and pid > 0 else None
+
+
 def process(pid: int):
     """The psutil process of ``pid`` on this host, or a stand-in that is not running."""
     try:
