@@ -14,8 +14,8 @@ At each setting, the variants interleaved round by round in rotating order, medi
   ``mpi`` (mpi4py's ``Allreduce`` on COMM_WORLD) and ``gloo`` (``torch.distributed``); with the
   bus bandwidth (NCCL's: 2 (N-1)/N x bytes / time, N ranks) as a fraction of the link's rate;
 - training step time of the 1.6 M-parameter MLP of benchmarks/compression.py: ``fp32``,
-  ``fp16``, ``1-bit``, ``bmuf`` (ipydist's) and ``ddp`` (torch's DistributedDataParallel over
-  gloo).
+  ``fp16``, ``1-bit``, ``powersgd`` (rank 4), ``bmuf`` (ipydist's) and ``ddp`` (torch's
+  DistributedDataParallel over gloo).
 
 Printed: a table per setting, the bars of issue 36 and, with ``--plot``, a PNG of step time
 against link rate.
@@ -44,7 +44,7 @@ import compression  # noqa: E402
 
 SIZES = [64 << 10, 1 << 20, 8 << 20, 64 << 20]
 REDUCE_VARIANTS = ["ipydist", "flat", "hier", "mpi", "gloo"]
-STEP_VARIANTS = ["fp32", "fp16", "1-bit", "bmuf", "bmuf-16", "ddp", "local"]
+STEP_VARIANTS = ["fp32", "fp16", "1-bit", "powersgd", "bmuf", "bmuf-16", "ddp", "local"]
 STEPS = 16  # whole blocks of bmuf's (8 steps) and bmuf-16's
 RESULT = "LINKS-RESULT "
 
@@ -179,10 +179,10 @@ def report(setting: str, res: dict) -> dict:
               + "".join(f"{frac[v]:>11.2f}" for v in REDUCE_VARIANTS))
         figures[size] = (ms, frac)
     steps = {v: res["steps"][v] * 1e3 for v in STEP_VARIANTS}
-    print(f"\ntraining step ({STEPS} steps a round)\n{'variant':<8}{'ms/step':>10}{'x fp32':>9}"
+    print(f"\ntraining step ({STEPS} steps a round)\n{'variant':<9}{'ms/step':>10}{'x fp32':>9}"
           f"{'x ddp':>8}")
     for v in STEP_VARIANTS:
-        print(f"{v:<8}{steps[v]:>10.2f}{steps[v] / steps['fp32']:>8.2f}x"
+        print(f"{v:<9}{steps[v]:>10.2f}{steps[v] / steps['fp32']:>8.2f}x"
               f"{steps[v] / steps['ddp']:>7.2f}x")
     return {"reduce": figures, "steps": steps}
 
@@ -198,6 +198,7 @@ def bars(setting: str, fig: dict) -> list[tuple[str, bool]]:
                    ms["flat"] >= 1.3 * ms["hier"])]
     if setting == "1gbit":
         found += [("1gbit: 1-bit step <= 0.5x fp32's", steps["1-bit"] <= 0.5 * steps["fp32"]),
+                  ("1gbit: powersgd step < fp32's", steps["powersgd"] < steps["fp32"]),
                   ("1gbit: bmuf step <= 0.3x fp32's", steps["bmuf"] <= 0.3 * steps["fp32"]),
                   ("1gbit: bmuf-16 step <= 0.3x fp32's",
                    steps["bmuf-16"] <= 0.3 * steps["fp32"]),

@@ -62,6 +62,21 @@ def run_ok(shell, capsys, code):
     return out, err
 
 
+def stall_one_step(shell, capsys, step: int) -> None:
+    """The last rank sleeps in training step ``step`` while the others wait for it in the
+    exchange: the cell's --timeout of 2 s ends it (the test has set a short failure_grace)."""
+    result, _, err = run_cell(shell, capsys, f"""%%everyrank --timeout 2
+import time
+x, y = batch({step})
+opt.zero_grad()
+((model(x) - y) ** 2).mean().backward()
+if hvd.rank() == {NP - 1}:
+    time.sleep(60)  # the others wait for it in the exchange
+opt.step()
+""")
+    assert isinstance(result.error_in_exec, CellTimeout), (result.error_in_exec, err)
+
+
 @pytest.fixture
 def learners(shell, capsys, cluster):
     run_ok(shell, capsys, SETUP)
@@ -82,7 +97,7 @@ def run(compression, after, steps=8):
     seen = []
     for step in range(steps):
         local_step(model, opt, step)
-        seen.append((flat(model), opt._buckets[0].onebit is not None,
+        seen.append((flat(model), opt._buckets[0].kept is not None,
                      same_everywhere(flat(model))))
     return seen
 warm = run(hvd.Compression.onebit, 3)
@@ -109,7 +124,7 @@ def fresh():
                                    compression=hvd.Compression.onebit, distributed_after=2)
     return model, opt
 outcome = resumes_exactly(fresh, {path!r}, 5, 9,
-                          lambda model, opt: not same_everywhere(opt._buckets[0].onebit.residual))
+                          lambda model, opt: not same_everywhere(opt._buckets[0].kept.residual))
 """)
     for residual_differs, resumed_equal, identical in shell.run_line_magic("dist_pull",
                                                                           "outcome"):
@@ -248,25 +263,112 @@ opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
                                compression=hvd.Compression.onebit)
 for step in range(3):
     local_step(model, opt, step)
-kept = opt._buckets[0].onebit.residual.clone()
+kept = opt._buckets[0].kept.residual.clone()
 """)
-        result, _, err = run_cell(shell, capsys, f"""%%everyrank --timeout 2
-x, y = batch(3)
-opt.zero_grad()
-((model(x) - y) ** 2).mean().backward()
-if hvd.rank() == {NP - 1}:
-    time.sleep(60)  # the others wait for its message
-opt.step()
-""")
-        assert isinstance(result.error_in_exec, CellTimeout), (result.error_in_exec, err)
+        stall_one_step(shell, capsys, 3)
         out, _ = run_ok(shell, capsys, """%%everyrank
-print("residual kept:", opt._buckets[0].onebit.residual.equal(kept))
+print("residual kept:", opt._buckets[0].kept.residual.equal(kept))
 for step in range(3, 8):
     local_step(model, opt, step)
 print("same model:", same_everywhere(flat(model)))
 """)
         assert "[all ranks] residual kept: True" in as_merged(out), out
         assert "[all ranks] same model: True" in as_merged(out), out
+    finally:
+        learners.options = saved
+
+
+def test_powersgd_is_exact_on_low_rank_sums_warm_starts_and_keeps_the_ranks_identical(
+        shell, capsys, learners, transport):
+    """PowerSGD between real ranks, on both wires: a batch of one per rank makes a layer's
+    summed gradient of rank 4, which rank 4 carries exactly (the bias whole, in full precision), in
+    a fifth of fp32's bytes; in training, ``start_iter=3`` steps are fp32's bit for bit, then
+    the exchange starts, the ranks stay identical, and the loss ends near fp32's."""
+    run_ok(shell, capsys, """%%everyrank
+def low_rank_sum():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 32)
+    x = torch.randn(N, 64)[r:r + 1]
+    sent = {}
+    for name, compression in (("fp32", hvd.Compression.none),
+                              ("powersgd", hvd.Compression.powersgd(rank=4, start_iter=0))):
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(lin.parameters(), lr=0.1),
+                                       compression=compression, op=hvd.Sum)
+        opt.zero_grad()
+        lin(x).pow(2).sum().backward()
+        local = [p.grad.clone() for p in lin.parameters()]
+        opt.synchronize()
+        sent[name] = opt.bytes_sent
+    exact = [hvd.allreduce(g, op=hvd.Sum) for g in local]
+    weight, bias = [p.grad for p in lin.parameters()]
+    # the bias travels whole; gloo's ring may sum it in another order than a lone allreduce
+    return (torch.allclose(weight, exact[0], rtol=1e-4, atol=1e-5),
+            torch.allclose(bias, exact[1], rtol=1e-6, atol=1e-7),
+            sent["fp32"] / sent["powersgd"])
+
+def train(compression, steps=40):
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                   compression=compression)
+    seen = []
+    for step in range(steps):
+        local_step(model, opt, step)
+        seen.append((flat(model), opt._buckets[0].kept is not None,
+                     same_everywhere(flat(model))))
+    return seen, full_loss(model)
+psgd, psgd_loss = train(hvd.Compression.powersgd(rank=2, start_iter=3))
+full, full_loss_ = train(hvd.Compression.none)
+outcome = (low_rank_sum(), [p[0].equal(f[0]) for p, f in zip(psgd, full)],
+           [p[1] for p in psgd], all(p[2] for p in psgd), psgd_loss, full_loss_)
+""")
+    for exact, equal_to_full, kept, identical, loss, fp32_loss in shell.run_line_magic(
+            "dist_pull", "outcome"):
+        weight_exact, bias_exact, fewer = exact
+        assert weight_exact and bias_exact and fewer > 4.5, exact
+        assert equal_to_full[:3] == [True] * 3, "start_iter's steps are full precision"
+        assert not any(equal_to_full[3:]), "PowerSGD steps after them"
+        assert kept == [False] * 3 + [True] * 37
+        assert identical
+        assert loss < 1.5 * fp32_loss + 0.02, (loss, fp32_loss)
+
+
+def test_powersgd_state_is_checkpointed_per_rank_and_dropped_alike_after_a_release(
+        shell, capsys, learners, tmp_path):
+    """The error feedback differs between ranks (a checkpoint keeps each rank's own and Q,
+    and a fresh pair resumes bit for bit); a step the others wait in for a sleeping rank is
+    ended by the timeout, every rank drops Q (the abandoned step may have left the ranks'
+    copies apart) and keeps its error feedback, and training goes on with identical ranks."""
+    path = str(tmp_path / "powersgd.pt")
+    run_ok(shell, capsys, f"""%%everyrank
+def fresh():
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                   compression=hvd.Compression.powersgd(rank=2, start_iter=2))
+    return model, opt
+outcome = resumes_exactly(fresh, {path!r}, 5, 9,
+                          lambda model, opt: not same_everywhere(opt._buckets[0].kept.error))
+model, opt = fresh()
+for step in range(4):
+    local_step(model, opt, step)
+error = opt._buckets[0].kept.error.clone()
+""")
+    for error_differs, resumed_equal, identical in shell.run_line_magic("dist_pull", "outcome"):
+        assert error_differs, "each rank keeps its own error feedback"
+        assert resumed_equal, "resumed training differs from training straight on"
+        assert identical
+    saved = learners.options
+    learners.options = saved.changed(failure_grace=1.0)
+    try:
+        stall_one_step(shell, capsys, 4)
+        out, _ = run_ok(shell, capsys, """%%everyrank
+kept = opt._buckets[0].kept
+print("q dropped, error kept:", kept.q is None, kept.error.equal(error))
+for step in range(4, 9):
+    local_step(model, opt, step)
+print("same model:", same_everywhere(flat(model)), same_everywhere(kept.q))
+""")
+        assert "[all ranks] q dropped, error kept: True True" in as_merged(out), out
+        assert "[all ranks] same model: True True" in as_merged(out), out
     finally:
         learners.options = saved
 
@@ -282,18 +384,35 @@ for make in (
         torch.optim.SGD(make_model().parameters(), lr=0.1)), block_steps=2),
     lambda: hvd.DistributedOptimizer(torch.optim.SGD(make_model().parameters(), lr=0.1),
                                      distributed_after=-1),
+    lambda: hvd.DistributedOptimizer(torch.optim.SGD(make_model().parameters(), lr=0.1),
+                                     compression=hvd.Compression.powersgd),
 ):
     try:
         make()
-    except ValueError as e:
+    except (ValueError, TypeError) as e:
         errors.append(str(e))
 """)
     for errors in shell.run_line_magic("dist_pull", "errors"):
-        assert len(errors) == 4, errors
+        assert len(errors) == 5, errors
         assert "block_size=64 counts samples, as CNTK's block_size does" in errors[0]
         assert "block_momentum must be in [0, 1)" in errors[1]
         assert "not a DistributedOptimizer" in errors[2]
         assert "distributed_after must be a number of steps" in errors[3]
+        assert "Compression.powersgd takes its rank: call it" in errors[4]
+    run_ok(shell, capsys, """%%everyrank
+pair = hvd.add_process_set([0, 1])
+try:
+    hvd.DistributedOptimizer(torch.optim.SGD(make_model().parameters(), lr=0.1),
+                             compression=hvd.Compression.powersgd(rank=2), process_set=pair)
+    refused = None
+except ValueError as e:
+    refused = str(e)
+hvd.remove_process_set(pair)
+""")
+    refused = shell.run_line_magic("dist_pull", "refused")
+    assert refused[2:] == [None] * (NP - 2), "outside the set: nothing to average, as Horovod"
+    assert refused[:2] == ["Compression.powersgd(rank=2, start_iter=10, min_compression_rate=2) "
+                           "averages over every rank: it takes no process_set"] * 2, refused
 
 
 def test_load_from_a_different_number_of_ranks_warns_and_starts_residuals_afresh(
@@ -309,7 +428,7 @@ state["ipydist_rank_state"] = [{"onebit": [None]}] * (N + 1)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     opt.load_state_dict(state)
-print([str(w.message) for w in caught], opt._buckets[0].onebit is None)
+print([str(w.message) for w in caught], opt._buckets[0].kept is None)
 """)
     assert result.error_in_exec is None, err
     assert f"written by {NP + 1} ranks and this run has {NP}" in out, out

@@ -256,21 +256,23 @@ def made():
     m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     hvd.broadcast_parameters(m.state_dict(), root_rank=0)
     return m
-m1, m2 = made(), made()
+m1, m2, m3 = made(), made(), made()
 onebit = hvd.DistributedOptimizer(torch.optim.SGD(m1.parameters(), lr=0.01, momentum=0.9),
                                   named_parameters=m1.named_parameters(),
                                   compression=hvd.Compression.onebit)
 bmuf = hvd.BlockMomentum(torch.optim.SGD(m2.parameters(), lr=0.01), block_steps=3)
+psgd = hvd.DistributedOptimizer(torch.optim.SGD(m3.parameters(), lr=0.01, momentum=0.9),
+                                compression=hvd.Compression.powersgd(rank=2, start_iter=1))
 evens = hvd.add_process_set([0, 2])
 gen = torch.Generator().manual_seed(hvd.rank())
 def steps(n):
     for _ in range(n):
-        for m, o in ((m1, onebit), (m2, bmuf)):
+        for m, o in ((m1, onebit), (m2, bmuf), (m3, psgd)):
             o.zero_grad()
             m(torch.randn(8, 8, generator=gen)).pow(2).mean().backward()
             o.step()
 def flats():
-    return [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in (m1, m2)]
+    return [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in (m1, m2, m3)]
 steps(4)  # mid-block: 4 steps of 3-step blocks
 """
 
@@ -283,7 +285,7 @@ def test_one_bit_block_momentum_and_process_sets_live_on_in_the_replacement(shel
     result, _, err = run_cell(shell, capsys, """%%everyrank
 # mid-block each rank's own model differs by design; the block's global model may not
 synced = [same_everywhere(flats()[0]), same_everywhere(bmuf._blocks[0].global_model),
-          int(bmuf._steps_in_block)]
+          int(bmuf._steps_in_block), same_everywhere(flats()[2])]
 steps(5)  # to the end of the third block: every rank at its start
 trained = [same_everywhere(f) for f in flats()] + [int(bmuf._steps_in_block)]
 in_set = (hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum, process_set=evens).item()
@@ -291,8 +293,9 @@ in_set = (hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum, process_s
 """)
     result.raise_error()
     assert "rank 2 was replaced in" in err, err
-    assert elastic.pull("synced") == [[True, True, 1]] * NP  # rank 0's block state
-    assert elastic.pull("trained") == [[True, True, 0]] * NP
+    assert elastic.pull("synced") == [[True, True, 1, True]] * NP  # rank 0's block state
+    # PowerSGD: the replacement has no Q and the others dropped theirs; all drew one alike
+    assert elastic.pull("trained") == [[True, True, True, 0]] * NP
     assert elastic.pull("in_set") == [2.0, None, 2.0, None]
     # a failure in the next cell: the others are released from the learners' collectives,
     # and the recovery (which makes the process set again) completes on every rank
@@ -307,6 +310,22 @@ steps(3)
     run_cell(shell, capsys, "%everyrank ok = hvd.allreduce(torch.ones(1), op=hvd.Sum).item()"
              )[0].raise_error()
     assert elastic.pull("ok") == [float(NP)] * NP
+
+
+def test_compressions_that_keep_state_follow_a_resize(shell, capsys, elastic):
+    """1-bit's stripes and PowerSGD's world follow ``%dist_scale`` (4 -> 3 -> 4): each rank
+    keeps its own error feedback, the momentum correction's share follows the new size, and
+    the ranks train on identically. (Before, the 1-bit exchange kept the size it was made
+    for: the step after a shrink failed on the all-to-all's sizes.)"""
+    run_cell(shell, capsys, "%%everyrank\n" + LEARNERS)[0].raise_error()
+    for size in (3, NP):
+        run_cell(shell, capsys, f"%dist_scale --np {size}")[0].raise_error()
+        run_cell(shell, capsys, """%%everyrank
+steps(3)  # BMUF's models differ mid-block by design: the other two are compared
+after = [same_everywhere(flats()[0]), same_everywhere(flats()[2]),
+         onebit._buckets[0].kept.world, psgd._buckets[0].kept.world]
+""")[0].raise_error()
+        assert elastic.pull("after") == [[True, True, size, size]] * size
 
 
 def test_shrinking_removes_the_process_sets_of_ranks_that_left(shell, capsys, elastic):

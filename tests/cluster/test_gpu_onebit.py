@@ -86,7 +86,7 @@ def test_onebit_trains_cuda_buckets_on_the_gpu_with_no_sync_in_backward(gpu_sess
         "model, opt = fresh(dev, after=2, momentum=0.9)\n"
         "before = full_loss(model)\n"
         "w = train(model, opt, 30, strict_from=1)\n"
-        "ex = opt._buckets[0].onebit\n"
+        "ex = opt._buckets[0].kept\n"
         "gpu_res = (len(opt._buckets) > 1, ex.residual.device.type, ex._stream is not None,\n"
         "           opt._buckets[0].correction.velocity.device.type,\n"
         "           'ipydist.torch.training.gradients.onebit_kernels' in sys.modules,\n"
@@ -111,7 +111,7 @@ def fed(device, steps=12):
         for p in model.parameters():
             p.grad = torch.randn(p.shape, generator=g).to(device)
         opt.step()
-    residual = torch.cat([bk.onebit.state()["residual"] for bk in opt._buckets])
+    residual = torch.cat([bk.kept.state()["residual"] for bk in opt._buckets])
     return flat(model), residual
 (w_gpu, r_gpu), (w_cpu, r_cpu) = fed(dev), fed("cpu")
 cmp_res = ((w_gpu - w_cpu).abs().max().item(), (r_gpu - r_cpu).abs().max().item(),
@@ -134,7 +134,7 @@ def test_checkpoints_of_cuda_buckets_are_on_the_cpu_and_resume_bit_for_bit(gpu_s
 model, opt = fresh(dev, momentum=0.9)
 train(model, opt, 5)
 hvd.save_checkpoint({path!r}, model=model, optimizer=opt)
-saved = [t.device.type for bk in opt._buckets for t in bk.onebit.state().values()]
+saved = [t.device.type for bk in opt._buckets for t in bk.kept.state().values()]
 straight = train(model, opt, 4, 5, strict_from=5)
 model, opt = fresh(dev, momentum=0.9)
 ck = hvd.load_checkpoint({path!r})

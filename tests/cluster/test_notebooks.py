@@ -515,6 +515,7 @@ def cntk(tmp_path_factory):
 def test_cntk_notebook_uses_the_learners_by_their_names():
     source = "\n".join(c.source for c in nbformat.read(CNTK, as_version=4).cells)
     assert "compression=compression" in source and "hvd.Compression.onebit" in source
+    assert "hvd.Compression.powersgd(rank=4, start_iter=steps_per_epoch)" in source
     assert "distributed_after=steps_per_epoch" in source
     assert "hvd.BlockMomentum(opt, block_size=4 * BATCH * hvd.size(), batch_size=BATCH)" in source
     assert "momentum=0.9" in source and "momentum=0.0" not in source, "1-bit keeps momentum"
@@ -522,27 +523,29 @@ def test_cntk_notebook_uses_the_learners_by_their_names():
 
 @stress
 def test_cntk_notebook_meets_the_accuracy_and_bytes_bars(cntk):
-    """The four ways side by side, each the mean of 3 seeds: 1-bit (with full precision's
-    learning rate and momentum 0.9, after a warm start), fp16 and BMUF end no more than 1
-    point below full precision's mean after the same samples (the seeds' spread is about 0.5
-    points, the means' about 0.3); 1-bit sends over 20x fewer bytes per step, BMUF about the
-    block length fewer (3 averages per 11 steps: each epoch's last block is ended early), fp16
-    half."""
+    """The five ways side by side, each the mean of 3 seeds: 1-bit and PowerSGD (with full
+    precision's learning rate and momentum 0.9, after a warm start), fp16 and BMUF end no more
+    than 1 point below full precision's mean after the same samples (the seeds' spread is
+    about 0.5 points, the means' about 0.3); 1-bit sends over 20x fewer bytes per step,
+    PowerSGD at rank 4 over 8x, BMUF about the block length fewer (3 averages per 11 steps:
+    each epoch's last block is ended early), fp16 half."""
     nb, _, left = cntk
     _ran_cleanly(nb, left)
     table = _text(_cell(nb, "pulled = %dist_pull results --rank 0"))
     print(table)  # shown with -s
     rows = {m.group(1): (float(m.group(2)), float(m.group(3)), float(m.group(4)))
-            for m in re.finditer(r"^(fp32|fp16|1-bit|bmuf)\s+(\d\.\d{4})\s+(\d\.\d{4})\s+\S+"
-                                 r"\s+[\d.]+\s+([\d.]+)x\s+[\d.]+$", table, re.MULTILINE)}
-    assert list(rows) == ["fp32", "fp16", "1-bit", "bmuf"], table
+            for m in re.finditer(r"^(fp32|fp16|1-bit|powersgd|bmuf)\s+(\d\.\d{4})\s+"
+                                 r"(\d\.\d{4})\s+\S+\s+[\d.]+\s+([\d.]+)x\s+[\d.]+$", table,
+                                 re.MULTILINE)}
+    assert list(rows) == ["fp32", "fp16", "1-bit", "powersgd", "bmuf"], table
     full = rows["fp32"][0]
     assert full >= 0.95, table
     assert all(accuracy >= full - 0.01 for accuracy, _, _ in rows.values()), table
     assert all(spread < 0.05 for _, spread, _ in rows.values()), table
     assert rows["1-bit"][2] >= 20 and rows["bmuf"][2] >= 3.5 and rows["fp16"][2] == 2.0, table
+    assert rows["powersgd"][2] >= 8, table
     assert "mean no more than 1 point below full precision's: {'fp32': True, 'fp16': True, " \
-           "'1-bit': True, 'bmuf': True}" in table
+           "'1-bit': True, 'powersgd': True, 'bmuf': True}" in table
 
 
 @stress

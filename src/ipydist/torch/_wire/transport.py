@@ -206,6 +206,22 @@ def start_alltoall_then_allgather(send: torch.Tensor, recv: torch.Tensor, middle
     return _submit([lambda comm: comm.Ialltoall(send.numpy(), recv.numpy()), gather])
 
 
+def start_allreduces(*steps) -> Chain:
+    """Submit sums in place among every rank, one after another, as one operation for
+    :func:`finish`: each step a contiguous tensor, or a function called once the sums before
+    it are done that returns the tensor to sum (computed from them; the caller keeps every
+    tensor alive until the operation is done)."""
+    mpi = _names()
+
+    def post(step):
+        def run(comm):
+            tensor = step() if callable(step) else step
+            return comm.Iallreduce(mpi["in_place"], _memory(tensor).reshape(-1), mpi["sum"])
+        return run
+
+    return _submit([post(step) for step in steps])
+
+
 def start_alltoallv(send: torch.Tensor, send_counts: list[int], into: torch.Tensor,
                     recv_counts: list[int], group=None) -> Chain:
     """Submit an all-to-all of the contiguous ``send`` in consecutive blocks of

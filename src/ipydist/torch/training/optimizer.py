@@ -36,10 +36,10 @@ import torch
 from ipydist.torch._core import events, process_group, resync, waiting
 from ipydist.torch._core.marks import waits_for_peers
 from ipydist.torch._wire import call_check, signature
-from ipydist.torch._wire.compression import Compression, Compressor
+from ipydist.torch._wire.compression import AnyCompressor, Compression, describe, sends_as_is
 from ipydist.torch._wire.reduce_ops import Average, ReduceOp, Sum
 from ipydist.torch.horovod import join
-from ipydist.torch.horovod.basics import size
+from ipydist.torch.horovod.basics import rank, size
 from ipydist.torch.horovod.process_sets import ProcessSet, comms_for, global_process_set
 from ipydist.torch.training import optimizer_options as options
 from ipydist.torch.training.gradients import buckets, momentum_correction
@@ -77,7 +77,8 @@ class _DistributedMixin(CheckpointMixin):
         # Steps completed: the same on every rank, and put back in step by the recovery
         # (tracked), since it decides when the compression starts.
         self._steps = torch.zeros((), dtype=torch.int64)
-        if distributed_after and group is None:
+        if (distributed_after or compression.full_precision_steps
+                or compression.exchange) and group is None:  # it seeds PowerSGD's Q too
             resync.track_tensors([self._steps])
         self._passes = given.backward_passes_per_step
         self._op = given.op
@@ -89,14 +90,14 @@ class _DistributedMixin(CheckpointMixin):
         self._buckets = buckets.plan(
             params, options.cap_bytes(params, given.bucket_cap_mb, given.num_groups),
             options.explicit_groups(given.groups, params),
-            buckets.alone_rule(compression, distributed_after, group))
-        if compression.summed_by_ranks and momentum_correction.applies(self):
-            for bucket in self._buckets:  # 1-bit with SGD's momentum: kept before the quantizer
+            buckets.alone_rule(compression, self._full_precision_steps(), group))
+        if compression.keeps_momentum and momentum_correction.applies(self):
+            for bucket in self._buckets:  # SGD's momentum kept before the exchange (1-bit)
                 bucket.correction = momentum_correction.MomentumCorrection(
                     bucket.params, self, 1.0 / (ranks * self._postscale))
         self._corrected = any(b.correction is not None for b in self._buckets)
         self._alone = self._nothing_to_exchange(ranks)
-        self._stepped_with: type[Compressor] = Compression.none  # the last synchronize's
+        self._stepped_with: AnyCompressor = Compression.none  # the last synchronize's
         self._slot = {id(p): (b, i) for b, bucket in enumerate(self._buckets)
                       for i, p in enumerate(bucket.params)}
         self._passes_left = {id(p): self._passes for p in params}
@@ -106,7 +107,7 @@ class _DistributedMixin(CheckpointMixin):
         self._launching = threading.Lock()
         self._step_agreed = False  # this step's buckets were checked against the other ranks'
         self._announced: call_check.Announced | None = None  # this step's check, sent ahead
-        self._headers: dict[type, np.ndarray] = {}  # what it sends, per compression
+        self._headers: dict[AnyCompressor, np.ndarray] = {}  # what it sends, per compression
         self._plan = [(b.numel, str(b.params[0].dtype), b.params[0].device.type)
                       for b in self._buckets]
         self._grad_marks: list | None = None  # gradients as the last synchronize() left them
@@ -137,6 +138,11 @@ class _DistributedMixin(CheckpointMixin):
             self._op, float(self._options.gradient_predivide_factor), ranks)
         self._alone = self._nothing_to_exchange(ranks)
         self._headers.clear()  # they carry the scaling: a step grown from 2 ranks to 3 sent 0.5
+        for bucket in self._buckets:
+            if bucket.kept is not None:  # e.g. 1-bit's stripes follow the world's size
+                bucket.kept.resized(size(), rank())
+            if bucket.correction is not None:
+                bucket.correction.rescale(1.0 / (ranks * self._postscale))
 
     def _nothing_to_exchange(self, ranks: int) -> bool:
         """Whether a step has nothing to send: one rank (in the world, or the process set),
@@ -146,7 +152,7 @@ class _DistributedMixin(CheckpointMixin):
         device per step were most of what a step of one rank cost above plain training).
         fp16 and 1-bit compression still round the gradient, and ``sparse_as_dense`` still
         makes it dense, as on more ranks."""
-        return (ranks == 1 and self._compression is Compression.none
+        return (ranks == 1 and sends_as_is(self._compression)
                 and self._op in (Average, Sum) and self._prescale == 1.0
                 and self._postscale == 1.0 and not self._sparse_as_dense)
 
@@ -206,7 +212,8 @@ class _DistributedMixin(CheckpointMixin):
     def _launch(self, bucket: buckets.Bucket) -> None:
         if not self._step_agreed:
             self._agree_on_step()
-        bucket.launch(self._compression_now(), self._prescale, comms_for(self._process_set))
+        bucket.launch(self._compression_now(), self._prescale, comms_for(self._process_set),
+                      int(self._steps))
         self.bytes_sent += bucket.sent_bytes
 
     @waits_for_peers("allreduce of gradients (DistributedOptimizer)")
@@ -231,11 +238,17 @@ class _DistributedMixin(CheckpointMixin):
         return dict(dtype=first.dtype, device=first.device,
                     shape=[b.numel for b in self._buckets], op=self._op,
                     prescale=self._prescale, postscale=self._postscale,
-                    extra=signature.plan_hash(self._plan + [self._compression_now().__name__]))
+                    extra=signature.plan_hash(self._plan + [describe(self._compression_now())]))
 
-    def _compression_now(self) -> type[Compressor]:
-        """The compression of this step: none during the warm start (``distributed_after``)."""
-        if self._distributed_after and int(self._steps) < self._distributed_after:
+    def _full_precision_steps(self) -> int:
+        """Steps averaged in full precision before the compression starts: the warm start
+        (``distributed_after``), or the compression's own (PowerSGD's ``start_iter``)."""
+        return max(self._distributed_after, self._compression.full_precision_steps)
+
+    def _compression_now(self) -> AnyCompressor:
+        """The compression of this step: none during the warm start."""
+        warm = self._full_precision_steps()
+        if warm and int(self._steps) < warm:
             return Compression.none
         return self._compression
 
@@ -293,6 +306,8 @@ class _DistributedMixin(CheckpointMixin):
         call ``zero_grad()`` and train on."""
         for bucket in self._buckets:
             bucket.abandon()
+            if bucket.kept is not None:  # the ranks may now disagree on what it shares
+                bucket.kept.restart()
         self._next_launch = 0
         self._step_agreed = False
         self._announced = None  # the recovery replaces the communicator it was sent on
@@ -328,7 +343,7 @@ class _DistributedMixin(CheckpointMixin):
             self.synchronize()
         self._synchronized = False
         waiting.check_usable()  # a released rank does not step (see buckets.unpack)
-        corrected = self._corrected and self._stepped_with.summed_by_ranks
+        corrected = self._corrected and self._stepped_with.keeps_momentum
         with momentum_correction.plain_step(self) if corrected else contextlib.nullcontext():
             return super().step(closure)
 
@@ -388,7 +403,7 @@ def _unpickle_distributed(base: type[torch.optim.Optimizer], state: dict, wrappe
 def DistributedOptimizer(  # noqa: N802 - Horovod's name, a factory like Horovod's
     optimizer: torch.optim.Optimizer,
     named_parameters=None,
-    compression: type[Compressor] = Compression.none,
+    compression: AnyCompressor = Compression.none,
     backward_passes_per_step: int = 1,
     op: ReduceOp = Average,
     gradient_predivide_factor: float = 1.0,
@@ -410,6 +425,8 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name, a factory like Horovod
     gradients in full precision, the later ones use ``compression``. CNTK counts samples and
     trains as one worker before; here it counts optimizer steps (a torch optimizer never sees
     the batch) and every rank trains on its own data from the first step.
+    ``Compression.powersgd(rank=r, start_iter=n)`` has a warm start of its own (DDP's
+    ``start_powerSGD_iter``): the larger of the two holds.
 
     Horovod's arguments: ``process_set`` averages among a process set's ranks (only they step
     it); ``num_groups=n`` fuses the gradients into about n buckets, ``groups`` (lists of

@@ -7,7 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from ipydist.torch._wire.compression import Compression, Compressor
+from ipydist.torch._wire.compression import (
+    AnyCompressor,
+    Compression,
+    PowerSGDCompressor,
+    describe,
+    is_compressor,
+)
 from ipydist.torch._wire.reduce_ops import Average, ReduceOp, Sum
 from ipydist.torch.horovod.process_sets import ProcessSet, global_process_set
 
@@ -24,7 +30,7 @@ class OptimizerOptions:
 
     #: ``model.named_parameters()``: names for messages (and for checking the ranks agree).
     named_parameters: Any = None
-    compression: type[Compressor] = Compression.none
+    compression: AnyCompressor = Compression.none
     backward_passes_per_step: int = 1
     op: ReduceOp = Average
     gradient_predivide_factor: float = 1.0
@@ -57,17 +63,22 @@ def _check(op, backward_passes_per_step: int, compression, distributed_after: in
                          "optimizer, which combines each step's update, is not built here)")
     if backward_passes_per_step < 1:
         raise ValueError("backward_passes_per_step must be at least 1")
-    if not (isinstance(compression, type) and issubclass(compression, Compressor)):
-        raise TypeError("compression must be Compression.none, .fp16, .bf16 or .onebit")
+    if compression is PowerSGDCompressor:
+        raise TypeError("Compression.powersgd takes its rank: call it, e.g. "
+                        "compression=hvd.Compression.powersgd(rank=4)")
+    if not is_compressor(compression):
+        raise TypeError("compression must be Compression.none, .fp16, .bf16, .onebit or "
+                        f".powersgd(rank=...), not {compression!r}")
     if not isinstance(distributed_after, int) or distributed_after < 0:
         raise ValueError("distributed_after must be a number of steps, 0 or more")
 
 
-def check_group(compression: type[Compressor], group) -> None:
+def check_group(compression: AnyCompressor, group) -> None:
     """Raise where ``compression`` cannot work among ``group`` (a process set's
-    communicators, or None for every rank)."""
-    if group is not None and compression.summed_by_ranks:
-        raise ValueError("Compression.onebit averages over every rank: it takes no "
+    communicators, or None for every rank): a compression's own exchange averages over
+    every rank."""
+    if group is not None and compression.exchange is not None:
+        raise ValueError(f"{describe(compression)} averages over every rank: it takes no "
                          "process_set")
 
 

@@ -24,10 +24,16 @@ import torch
 
 from ipydist.torch._core import topology, waiting
 from ipydist.torch._wire import transport
-from ipydist.torch._wire.compression import Compression, Compressor
-from ipydist.torch.training.gradients.exchanges import Exchange, InPlace, Packed, dense
+from ipydist.torch._wire.compression import AnyCompressor, sends_as_is
+from ipydist.torch.training.gradients.exchanges import (
+    Exchange,
+    InPlace,
+    KeptExchange,
+    Packed,
+    dense,
+    kept_exchange,
+)
 from ipydist.torch.training.gradients.momentum_correction import MomentumCorrection
-from ipydist.torch.training.gradients.onebit_exchange import OneBitExchange
 
 #: Cap of the first bucket (DDP's too): small, so communication starts early in backward.
 FIRST_BUCKET_MB = 1.0
@@ -54,11 +60,14 @@ class Bucket:
     own: bool = False
     buffer: torch.Tensor | None = None  # gradients, then one had-gradient flag per parameter
     views: list[torch.Tensor] = field(default_factory=list)
-    #: Compression.onebit: the bucket's exchange and the residuals it keeps between steps.
-    onebit: OneBitExchange | None = None
-    #: Compression.onebit with SGD's momentum: the momentum kept on this rank, before the
-    #: quantizer (the optimizer sets it).
+    #: A compression's own exchange (``Compressor.exchange``), with the state it keeps
+    #: between steps (error feedback): made on its first step.
+    kept: KeptExchange | None = None
+    #: A compression that keeps SGD's momentum on each rank (``Compressor.keeps_momentum``):
+    #: that momentum, before the exchange (the optimizer sets it).
     correction: MomentumCorrection | None = None
+    #: Its place in the optimizer's plan (the same on every rank).
+    index: int = 0
     #: What this rank sent in the last launch (transport.bytes_sent's model).
     sent_bytes: int = 0
     #: When the last launch began (``time.perf_counter()``), for the timeline.
@@ -74,20 +83,22 @@ class Bucket:
 
     # --- sending ------------------------------------------------------------------------------
 
-    def launch(self, compression: type[Compressor], prescale: float, group=None) -> None:
+    def launch(self, compression: AnyCompressor, prescale: float, group=None,
+               step: int = 0) -> None:
         """Start this bucket's exchange (the caller has checked the step with the others)
         among every rank, or a process set's (``group``: its communicators): the way is chosen
-        here, once a step, and the exchange keeps what it needs."""
+        here, once a step, and the exchange keeps what it needs. ``step``: the optimizer's
+        steps so far."""
         self.launched = time.perf_counter()
         exchange: Exchange
         if self.travels_in_place(compression, group):
             exchange = InPlace(self.params[0], group)
         else:
             flat, had = self._pack(prescale)
-            if compression.summed_by_ranks:  # 1-bit: the bucket's exchange, kept
-                onebit = self.onebit_exchange()
-                onebit.start(flat)
-                exchange = onebit
+            if compression.exchange is not None:  # the compression's own, kept
+                kept = self.kept_exchange(compression)
+                kept.start(flat, step)
+                exchange = kept
             else:
                 exchange = Packed(flat, self.numel, self.views, had, compression, group)
         self.exchange = exchange
@@ -123,20 +134,21 @@ class Bucket:
         _mark(flat[self.numel:], had)
         return flat, had
 
-    def travels_in_place(self, compression: type[Compressor], group=None) -> bool:
+    def travels_in_place(self, compression: AnyCompressor, group=None) -> bool:
         """Whether the bucket's one gradient travels in its own memory (the same answer on
         every rank: the call check made the plan, dtype, device and compression equal)."""
-        return (self.own and compression is Compression.none
+        return (self.own and sends_as_is(compression)
                 and transport.uses_mpi(self.params[0], group))
 
-    def onebit_exchange(self) -> OneBitExchange:
-        """The bucket's 1-bit exchange, made with zero residuals on first use."""
-        if self.onebit is None:
+    def kept_exchange(self, compression: AnyCompressor) -> KeptExchange:
+        """The bucket's exchange for ``compression``, made with fresh state on first use."""
+        if self.kept is None:
             rt = topology.get()
             assert rt is not None  # a step runs on a rank
-            self.onebit = OneBitExchange(self.numel, len(self.params), rt.size, rt.rank,
-                                         self.correction)
-        return self.onebit
+            made = kept_exchange(compression)
+            assert made is not None  # the compression names one
+            self.kept = made.for_bucket(self, compression, rt.size, rt.rank)
+        return self.kept
 
     def progress(self) -> bool:
         """Let the exchange move on (MPI moves it only inside its calls); True once done
@@ -172,7 +184,7 @@ class Bucket:
 
     def write_gradients(self, values, had_grad: list[bool], postscale: float) -> None:
         """Each parameter's averaged gradient from ``values`` (one flat piece per parameter),
-        where some rank had a gradient (what the packed and the 1-bit exchanges write)."""
+        where some rank had a gradient (what the packed and the kept exchanges write)."""
         grads, sources, sparse = [], [], []
         for p, value, had in zip(self.params, values, had_grad):
             if had:
@@ -193,8 +205,8 @@ class Bucket:
 
     def abandon(self) -> None:
         """Forget what is in flight (done, or void after a release) and the gradients seen."""
-        if self.onebit is not None:
-            self.onebit.abandon()
+        if self.kept is not None:
+            self.kept.abandon()
         self.exchange = None
         self.ready.clear()
 
@@ -249,7 +261,7 @@ def _mark(flags: torch.Tensor, had: list[bool]) -> None:
             start = None
 
 
-def alone_rule(compression: type[Compressor], distributed_after: int = 0, group=None):
+def alone_rule(compression: AnyCompressor, distributed_after: int = 0, group=None):
     """Which parameters :func:`plan` gives a bucket of their own (a predicate; None: none):
     those of OWN_BUCKET_BYTES or more whose bucket may travel in place, over MPI, on the CPU,
     uncompressed (always, or in a warm start: ``distributed_after``). Anywhere else (NCCL,
@@ -257,7 +269,7 @@ def alone_rule(compression: type[Compressor], distributed_after: int = 0, group=
     its own: a BERT-large-sized model had about 150 buckets where DDP has a tenth. Decided
     from what every rank has alike (the transport, dtype, device, compression), so every rank
     plans alike; the step's check compares the plans anyway."""
-    if compression is not Compression.none and not distributed_after:
+    if not sends_as_is(compression) and not distributed_after:
         return None
     return lambda p: (p.numel() * p.element_size() >= OWN_BUCKET_BYTES
                       and transport.uses_mpi(p, group))
@@ -292,4 +304,6 @@ def plan(params, cap_bytes: float, groups=(), alone=None) -> list[Bucket]:
         bucket.numel += p.numel()
         if bucket.numel * p.element_size() >= limit:
             del open_by_kind[kind]
+    for index, bucket in enumerate(buckets):
+        bucket.index = index
     return buckets

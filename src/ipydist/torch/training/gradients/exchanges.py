@@ -6,26 +6,31 @@
   where the compression says so (``Compression.fp16``, ``.bf16``);
 - :class:`InPlace`: one large gradient summed where it lies, over MPI, followed by its flag,
   with no pack and no unpack (uncompressed only);
-- the 1-bit exchange (:class:`~ipydist.torch.training.gradients.onebit_exchange.OneBitExchange`),
-  which
-  keeps its residuals in the bucket from one step to the next.
+- a compression's own exchange, kept by the bucket from one step to the next with its state
+  (:class:`KeptExchange`): 1-bit SGD's
+  (:class:`~ipydist.torch.training.gradients.onebit_exchange.OneBitExchange`), PowerSGD's
+  (:class:`~ipydist.torch.training.gradients.powersgd.PowerSGDExchange`), named by the
+  compressor (``Compressor.exchange``).
 
 Every one is started by :meth:`Bucket.launch
 <ipydist.torch.training.gradients.buckets.Bucket.launch>`
 and then answers the same questions (:class:`Exchange`): has it moved on, wait for it, which
-flags must this rank read, and write the averaged gradients.
+flags must this rank read, and write the averaged gradients. A kept one also says what a
+checkpoint keeps of it, and what it does when the ranks may disagree on what it shares or the
+world changes size.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+import importlib
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
 
 from ipydist.torch._core import topology, waiting
 from ipydist.torch._wire import transport
-from ipydist.torch._wire.compression import Compressor
+from ipydist.torch._wire.compression import AnyCompressor, Compressor
 from ipydist.torch._wire.starts import torch_group_of
 
 if TYPE_CHECKING:
@@ -58,6 +63,54 @@ class Exchange(Protocol):
         ...
 
 
+class KeptExchange(Exchange, Protocol):
+    """A compression's exchange, which the bucket keeps between steps with its state (error
+    feedback; what the ranks share, such as PowerSGD's Q)."""
+
+    #: The key of its per-rank state in a checkpoint.
+    name: ClassVar[str]
+
+    @classmethod
+    def for_bucket(cls, bucket: Bucket, compression: Any, world: int,
+                   rank: int) -> KeptExchange:
+        """Made on the bucket's first step with it, among ``world`` ranks, on ``rank``."""
+        ...
+
+    def start(self, flat: torch.Tensor, step: int) -> None:
+        """Start this step's exchange of ``flat`` (the bucket's prescaled values, then its
+        had-gradient flags); ``step``: the optimizer's steps so far, the same on every rank."""
+        ...
+
+    def abandon(self) -> None:
+        """Forget the step in flight (done, or void after a release)."""
+        ...
+
+    def restart(self) -> None:
+        """The ranks may disagree on what the exchange shares (after a recovery or a heal):
+        every rank drops it, and they make it again alike."""
+        ...
+
+    def resized(self, world: int, rank: int) -> None:
+        """The world is now ``world`` ranks, this one ``rank``."""
+        ...
+
+    def state(self) -> dict:
+        """This rank's own state, on the CPU, for a checkpoint."""
+        ...
+
+    def load(self, state: dict) -> None:
+        """Take back what :meth:`state` gave."""
+        ...
+
+
+def kept_exchange(compression: AnyCompressor) -> type[KeptExchange] | None:
+    """The exchange class ``compression`` names (None: the packed allreduce)."""
+    if compression.exchange is None:
+        return None
+    module, _, name = compression.exchange.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def _bytes_sent(group, *tensors: torch.Tensor) -> int:
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     owner = topology.get() if group is None else group
@@ -76,7 +129,7 @@ class Packed:
     """The packed buffer summed by one allreduce (see the module docstring)."""
 
     def __init__(self, flat: torch.Tensor, numel: int, views: list[torch.Tensor],
-                 had: list[bool], compression: type[Compressor], group=None) -> None:
+                 had: list[bool], compression: AnyCompressor, group=None) -> None:
         self.buffer, self.numel, self.views, self.had = flat, numel, views, had
         self.compression = compression
         self.wire, self.ctx = compression.compress(flat)

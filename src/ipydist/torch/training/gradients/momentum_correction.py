@@ -155,6 +155,13 @@ class MomentumCorrection:
                 self._optimizer.state.get(p, {}).pop("momentum_buffer", None)
             self._adopted = True
 
+    def rescale(self, scale: float) -> None:
+        """The world changed size: one rank's share is now ``scale`` (1 / (N * postscale));
+        the velocity, kept as a share, follows, so that the ranks' sum stays SGD's own."""
+        if self.velocity is not None and self.scale:
+            self.velocity.mul_(scale / self.scale)
+        self.scale = scale
+
     def state(self) -> torch.Tensor | None:
         """The velocity, on the CPU (a checkpoint is read where there may be no GPU)."""
         return None if self.velocity is None else self.velocity.to("cpu", copy=True)

@@ -71,7 +71,11 @@ _allgather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_te
 class OneBitExchange:
     """The exchange of a bucket of ``numel`` values and ``extra`` exact float32 values (the
     had-gradient flags) among ``world`` ranks, seen from rank ``rank``; with ``correction``,
-    SGD's momentum is kept on this rank and sent instead of the gradients."""
+    SGD's momentum is kept on this rank and sent instead of the gradients. A bucket's kept
+    exchange (``exchanges.KeptExchange``) for ``Compression.onebit``."""
+
+    #: The key of its per-rank state in a checkpoint.
+    name = "onebit"
 
     #: Quantize CPU buckets with the torch operations too (the tests compare the two paths
     #: on one machine; on a GPU they are the only path).
@@ -104,6 +108,11 @@ class OneBitExchange:
         #: What this rank sent in the last step (``transport.bytes_sent``'s model).
         self.sent_bytes = 0
 
+    @classmethod
+    def for_bucket(cls, bucket: Any, compression: Any, world: int,
+                   rank: int) -> OneBitExchange:
+        return cls(bucket.numel, len(bucket.params), world, rank, bucket.correction)
+
     def _place(self, device: torch.device) -> None:
         """Move the residuals and buffers to ``device`` (once: the first step, or the first
         after a checkpoint was loaded), without waiting on the host."""
@@ -120,7 +129,7 @@ class OneBitExchange:
         self.next_owner_residual = torch.empty_like(self.owner_residual)
         self._total = torch.empty(self.numel, dtype=torch.float32, device=device)
 
-    def start(self, flat: torch.Tensor) -> None:
+    def start(self, flat: torch.Tensor, step: int = 0) -> None:
         """Start the exchange of ``flat`` (values, then extras); :attr:`sent_bytes` is what
         this rank sends in it (``transport.bytes_sent``'s model)."""
         device = flat.device
@@ -218,6 +227,21 @@ class OneBitExchange:
         self._buffers = {}
         self._result = None
         self._staged = None
+
+    def restart(self) -> None:
+        """Nothing is shared between ranks: the residuals are each rank's own, and kept."""
+        self.abandon()
+
+    def resized(self, world: int, rank: int) -> None:
+        """The stripes follow the new world: this rank's owner residual (of a stripe that is
+        no longer its) starts afresh; its own residual, what it did not send, is kept."""
+        self.abandon()
+        self.world = world
+        start, stop = onebit.stripes(self.numel, world)[rank]
+        self.own = stop - start
+        device = self.residual.device
+        self.owner_residual = torch.zeros(self.own, dtype=torch.float32, device=device)
+        self.next_owner_residual = torch.empty_like(self.owner_residual)
 
     # --- as a bucket's exchange (exchanges.Exchange) ---------------------------------------
 
