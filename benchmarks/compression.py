@@ -1,8 +1,9 @@
 """Bytes each rank sends per step, and step time, for fp32, fp16, 1-bit SGD, PowerSGD and block
 momentum.
 
-One model of 1.6 M parameters (an MLP of three large layers), the same data and ranks in one
-run, the variants interleaved round by round:
+One model of 1.6 M parameters (an MLP of three large layers; ``--model cnn``: notebook 06's
+digits CNN, 38 K parameters, where issue 69's PowerSGD bars are set), the same data and ranks
+in one run, the variants interleaved round by round:
 
 - ``fp32``: ``DistributedOptimizer`` (``Compression.none``): an allreduce of float32 gradients;
 - ``fp16``: the same with ``Compression.fp16``;
@@ -22,7 +23,7 @@ fp32 step on one host (where the quantization is all cost: shared memory moves t
 gradients in a few milliseconds); PowerSGD sends at least 8x fewer bytes, a step at most 1.5x
 fp32's (issue 69's bars, which notebook 06 holds on the digits CNN).
 
-    .venv/bin/python benchmarks/compression.py [--np 2] [--steps 32] [--rounds 9]
+    .venv/bin/python benchmarks/compression.py [--np 2] [--steps 32] [--rounds 9] [--model cnn]
 """
 
 from __future__ import annotations
@@ -40,11 +41,18 @@ RANK_CODE = textwrap.dedent('''
     import time, torch
     import ipydist.torch as hvd
 
+    MODEL = "mlp"
+
     def make_model():
         torch.manual_seed(0)
-        return torch.nn.Sequential(
-            torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
-            torch.nn.ReLU(), torch.nn.Linear(1024, 10))
+        nn = torch.nn
+        if MODEL == "cnn":  # notebook 06's digits CNN
+            return nn.Sequential(
+                nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1),
+                nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(),
+                nn.Linear(64, 10))
+        return nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                             nn.Linear(1024, 10))
 
     def wrap(variant, model):
         """The model to call and its optimizer, for ``variant``."""
@@ -59,7 +67,8 @@ RANK_CODE = textwrap.dedent('''
 
     def time_variant(variant, steps):
         model, opt = wrap(variant, make_model())
-        x, y = torch.randn(32, 512), torch.randint(0, 10, (32,))
+        x = torch.randn(32, 1, 8, 8) if MODEL == "cnn" else torch.randn(32, 512)
+        y = torch.randint(0, 10, (32,))
         loss_fn = torch.nn.CrossEntropyLoss()
 
         def step():
@@ -89,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--np", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4 * BLOCK)
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--model", choices=["mlp", "cnn"], default="mlp")
     args = parser.parse_args(argv)
     if args.steps % BLOCK:
         parser.error(f"--steps must be a multiple of the block size, {BLOCK}")
@@ -97,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     wire: dict[str, float] = {}
     with ipydist.Session(np=args.np, gpus="none") as s:
         s.run(RANK_CODE.replace("BLOCK", str(BLOCK)))
+        s.run(f"MODEL = {args.model!r}")
         for r in range(args.rounds):
             for variant in VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]:
                 s.run(f"t = time_variant({variant!r}, {args.steps})", output="rank0")
@@ -104,9 +115,9 @@ def main(argv: list[str] | None = None) -> int:
                 times[variant].append(seconds)
     med = {v: statistics.median(t) * 1e3 for v, t in times.items()}
 
-    print(f"\nCPU, np={args.np}, {params / 1e6:.2f} M parameters, median of {args.rounds} rounds "
-          f"of {args.steps} steps; bmuf: block_steps={BLOCK}. Bytes: what each rank sends per "
-          "step (transport.bytes_sent's model).")
+    print(f"\nCPU, np={args.np}, {args.model}, {params / 1e6:.2f} M parameters, median of "
+          f"{args.rounds} rounds of {args.steps} steps; bmuf: block_steps={BLOCK}. Bytes: what "
+          "each rank sends per step (transport.bytes_sent's model).")
     print(f"{'variant':<9}{'ms/step':>10}{'x fp32':>8}{'KB sent/step':>15}{'fewer than fp32':>17}")
     for v in VARIANTS:
         print(f"{v:<9}{med[v]:>10.2f}{med[v] / med['fp32']:>7.2f}x{wire[v] / 1e3:>15.1f}"
