@@ -47,10 +47,9 @@ def exchange_step(exchanges: list[PowerSGDExchange], buckets: list[Bucket],
     the second allreduce, write."""
     for ex, flat in zip(exchanges, flats):
         ex._prepare(flat, step)
-    for key in ("whole", "p"):
-        total = sum(ex._step[key] for ex in exchanges)
-        for ex in exchanges:
-            ex._step[key].copy_(total)
+    total = sum(ex._step["first"] for ex in exchanges)  # what travels whole, and the Ps
+    for ex in exchanges:
+        ex._step["first"].copy_(total)
     qs = [ex._second_half() for ex in exchanges]
     total = sum(qs)
     for q in qs:

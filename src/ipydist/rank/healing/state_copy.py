@@ -77,12 +77,13 @@ def rebind(variables: dict, rank: int, size: int, was_rank: int, was_size: int) 
 
     from torch.utils.data import DataLoader, DistributedSampler
 
+    from ipydist.torch._core.learner_hooks import FollowsResize
     from ipydist.torch.training.data import ShardSampler
     from ipydist.torch.training.optimizer import is_distributed
 
     changed = []
     for name, value in variables.items():
-        if is_distributed(value) and was_size != size:
+        if is_distributed(value) and isinstance(value, FollowsResize) and was_size != size:
             value._ipydist_resized()
         sampler = value.sampler if isinstance(value, DataLoader) else value
         if not isinstance(sampler, (ShardSampler, DistributedSampler)) or (

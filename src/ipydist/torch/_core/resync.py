@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ipydist.torch._core import process_group
+from ipydist.torch._core.learner_hooks import AbandonsPending
 
 #: (storage pointer, offset, shape, dtype) -> (weak reference to the storage, stride, serial).
 #: The serial numbers tracked tensors in the order user code tracked them, which is the same
@@ -66,9 +67,8 @@ def abandon_pending() -> None:
     """After a failed or interrupted cell: every DistributedOptimizer drops its half-done
     gradient averaging (see ``_abandon_pending``)."""
     for opt in list(_optimizers):
-        abandon = getattr(opt, "_abandon_pending", None)
-        if abandon is not None:
-            abandon()
+        if isinstance(opt, AbandonsPending):
+            opt._abandon_pending()
 
 
 def tracked() -> list[torch.Tensor]:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ipydist.torch._core.learner_hooks import KeepsRankState
 from ipydist.torch._wire.starts import torch_group_of
 from ipydist.torch.horovod.basics import device, rank, size
 from ipydist.torch.horovod.functions import allgather_object, broadcast_object
@@ -122,7 +123,7 @@ def _rank_states(state: dict[str, Any]) -> dict[str, list]:
     unpickled onto the receiver's GPU of the same index (a CUDA context on another rank's GPU,
     "invalid device ordinal" where hosts differ), and every rank would hold every rank's."""
     mine = {k: v._ipydist_rank_state() for k, v in state.items()
-            if callable(getattr(v, "_ipydist_rank_state", None))}
+            if isinstance(v, KeepsRankState)}
     mine = {k: _map_tensors(v, lambda t: t.detach().cpu()) for k, v in mine.items()
             if v is not None}
     if not any(allgather_object(bool(mine))):

@@ -160,10 +160,13 @@ class PowerSGDExchange:
             self.q = seeded_q(self.q_numel, self.index, step, dtype, device)
         elif self.q.device != device or self.q.dtype != dtype:
             self.q = _moved(self.q, device, dtype)
-        whole = torch.cat([flat[s:s + n].to(dtype) for s, n in self.whole]
-                          + [flat[self.numel:].to(dtype)])
-        ms, ps = self._buffer("m", self.compressed, dtype, device), torch.empty(
-            self.p_numel, dtype=dtype, device=device)
+        # one buffer for the first allreduce: what travels whole (then the flags), and the Ps
+        whole_numel = sum(n for _, n in self.whole) + self.extra
+        first = torch.empty(whole_numel + self.p_numel, dtype=dtype, device=device)
+        whole, ps = first[:whole_numel], first[whole_numel:]
+        torch.cat([flat[s:s + n].to(dtype) for s, n in self.whole]
+                  + [flat[self.numel:].to(dtype)], out=whole)
+        ms = self._buffer("m", self.compressed, dtype, device)
         qs = self.q.clone()
         for m in self.matrices:
             n = m.rows * m.cols
@@ -173,23 +176,20 @@ class PowerSGDExchange:
             q = _q(qs, m).t()  # cols x rank, stored transposed (see _q)
             orthonormalize(q)
             torch.matmul(mat.view(m.rows, m.cols), q, out=_p(ps, m))
-        self._step = dict(whole=whole, m=ms, p=ps, q=qs)
+        self._step = dict(first=first, whole=whole, m=ms, p=ps, q=qs)
 
     def _launch(self) -> None:
-        """The first allreduce (what travels whole, and the Ps) started; over MPI, the second
-        (the Qs) chained behind it."""
-        whole, ps, qs = self._step["whole"], self._step["p"], self._step["q"]
-        self.mpi = transport.uses_mpi(ps)
+        """The first allreduce (what travels whole, and the Ps: one buffer) started; over MPI,
+        the second (the Qs) chained behind it."""
+        first, qs = self._step["first"], self._step["q"]
+        self.mpi = transport.uses_mpi(first)
         if self.mpi:
-            steps = (whole, ps, self._second_half) if self.matrices else (whole,)
+            steps = (first, self._second_half) if self.matrices else (first,)
             self.work = transport.start_allreduces(*steps)
         else:
-            group = torch_group_of(None, ps)
-            self.work = [dist.all_reduce(t, async_op=True, group=group)
-                         for t in ((whole, ps) if self.matrices else (whole,))]
+            self.work = dist.all_reduce(first, async_op=True, group=torch_group_of(None, first))
         self.sent_bytes = transport.bytes_sent(
-            "allreduce", (whole.numel() + ps.numel() + qs.numel()) * whole.element_size(),
-            self.world)
+            "allreduce", (first.numel() + qs.numel()) * first.element_size(), self.world)
 
     def _buffer(self, name: str, numel: int, dtype: torch.dtype,
                 device: torch.device) -> torch.Tensor:
@@ -220,9 +220,8 @@ class PowerSGDExchange:
         if self.mpi:
             transport.finish(self.work)
             return
-        on_device = self._step["p"].device.type != "cpu"
-        for work in self.work:
-            waiting.wait_for(work, on_device=on_device)
+        on_device = self._step["first"].device.type != "cpu"
+        waiting.wait_for(self.work, on_device=on_device)
         if not self.matrices:
             return
         qs = self._second_half()
