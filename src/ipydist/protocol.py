@@ -199,7 +199,7 @@ DEBUG_KEY = "ipydist.debug"
 #: Data-message key of a heal's copy (rank 0 sends it while the state's tensors travel to the
 #: replacements): (bytes sent, of how many), at most twice a second, so that the notebook
 #: sees the copy move, ends it only when it stops moving, and ``%dist_status`` says how far it
-#: is (:mod:`ipydist.notebook.healing`).
+#: is (:mod:`ipydist.notebook.failures.healing`).
 HEAL_PROGRESS_KEY = "ipydist.heal_progress"
 #: The start of the name of a heal's shared-memory file (``ipydist.rank.healing.state_transfer``),
 #: followed by the writing rank's pid: rank 0 removes it when the copy ends, and the notebook

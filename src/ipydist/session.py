@@ -22,10 +22,11 @@ from dataclasses import fields
 
 from ipydist import protocol
 from ipydist.errors import ClusterError, NotDefined, RankDied, RankError
-from ipydist.notebook import healing, recovery, timeline, words
+from ipydist.notebook import words
 from ipydist.notebook.cell import CellRun, RunResult
 from ipydist.notebook.cell_checks import check_syntax, wait_until_idle
 from ipydist.notebook.cluster import CONTROLLER_LOST_NOTE, Cluster
+from ipydist.notebook.failures import healing, recovery
 from ipydist.notebook.introspection import debugging
 from ipydist.notebook.launch import deaths, local_gpus, processes
 from ipydist.notebook.launch.planning import plan_launch
@@ -33,7 +34,8 @@ from ipydist.notebook.live import cluster_view
 from ipydist.notebook.live.cluster_view import ClusterMonitor, ClusterView
 from ipydist.notebook.live.history import MetricHistory
 from ipydist.notebook.output import display
-from ipydist.notebook.status import cluster_status, start_table
+from ipydist.notebook.reports import timeline
+from ipydist.notebook.reports.status import cluster_status, start_table
 from ipydist.specs import (
     SpecError,
     StartOptions,
@@ -189,7 +191,7 @@ class Session:
 
     def scale(self, np: int) -> None:
         """Grow or shrink the running ``--elastic`` cluster to ``np`` ranks, keeping every
-        rank's state (see :func:`ipydist.notebook.healing.scale`)."""
+        rank's state (see :func:`ipydist.notebook.failures.healing.scale`)."""
         cluster = self._require_running()
         np = parse_np(np)
         if not self.elastic:

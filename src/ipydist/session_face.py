@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # types only: these modules are handed a session, they do not make one
     from ipydist.notebook.cluster import Cluster
-    from ipydist.notebook.healing import Heal
+    from ipydist.notebook.failures.healing import Heal
     from ipydist.notebook.live.cluster_view import ClusterMonitor
     from ipydist.notebook.live.history import MetricHistory
     from ipydist.notebook.words import Words

@@ -21,7 +21,7 @@ from helpers import wait_gone
 import ipydist
 from ipydist import protocol
 from ipydist.errors import ClusterError
-from ipydist.notebook import healing
+from ipydist.notebook.failures import healing
 
 MB = 2**20
 #: The tensors over MPI, as to a replacement on another host (on this one they go through

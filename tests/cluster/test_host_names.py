@@ -11,7 +11,7 @@ from ipydist import protocol
 from ipydist.network import Route
 from ipydist.notebook.launch import hosts as host_names
 from ipydist.notebook.launch import mpiexec
-from ipydist.notebook.status import grouped_by_host
+from ipydist.notebook.reports.status import grouped_by_host
 from ipydist.protocol import RankInfo
 from ipydist.specs import SpecError, format_hosts, parse_hostfile, parse_hosts
 

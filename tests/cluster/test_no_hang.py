@@ -29,7 +29,8 @@ from helpers import (
 )
 
 from ipydist.errors import CellTimeout, ReplyLost
-from ipydist.notebook import cell, recovery
+from ipydist.notebook import cell
+from ipydist.notebook.failures import recovery
 from ipydist.notebook.launch import mpiexec
 
 

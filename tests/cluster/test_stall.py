@@ -14,7 +14,7 @@ import pytest
 from helpers import NP, as_merged, assert_collectives_work, one_line, run_cell
 
 from ipydist.errors import CellTimeout, RankError
-from ipydist.notebook.stall import StallWatch
+from ipydist.notebook.failures.stall import StallWatch
 from ipydist.rank.stack_sampler import CollectiveSampler, collective_frame
 
 THRESHOLD = 2.0  # the tests' stall threshold (the default is 30 s)

@@ -10,7 +10,7 @@ import json
 
 from helpers import NP, pulled, run_cell, run_ok
 
-from ipydist.notebook.timeline import Timeline
+from ipydist.notebook.reports.timeline import Timeline
 
 
 def _names_by_rank(trace: dict) -> dict[int, set[str]]:

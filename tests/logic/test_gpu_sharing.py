@@ -11,7 +11,7 @@ import ipydist
 from ipydist.errors import LaunchError
 from ipydist.notebook.launch import local_gpus
 from ipydist.notebook.launch.planning import plan_launch
-from ipydist.notebook.status import SHARING_COSTS, sharing_note, start_table
+from ipydist.notebook.reports.status import SHARING_COSTS, sharing_note, start_table
 from ipydist.protocol import RankInfo
 from ipydist.rank import device
 from ipydist.torch._core import gpu_sharing, shims, topology

@@ -12,7 +12,7 @@ import re
 
 from ipydist.notebook import words
 from ipydist.notebook.launch import deaths
-from ipydist.notebook.status import COLUMNS, status_table
+from ipydist.notebook.reports.status import COLUMNS, status_table
 from ipydist.protocol import RankInfo
 
 RANKS = [RankInfo(rank=r, size=4, pid=100 + r, host="a", device="cpu") for r in range(4)]
@@ -94,3 +94,26 @@ def test_the_caption_names_the_replacements():
     ranks = [dataclasses.replace(info, replacement=info.rank == 2) for info in RANKS]
     table = status_table(ranks, dict.fromkeys(range(4), "idle"), {})
     assert table.caption == "4 ranks; rank 2 is a replacement"
+
+
+def test_a_ranks_memory_is_read_one_way_and_shown_one_way():
+    """``%dist_status`` and the live view read a rank's memory by one function and show it by
+    one formatter: a live process's resident set; nothing for none, a stand-in of a process
+    that is gone, or one that ended between the two looks."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    from ipydist.notebook.launch import processes
+    from ipydist.notebook.live.cluster_state import megabytes
+
+    here = processes.resident_bytes(psutil.Process())
+    assert here is not None and here > 1 << 20
+    assert megabytes(here).endswith(" MiB") and megabytes(1234 * 2**20) == "1,234 MiB"
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc = psutil.Process(ended.pid)
+    ended.wait()
+    assert processes.resident_bytes(proc) is None
+    assert processes.resident_bytes(None) is None
+    assert processes.resident_bytes(processes.process(2**22 + 12345)) is None

@@ -10,8 +10,8 @@ from __future__ import annotations
 import re
 
 from ipydist import protocol
-from ipydist.notebook.timeline import Timeline, shown_name
-from ipydist.notebook.timeline_axis import Axis
+from ipydist.notebook.reports.timeline import Timeline, shown_name
+from ipydist.notebook.reports.timeline_axis import Axis
 
 DATA, CHECK = protocol.TIMELINE_DATA_LANE, protocol.TIMELINE_CHECK_LANE
 

@@ -4,8 +4,8 @@ The wait loop runs in the notebook's main thread and wakes every 50 ms: it shows
 output, printed and rich (merged by :class:`LineMerger`, tagged as
 :mod:`~ipydist.notebook.output.rich` says), feeds their metrics to the history and the live view,
 warns of a stall (some ranks waiting in a collective the others never entered: see
-:mod:`ipydist.notebook.stall`), and enforces ``--timeout``. Ctrl-C (the stop button) lands here
-too, and interrupts the ranks.
+:mod:`ipydist.notebook.failures.stall`), and enforces ``--timeout``. Ctrl-C (the stop button)
+lands here too, and interrupts the ranks.
 """
 
 from __future__ import annotations
@@ -25,13 +25,14 @@ from ipydist.errors import (
     ReplyLost,
     wrap_message,
 )
-from ipydist.notebook import ipp, recovery
+from ipydist.notebook import ipp
+from ipydist.notebook.failures import recovery
+from ipydist.notebook.failures.stall import StallWatch
 from ipydist.notebook.introspection import debugging
 from ipydist.notebook.live.view import LiveView
 from ipydist.notebook.output import display, rich
 from ipydist.notebook.output.iopub import IOPubCollector
 from ipydist.notebook.output.lines import FirstLines, LineMerger, Redraw, hold_for_load
-from ipydist.notebook.stall import StallWatch
 from ipydist.notebook.stop_button import StopButton
 from ipydist.protocol import CELL_NUMBER_KEY, DEBUG_RANKS_KEY
 from ipydist.specs import describe_ranks

@@ -26,7 +26,8 @@ from typing import Any
 
 from ipydist import protocol
 from ipydist.errors import ClusterError, RankTimeout
-from ipydist.notebook import ipp, watchdog
+from ipydist.notebook import ipp
+from ipydist.notebook.failures import watchdog
 from ipydist.notebook.launch import kept_forkserver, mpiexec, processes, slurm, startup
 from ipydist.specs import describe_ranks, parse_ranks
 
@@ -90,7 +91,7 @@ class Cluster:
         self.client: Any = None
         #: ipyparallel.Cluster: controller and mpiexec launchers (from ``_launch`` on)
         self._ipp: Any | None = None
-        #: (process, pipe write end): see ipydist.notebook.watchdog
+        #: (process, pipe write end): see ipydist.notebook.failures.watchdog
         self._watchdog: tuple[subprocess.Popen, int] | None = None
         self._views: dict[tuple[int, ...], object] = {}
         self._rank_procs: list = []  # psutil processes of the ranks on this host
@@ -385,16 +386,24 @@ class Cluster:
         return self._watchdog[0].pid if self._watchdog else None
 
     def dead_ranks(self) -> list[protocol.RankInfo]:
-        """The ranks that are gone: on this host, by their process; on another host, by the
-        controller's heartbeat (the engine it stopped hearing from is unregistered)."""
+        """The ranks that are gone (see :meth:`_gone`), in one look."""
         if len(self._rank_procs) != len(self.ranks):  # looked up once per cluster
             self._rank_procs = [processes.local_process(info) for info in self.ranks]
         remote = [proc is None for proc in self._rank_procs]
         registered: set[int] = (set(self.client.ids) if any(remote) and self.client is not None
                                 else set())
         return [info for info, proc in zip(self.ranks, self._rank_procs)
-                if (proc is not None and not processes.alive(proc))
-                or (proc is None and self.engine_ids[info.rank] not in registered)]
+                if self._gone(info, proc, registered)]
+
+    def _gone(self, info: protocol.RankInfo, proc, registered: set[int]) -> bool:
+        """The one answer to "is this rank dead", for the cell's watch, the heal and
+        ``%dist_status`` alike: on this host, by its process (``proc``), the authority here;
+        on another host (``proc`` None), by the controller's heartbeat (an engine it stopped
+        hearing from is no longer among the ``registered``). A rank here whose process runs
+        but whose engine left (stopped, say) is not dead: its process may still go on."""
+        if proc is not None:
+            return not processes.alive(proc)
+        return self.engine_ids[info.rank] not in registered
 
     def refusal(self, restart: str) -> str:
         """What a cell of a cluster that refuses cells is told ("" while it takes them);
@@ -408,13 +417,13 @@ class Cluster:
         return self._controller_proc is None or processes.alive(self._controller_proc)
 
     def rank_state(self, rank: int) -> tuple[str, object]:
-        """(``"idle"``, ``"busy"`` or ``"dead"``, the rank's psutil process or None)."""
-        proc = processes.local_process(self.ranks[rank])
-        engine = self.engine_ids[rank]
-        alive = engine in set(self.client.ids) and (proc is None or processes.alive(proc))
-        if not alive:
+        """(``"idle"``, ``"busy"`` or ``"dead"``, the rank's psutil process or None); dead as
+        :meth:`dead_ranks` has it (:meth:`_gone`)."""
+        info = self.ranks[rank]
+        proc = processes.local_process(info)
+        if self._gone(info, proc, set(self.client.ids)):
             return "dead", None
-        busy = ipp.has_pending_requests(self.client, engine)
+        busy = ipp.has_pending_requests(self.client, self.engine_ids[rank])
         return ("busy" if busy else "idle"), proc
 
     def signal(self, sig: int, ranks: list[int] | None = None) -> None:

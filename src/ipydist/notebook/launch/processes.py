@@ -49,6 +49,16 @@ def started_pid(launcher) -> int | None:
     return pid if isinstance(pid, int) and pid > 0 else None
 
 
+def resident_bytes(proc) -> int | None:
+    """A rank's memory, measured here: its resident set, in bytes (None where there is no
+    process, or it ended meanwhile). ``%dist_status`` and the live view both show this; a rank's
+    own report (``rank/vitals.py``) measures the same, for ranks on other hosts."""
+    try:
+        return None if proc is None else int(proc.memory_info().rss)
+    except (psutil.Error, AttributeError):  # gone, or the stand-in of a process that is gone
+        return None
+
+
 def process(pid: int):
     """The psutil process of ``pid`` on this host, or a stand-in that is not running."""
     try:

@@ -46,6 +46,7 @@ def state_of(rank: int, alive: str, vitals: dict | None, cell: RunningCell | Non
 
 
 def megabytes(size: int | None) -> str:
+    """A rank's memory as the live view and ``%dist_status`` both show it."""
     return "" if size is None else f"{size / 2**20:,.0f} MiB"
 
 

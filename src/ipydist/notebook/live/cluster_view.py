@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import anywidget
 import traitlets
 
+from ipydist.notebook.launch import processes
 from ipydist.notebook.live.cluster_state import (
     FRESH_SECONDS,
     REPLACED_SECONDS,
@@ -209,9 +210,10 @@ class ClusterMonitor:
         if proc is None:
             return None
         try:
-            times, rss = proc.cpu_times(), proc.memory_info().rss
+            times = proc.cpu_times()
         except Exception:
             return None
+        rss = processes.resident_bytes(proc)
         cpu_seconds = times.user + times.system
         last = self._usage.get(rank)
         self._usage[rank] = (now, cpu_seconds)

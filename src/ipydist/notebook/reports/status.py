@@ -13,8 +13,9 @@ import html
 import psutil
 
 from ipydist.errors import wrap_message
-from ipydist.notebook.launch import deaths
+from ipydist.notebook.launch import deaths, processes
 from ipydist.notebook.launch.deaths import Death
+from ipydist.notebook.live.cluster_state import megabytes
 from ipydist.notebook.output import display
 from ipydist.protocol import RankInfo
 from ipydist.specs import describe_ranks
@@ -49,11 +50,9 @@ def cluster_status(cluster, restart: str, healing: str = "") -> StatusTable:
     states, memory = {}, {}
     for info in cluster.ranks:
         states[info.rank], proc = cluster.rank_state(info.rank)
-        if proc is not None:
-            try:
-                memory[info.rank] = f"{proc.memory_info().rss / 2**20:.0f} MiB"
-            except Exception:  # it died between the two looks
-                pass
+        size = processes.resident_bytes(proc)  # None: no process here, or it died meanwhile
+        if size is not None:
+            memory[info.rank] = megabytes(size)
     dead = [info for info in cluster.ranks if states[info.rank] == "dead"]
     death, report = None, ""
     if healing:

@@ -4,7 +4,7 @@ one Chrome trace (for chrome://tracing or https://ui.perfetto.dev).
 The drawing is a static SVG (no JavaScript, so it survives a saved notebook): one row per
 rank and lane (data, call check), one bar per event, its tooltip the event's name, duration
 and arguments, a colour legend and a time axis with round ticks that cuts long idle
-stretches short (:mod:`ipydist.notebook.timeline_axis` says why); and a table of where the
+stretches short (:mod:`ipydist.notebook.reports.timeline_axis` says why); and a table of where the
 time went, by event. Plain text where there is no HTML.
 
 Names: the notebook calls an event by its collective (``allreduce``) and the check that every
@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 from ipydist import protocol
 from ipydist.errors import wrap_message
-from ipydist.notebook.timeline_axis import Axis, duration_text
+from ipydist.notebook.reports.timeline_axis import Axis, duration_text
 
 _WIDTH, _LABEL, _ROW, _BAR = 900, 125, 18, 12
 #: Bar colours by collective; every call check is grey, whatever it checks.

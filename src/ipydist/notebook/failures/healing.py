@@ -18,8 +18,8 @@ from dataclasses import replace
 from ipydist import protocol
 from ipydist.errors import ClusterError, RankTimeout
 from ipydist.notebook import ipp
+from ipydist.notebook.failures.recovery import holders_of_the_group
 from ipydist.notebook.launch import launchers, processes
-from ipydist.notebook.recovery import holders_of_the_group
 from ipydist.specs import describe_ranks
 
 #: How long a heal's start may take (spawning a replacement, its torch import, its

@@ -10,7 +10,7 @@ and of mpiexec), so ranks are found even if mpiexec went first: once a second wh
 cluster starts, then every few seconds (a refresh reads every process's /proc entry: 0.02
 CPU-s a second of an idle cluster's, once a second on a busy machine).
 
-    python -m ipydist.notebook.watchdog FD [--heal-folder=DIR ...] PID [PID ...]
+    python -m ipydist.notebook.failures.watchdog FD [--heal-folder=DIR ...] PID [PID ...]
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def start(pids: list[int], heal_folders: Sequence[str] = ()) -> tuple[subprocess
     read_end, write_end = os.pipe()
     folders = [f"{HEAL_FOLDER_OPTION}{folder}" for folder in heal_folders]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ipydist.notebook.watchdog", str(read_end), *folders,
+        [sys.executable, "-m", "ipydist.notebook.failures.watchdog", str(read_end), *folders,
          *map(str, pids)],
         pass_fds=(read_end,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL, start_new_session=True,
