@@ -9,10 +9,11 @@ Everything that crosses from one side to the other is named here, once:
 - the prefix of the one-line message a rank prints when it cannot start, and the marker lines
   (:func:`phase_line`) by which a starting rank reports its progress;
 - the signal the notebook sends to release a rank;
-- :func:`on_rank`: how the notebook calls a function of ``ipydist.rank.calls`` on the ranks
-  without importing rank code (which imports torch) into the kernel, and the typed records
-  those calls reply with (:class:`RankInfo`, :class:`RecoveryReport`, :class:`HealReport`),
-  which the notebook reads by field;
+- :class:`RankCall` and :func:`on_rank`: the functions of ``ipydist.rank.calls`` the notebook
+  calls, declared once with their replies' types, and how it calls them on the ranks without
+  importing rank code (which imports torch) into the kernel; the typed records those calls
+  reply with (:class:`RankInfo`, :class:`RecoveryReport`, :class:`HealReport`), which the
+  notebook reads by field;
 - where the ranks' timeline goes by default (:data:`TIMELINE_FILE`).
 """
 
@@ -26,7 +27,10 @@ import signal
 from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
+
+#: A rank call's reply type (:class:`RankCall`).
+R = TypeVar("R")
 
 # --- notebook -> rank: the environment every rank starts with ---------------------------------
 
@@ -363,10 +367,50 @@ class HealReport:
     spares: tuple[int, ...] = ()
 
 
-def on_rank(name: str, *args: Any) -> Any:
-    """Run ``ipydist.rank.calls.<name>(*args)``; the notebook sends this function through
+@dataclass(frozen=True)
+class RankCall(Generic[R]):
+    """A function of ``ipydist.rank.calls`` that the notebook calls, declared once: its name
+    there and the type of its reply (``R``; ``reply`` says it at run time). The notebook calls
+    the ranks only by these (``Cluster.call``, :func:`on_rank`), so that the type check knows
+    each reply's type, and ``tests/logic/test_rank_calls.py`` holds the rank side to the table:
+    a call the ranks lack, or whose reply differs, fails there, not in a user's cell."""
+
+    name: str
+    reply: Any
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        """Sent to the ranks by name: they look it up in their own table."""
+        return _call_named, (self.name,)
+
+
+def _call_named(name: str) -> RankCall[Any]:
+    return RANK_CALL_TABLE[name]
+
+
+ATTACH: RankCall[RankInfo] = RankCall("attach", RankInfo)
+SPARES: RankCall[tuple[int, ...]] = RankCall("spares", tuple[int, ...])
+RECOVER: RankCall[RecoveryReport] = RankCall("recover", RecoveryReport)
+HEAL: RankCall[HealReport] = RankCall("heal", HealReport)
+LEAVE: RankCall[HealReport] = RankCall("leave", HealReport)
+RESIZE: RankCall[HealReport] = RankCall("resize", HealReport)
+RESIZED: RankCall[HealReport] = RankCall("resized", HealReport)
+COPY_STATE: RankCall[HealReport] = RankCall("copy_state", HealReport)
+ELASTIC_RESET: RankCall[int] = RankCall("elastic_reset", int)
+DEBUG: RankCall[dict[str, Any]] = RankCall("debug", dict[str, Any])
+ERROR_FRAMES: RankCall[str] = RankCall("error_frames", str)
+TIMELINE: RankCall[list[dict[str, Any]] | None] = RankCall("timeline",
+                                                           list[dict[str, Any]] | None)
+#: Every call, by name.
+RANK_CALL_TABLE: dict[str, RankCall[Any]] = {c.name: c for c in (
+    ATTACH, SPARES, RECOVER, HEAL, LEAVE, RESIZE, RESIZED, COPY_STATE, ELASTIC_RESET, DEBUG,
+    ERROR_FRAMES, TIMELINE)}
+
+
+def on_rank(call: RankCall[R], *args: Any) -> R:
+    """Run ``ipydist.rank.calls.<call.name>(*args)``; the notebook sends this function through
     ipyparallel's ``apply``, so only this module, not rank code, is imported in the kernel."""
-    return getattr(importlib.import_module(RANK_CALLS), name)(*args)
+    reply: R = getattr(importlib.import_module(RANK_CALLS), call.name)(*args)
+    return reply
 
 
 # --- the timeline ----------------------------------------------------------------------------

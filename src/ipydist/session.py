@@ -364,12 +364,13 @@ class Session:
         ``path`` unless there is nothing to write."""
         cluster = self._require_running()
         rank_action = {"start": "start", "show": "events", "stop": "stop"}[action]
-        per_rank = cluster.call("timeline", rank_action, timeout=TIMELINE_TIMEOUT)
+        per_rank = cluster.call(protocol.TIMELINE, rank_action, timeout=TIMELINE_TIMEOUT)
         if action == "start":
             return timeline.Timeline([[] for _ in range(self.size)])
-        shown = timeline.Timeline(per_rank)
+        events = [r or [] for r in per_rank]  # "events" and "stop" reply a list
+        shown = timeline.Timeline(events)
         if not shown.empty:
-            shown.path = timeline.save(per_rank, path)
+            shown.path = timeline.save(events, path)
         return shown
 
     # --- status ------------------------------------------------------------------------------

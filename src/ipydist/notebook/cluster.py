@@ -22,7 +22,7 @@ import tempfile
 import time
 from collections.abc import Collection
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from ipydist import protocol
 from ipydist.errors import ClusterError, RankTimeout
@@ -56,6 +56,9 @@ HEARTBEAT_MISSES_ACROSS_HOSTS = 100
 #: the job, which kills a rank still ending about half a second later: an atexit callback of
 #: 0.8 s was cut short, and a file a cell left open came out empty on a loaded machine.
 RANKS_END_SECONDS = 10.0
+
+
+R = TypeVar("R")  # a rank call's reply
 
 
 def profile_parent(plan: mpiexec.Plan) -> str | None:
@@ -242,7 +245,7 @@ class Cluster:
             watch.show(progress, launcher.output_file, registered)
             time.sleep(0.02)
         watch.show(progress, launcher.output_file, registered, force=True)
-        infos = self.client[:].apply_sync(protocol.on_rank, "attach")
+        infos = self.client[:].apply_sync(protocol.on_rank, protocol.ATTACH)
         self.ranks = sorted(infos, key=lambda i: i.rank)
         self.engine_ids = [info.rank for info in self.ranks]
         mismatched = [i.rank for i, eid in zip(infos, self.client.ids) if i.rank != eid]
@@ -250,7 +253,7 @@ class Cluster:
             raise ClusterError(
                 f"engine ids do not match MPI ranks for {describe_ranks(mismatched)}")
         if self.plan.spares:
-            self.spare_pids = tuple(self.client[0].apply_sync(protocol.on_rank, "spares"))
+            self.spare_pids = tuple(self.client[0].apply_sync(protocol.on_rank, protocol.SPARES))
         watch.ready()
         self._shared_memory = processes.shared_memory(
             [info.pid for info in self.ranks if processes.is_here(info)])
@@ -345,10 +348,11 @@ class Cluster:
         self._rank_procs = []
         self.world_changed = True
 
-    def call(self, name: str, *args, timeout: float, ranks: list[int] | None = None,
-             ending: Collection[int] = ()):
-        """``ipydist.rank.calls.<name>(*args)`` on every rank (or on ``ranks``); the replies
-        in rank order.
+    def call(self, call: protocol.RankCall[R], *args, timeout: float,
+             ranks: list[int] | None = None, ending: Collection[int] = ()) -> list[R]:
+        """A rank call (``ipydist.rank.calls.<call.name>(*args)``, declared in
+        :mod:`ipydist.protocol`'s table) on every rank (or on ``ranks``); the replies in rank
+        order.
 
         Raises :class:`~ipydist.errors.RankTimeout` naming the ranks that did not answer
         within ``timeout``; their request is cancelled where it has not begun, so nothing
@@ -357,7 +361,7 @@ class Cluster:
         came, the reply is None, not an error.
         """
         ranks = list(range(self.size)) if ranks is None else list(ranks)
-        ar = self.view(ranks).apply_async(protocol.on_rank, name, *args)
+        ar = self.view(ranks).apply_async(protocol.on_rank, call, *args)
         if not ipp.wait(ar, timeout):
             late = ipp.still_running(ar, ranks)
             self.abort([ipp.msg_id(ar, ranks, r) for r in late], late)

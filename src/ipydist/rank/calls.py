@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 import torch.distributed as dist
 from IPython import get_ipython
@@ -62,7 +63,7 @@ def _not_a_prompt() -> None:
             delattr(sys, name)
 
 
-def debug(command: str | None) -> dict:
+def debug(command: str | None) -> dict[str, Any]:
     """``%dist_debug``: one step of post-mortem debugging of this rank's last error."""
     return debugger.post_mortem(command)
 
@@ -243,7 +244,7 @@ def resized(was_size: int) -> protocol.HealReport:
     return state_copy.resized(was_size)
 
 
-def timeline(action: str) -> list[dict] | None:
+def timeline(action: str) -> list[dict[str, Any]] | None:
     """``%dist_timeline``: start recording ("start"), or return this rank's events so far
     ("events"), or return them and stop ("stop")."""
     if action == "start":

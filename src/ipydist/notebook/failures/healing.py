@@ -90,7 +90,7 @@ class Heal:
         survivors = [r for r in range(cluster.size) if r not in self.dead]
         if self.joined and survivors and len(survivors) >= self.min_np:
             try:
-                cluster.call("leave", self.dead, timeout=HEAL_SECONDS, ending=self.dead)
+                cluster.call(protocol.LEAVE, self.dead, timeout=HEAL_SECONDS, ending=self.dead)
             except Exception as e:
                 why += f"; removing the replacement failed too: {e}"
             else:
@@ -119,9 +119,9 @@ class Heal:
         where = [cluster.ranks[r].host for r in self.dead]
         hosts = where if all(h in alive_hosts for h in where) else None
         spares = len(cluster.spare_pids)
-        request = cluster.view(survivors).apply_async(protocol.on_rank, "heal", self.dead, True,
-                                                      hosts, rank_env(cluster),
-                                                      cluster.plan.can_spawn)
+        request = cluster.view(survivors).apply_async(
+            protocol.on_rank, protocol.HEAL, self.dead, True, hosts, rank_env(cluster),
+            cluster.plan.can_spawn)
         replies = take_new_ranks(cluster, request, known, len(self.dead), deadline)
         cluster.spare_pids = replies[0].spares
         self.joined = not replies[0].not_replaced
@@ -136,7 +136,7 @@ class Heal:
         self.phase = f"copying rank {root}'s state"
         copied = copy_state(cluster, root, self.dead, cluster.size, self._copied)
         self.phase = "resetting hvd.elastic states"
-        states = cluster.call("elastic_reset", True, timeout=HEAL_SECONDS)
+        states = cluster.call(protocol.ELASTIC_RESET, True, timeout=HEAL_SECONDS)
         one = len(self.dead) == 1
         pids = ", ".join(str(cluster.ranks[r].pid) for r in self.dead)
         by = _by_spares(spares, len(cluster.spare_pids), len(self.dead))
@@ -157,7 +157,7 @@ class Heal:
         (renumbered from 0): the cluster follows, and says so."""
         cluster, was = self.cluster, self.cluster.size
         cluster.keep_ranks(survivors)
-        states = cluster.call("elastic_reset", True, timeout=HEAL_SECONDS)[0]
+        states = cluster.call(protocol.ELASTIC_RESET, True, timeout=HEAL_SECONDS)[0]
         one = len(self.dead) == 1
         line = (f"{describe_ranks(self.dead)} could not be replaced "
                 f"({replies[0].not_replaced}); the cluster goes on with {cluster.size} ranks "
@@ -226,7 +226,7 @@ def take_new_ranks(cluster, request, known: set[int], count: int, deadline: floa
         new = sorted(set(client.ids) - known)
         time.sleep(0.05)
     replies = request.get()
-    infos = [client[engine_id].apply_sync(protocol.on_rank, "attach") for engine_id in new]
+    infos = [client[engine_id].apply_sync(protocol.on_rank, protocol.ATTACH) for engine_id in new]
     for engine_id, info in sorted(zip(new, infos), key=lambda pair: pair[1].rank):
         cluster.replace_rank(info.rank, engine_id, info)
     return replies
@@ -243,7 +243,7 @@ def copy_state(cluster, root: int, to: list[int], was_size: int,
     while the copy moves: ended (RankTimeout) once it has not moved for COPY_STALL_SECONDS.
     ``on_progress`` gets (bytes sent, of how many) as ``root`` says them."""
     ranks = list(range(cluster.size))
-    request = cluster.view(ranks).apply_async(protocol.on_rank, "copy_state", root, to,
+    request = cluster.view(ranks).apply_async(protocol.on_rank, protocol.COPY_STATE, root, to,
                                               was_size)
     seen, moved = None, time.monotonic()
     began = moved
@@ -294,7 +294,7 @@ def scale(cluster, size: int) -> str:
     deadline = started + HEAL_SECONDS
     was = cluster.size
     if size < was:
-        cluster.call("resize", size, timeout=HEAL_SECONDS, ending=range(size, was))
+        cluster.call(protocol.RESIZE, size, timeout=HEAL_SECONDS, ending=range(size, was))
         cluster.drop_ranks(size)
         what = f"{describe_ranks(range(size, was))} left"
     else:
@@ -305,9 +305,8 @@ def scale(cluster, size: int) -> str:
                 f"and {protocol.NO_SPAWN_ON_ONE_HOST}; scale to at most {was + spares}, or "
                 "restart with more --spares or with --elastic.")
         known = set(cluster.client.ids)
-        request = cluster.view(list(range(was))).apply_async(protocol.on_rank, "resize", size,
-                                                             rank_env(cluster),
-                                                             cluster.plan.can_spawn)
+        request = cluster.view(list(range(was))).apply_async(
+            protocol.on_rank, protocol.RESIZE, size, rank_env(cluster), cluster.plan.can_spawn)
         grown = take_new_ranks(cluster, request, known, size - was, deadline)[0]
         cluster.spare_pids = grown.spares
         if grown.not_replaced:  # a spare counted here had died: the ranks stayed as they were
@@ -319,7 +318,7 @@ def scale(cluster, size: int) -> str:
             copied = copy_state(cluster, 0, added, was)
         except Exception as e:  # never a rank without state taking cells
             try:
-                cluster.call("leave", added, timeout=HEAL_SECONDS, ending=added)
+                cluster.call(protocol.LEAVE, added, timeout=HEAL_SECONDS, ending=added)
             except Exception as left:
                 cluster.unusable = (f"{was} ranks -> {size}: the new ranks could not be given "
                                     f"rank 0's state ({e}), nor removed ({left}), so the "
@@ -331,8 +330,8 @@ def scale(cluster, size: int) -> str:
                                f"with its {was} ranks, each with its state.") from e
         what = f"{describe_ranks(added)} started{by}, {copied}"
     replies = cluster.view(list(range(min(was, size)))).apply_sync(
-        protocol.on_rank, "resized", was)
-    states = cluster.call("elastic_reset", False, timeout=HEAL_SECONDS)[0]
+        protocol.on_rank, protocol.RESIZED, was)
+    states = cluster.call(protocol.ELASTIC_RESET, False, timeout=HEAL_SECONDS)[0]
     line = f"{was} ranks -> {size} in {time.monotonic() - started:.1f} s: {what}"
     line += _followed(replies, size, "left")
     if states:

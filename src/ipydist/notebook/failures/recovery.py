@@ -85,7 +85,7 @@ def recover(cluster, released: list[int], restart: str) -> list[str]:
     names how the user starts a fresh cluster, should the recovery fail."""
     try:
         replies: list[protocol.RecoveryReport] = cluster.call(
-            "recover", next(_recovery_numbers), bool(released),
+            protocol.RECOVER, next(_recovery_numbers), bool(released),
             timeout=protocol.RECOVERY_WAIT_SECONDS)
     except Exception as e:  # a rank that died or hangs: its own report says more
         return [f"The ranks could not recover together ({e}): run {restart}."]

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ipydist import protocol
 from ipydist.errors import MESSAGE_WIDTH
 from ipydist.notebook.introspection import control
 from ipydist.specs import SpecError, describe_ranks
@@ -110,7 +111,7 @@ def post_mortem(cluster, rank: int, commands: list[str] | None = None,
     transcript = []
 
     def step(command: str | None) -> dict:
-        reply = cluster.call("debug", command, timeout=COMMAND_SECONDS, ranks=[rank])[0]
+        reply = cluster.call(protocol.DEBUG, command, timeout=COMMAND_SECONDS, ranks=[rank])[0]
         if echo:
             print(reply["output"], end="", flush=True)
         transcript.append(reply["output"])
@@ -151,7 +152,7 @@ def debug_rank(session: SessionFace, cluster, rank: int | None, commands: list[s
     if not 0 <= int(rank) < cluster.size:
         raise SpecError(f"rank {rank}: the ranks are 0..{cluster.size - 1}")
     if commands is None and not can_prompt():
-        frames = cluster.call("error_frames", timeout=COMMAND_SECONDS, ranks=[rank])[0]
+        frames = cluster.call(protocol.ERROR_FRAMES, timeout=COMMAND_SECONDS, ranks=[rank])[0]
         text = (f"ipydist: nobody can type at a pdb prompt here (no stdin: a notebook run "
                 f"headless); rank {rank}'s last error, its frames and their variables:\n{frames}")
         print(text, end="", flush=True)
