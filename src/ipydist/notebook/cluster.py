@@ -29,6 +29,7 @@ from ipydist.errors import ClusterError, RankTimeout
 from ipydist.notebook import ipp
 from ipydist.notebook.failures import watchdog
 from ipydist.notebook.launch import kept_forkserver, mpiexec, processes, slurm, startup
+from ipydist.notebook.launch.plan import Plan
 from ipydist.specs import describe_ranks, parse_ranks
 
 #: Said when a start is tried again after its controller ended before the ranks registered.
@@ -61,7 +62,7 @@ RANKS_END_SECONDS = 10.0
 R = TypeVar("R")  # a rank call's reply
 
 
-def profile_parent(plan: mpiexec.Plan) -> str | None:
+def profile_parent(plan: Plan) -> str | None:
     """Where the cluster's profile folder (its connection files) goes: the temp folder on one
     host; across hosts, ``~/.ipydist`` (or ``$IPYDIST_PROFILE_PARENT``), since the ranks on
     other hosts read the files there and a home folder is what a cluster's hosts share, where
@@ -76,7 +77,7 @@ def profile_parent(plan: mpiexec.Plan) -> str | None:
 class Cluster:
     """The controller, mpiexec and its ranks, the client, and the watchdog of one cluster."""
 
-    def __init__(self, plan: mpiexec.Plan, timeout: float):
+    def __init__(self, plan: Plan, timeout: float):
         self.plan = plan
         self.np = plan.np
         self.timeout = timeout

@@ -5,7 +5,7 @@ A launch plan chooses one, once (:func:`ipydist.notebook.launch.mpiexec.plan`,
 :func:`ipydist.notebook.launch.slurm.plan`), and what differs between launchers is asked of
 it: its arguments and the ranks' environment, how it names hosts, whether its ranks may start
 from the fork server this kernel keeps, where its session folder goes, whether it ends the
-job by itself when a rank dies, how its job is given back, and what it listens on. Nothing
+job by itself when a rank dies, and how its job is given back. Nothing
 else tells launchers apart by name, so another one (PBS's ``pbsdsh``, a PRRTE DVM) is one
 class here and the plan that chooses it.
 """
@@ -25,7 +25,7 @@ from ipydist.notebook.launch import deaths
 
 if TYPE_CHECKING:
     from ipydist.notebook.launch.hosts import Hosts
-    from ipydist.notebook.launch.mpiexec import Plan
+    from ipydist.notebook.launch.plan import Plan
 
 
 @dataclass
@@ -62,8 +62,6 @@ class Launcher:
 
     #: How the start line names the launch.
     title = "mpiexec"
-    #: What it listens on (the docs' "what listens where").
-    listens = "as its MPI chooses"
     #: Whether it ends the job by itself when a rank dies (mpiexec and srun do).
     ends_job_after_a_death = True
 
@@ -129,9 +127,6 @@ class OpenMPI(Launcher):
     """Open MPI's ``mpiexec`` (PRRTE's ``prterun``)."""
 
     title = "Open MPI"
-    listens = ("nothing on one host (shared memory; with --elastic asked for, MPI's TCP on "
-               "every interface); across hosts PRRTE's daemons and MPI's TCP, on the hosts' "
-               "network")
 
     def arguments(self, launch: Launch) -> None:
         args, user_args, multi_host = launch.args, launch.user_args, launch.multi_host
@@ -260,7 +255,6 @@ class Hydra(Launcher):
     """MPICH's ``mpiexec`` (hydra): across hosts, or where no gforker is beside it."""
 
     title = "MPICH"
-    listens = "hydra's PMI port, on every interface (even with -iface lo)"
 
     def arguments(self, launch: Launch) -> None:
         if not launch.multi_host:  # (another host may keep its MPICH elsewhere)
@@ -287,7 +281,6 @@ class Gforker(Hydra):
     """MPICH's ``mpiexec.gforker``, on one host: it forks the ranks and talks to them over
     pipes they inherit."""
 
-    listens = "nothing: the ranks inherit its pipes"
     #: When a rank dies it interrupts the others, which ipyparallel's engines ignore, and a
     #: SIGTERM ends them only seconds later: the cluster ends the job itself
     #: (``Cluster.end_job_after_a_death``).
@@ -368,8 +361,6 @@ def for_mpiexec(mpiexec: str, flavor: str, multi_host: bool) -> Launcher:
 class Slurm(Launcher):
     """Slurm's ``srun`` in this allocation, or ``salloc ... srun`` for a new one (the plan:
     :mod:`ipydist.notebook.launch.slurm`)."""
-
-    listens = "srun's and the step's ports, as Slurm chooses"
 
     def __init__(self, job: str | None) -> None:
         #: The allocation the notebook runs in (None: the launch asks for one).

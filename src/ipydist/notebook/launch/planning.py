@@ -9,7 +9,7 @@ import shlex
 from ipydist import protocol
 from ipydist.notebook.launch import local_gpus, mpiexec, slurm
 from ipydist.notebook.launch.hosts import choose as choose_hosts
-from ipydist.notebook.launch.mpiexec import Plan
+from ipydist.notebook.launch.plan import Plan
 from ipydist.specs import SpecError, StartOptions, format_gpus
 
 

@@ -28,7 +28,8 @@ from ipydist.notebook.launch import launchers
 from ipydist.notebook.launch.hosts import Hosts, in_step, with_route
 from ipydist.notebook.launch.hosts import choose as choose_hosts
 from ipydist.notebook.launch.launchers import openmpi_tuning
-from ipydist.notebook.launch.mpiexec import Plan, find_mpiexec, mpi_flavor, program_of
+from ipydist.notebook.launch.mpiexec import find_mpiexec, mpi_flavor
+from ipydist.notebook.launch.plan import Plan, program_of
 from ipydist.specs import SpecError
 
 #: srun's ``--mpi`` plugin for each MPI (the wheels': Open MPI's PMIx, MPICH's PMI-2). Without
