@@ -96,8 +96,24 @@ def test_different_collectives_are_a_stall_and_the_same_one_everywhere_is_not():
     waiting_in(watch, "all_reduce", [0, 1], waited=10.0, now=0.0)
     assert watch.check(1.0, {}) is None  # every rank in the same call: slow, not stalled
     watch.accept(0, {"collective": "broadcast", "waited": 10.0}, 0.0)
+    assert watch.check(1.0, {}) is None  # just changed: the others' reports may be stale
     assert "different collectives (rank 0 in broadcast; rank 1 in all_reduce)" in watch.check(
-        1.0, {})
+        2.0, {})
+
+
+def test_peers_of_a_late_rank_that_just_finished_their_collective_are_not_a_stall():
+    """Rank 3 was late; once it called the collective every rank finished it, and rank 0
+    replied first, while ranks 1-2's last reports still said they waited: no second warning
+    then, and none once their replies came."""
+    watch = StallWatch([0, 1, 2, 3], threshold=2.0)
+    waiting_in(watch, "all_reduce", [0, 1, 2], waited=1.0, now=100.0)
+    assert watch.check(102.0, {3: "running"}).startswith(
+        "ipydist stall warning: ranks 0-2 have waited 3 s in all_reduce, while rank 3")
+    watch.accept(0, {"collective": None}, 107.0)
+    doing = {0: "finished", 1: "running", 2: "running", 3: "running"}
+    assert watch.check(107.1, doing) is None
+    assert watch.check(107.3, {0: "finished", 1: "finished", 2: "finished", 3: "running"}) is None
+    assert not watch.waiting
 
 
 def test_a_threshold_of_zero_turns_the_warning_off():

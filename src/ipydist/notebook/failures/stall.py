@@ -28,21 +28,36 @@ class StallWatch:
         self.timeout_hint = timeout_hint
         #: rank -> (collective, since), in the notebook's monotonic clock
         self.waiting: dict[int, tuple[str, float]] = {}
+        #: When which rank waits in what last changed: a situation younger than a report's
+        #: interval may be stale (see :meth:`check`).
+        self._changed = float("-inf")
         self._warned: set[tuple] = set()
 
     def accept(self, rank: int, state: dict, now: float) -> None:
+        was = self.waiting.get(rank, (None,))[0]
         if state.get("collective"):
             self.waiting[rank] = (state["collective"], now - float(state.get("waited", 0.0)))
         else:
             self.waiting.pop(rank, None)
+        if self.waiting.get(rank, (None,))[0] != was:
+            self._changed = now
 
     def check(self, now: float, doing: dict[int, str]) -> str | None:
         """A warning to show now, or None. ``doing`` says what each rank not waiting is doing
-        instead ("running", "finished" or "failed"); each situation is reported once."""
+        instead ("running", "finished" or "failed"); each situation is reported once, once it
+        has held for SETTLE_SECONDS. A rank reports what it waits in once a second, so just
+        after a change the others' reports may be stale: a late rank's peers, all through
+        their collective but not yet replied, read as still waiting in it, and a warning named
+        the first of them to finish as one that "finished the cell without calling it" (seen
+        once in a full run). A rank whose cell ended waits in nothing."""
+        finished = [r for r in self.waiting if doing.get(r) in ("finished", "failed")]
+        for rank in finished:
+            del self.waiting[rank]
+            self._changed = now
         if not self.threshold or self.threshold <= 0 or not self.waiting:
             return None
         longest = now - min(since for _, since in self.waiting.values())
-        if longest < self.threshold:
+        if longest < self.threshold or now - self._changed < SETTLE_SECONDS:
             return None
         missing = [r for r in self.targets if r not in self.waiting]
         by_name: dict[str, list[int]] = {}
@@ -56,6 +71,9 @@ class StallWatch:
         self._warned.add(key)
         return _describe(by_name, missing, doing, longest, self.timeout_hint)
 
+
+#: How long a situation holds before it is warned of: more than a rank's report interval.
+SETTLE_SECONDS = 1.5
 
 #: What a rank outside every collective is doing, as (one rank, several ranks).
 _DOING = {
